@@ -1,0 +1,141 @@
+"""`qgw`: serve, api, dispatcher, migrate, mock-upstream, and admin from the shell."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import uvicorn
+
+from app import logs, migrate
+from app.embedded import EmbeddedRedis
+from app.settings import Settings, SettingsError, load_settings
+
+log = logging.getLogger("qgw")
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parser().parse_args(argv)
+    overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None} \
+        if hasattr(args, "host") else {}
+    try:
+        settings = load_settings(**overrides)
+    except SettingsError as exc:
+        print(f"qgw: {exc}", file=sys.stderr)
+        sys.exit(2)
+    logs.setup(settings.log_level)
+    try:
+        args.run(settings, args)
+    except KeyboardInterrupt:
+        pass
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="qgw", description="queue-gateway")
+    sub = p.add_subparsers(required=True, metavar="command")
+
+    for name, run, doc in (
+        ("serve", _serve, "API + dispatcher + reaper in one process"),
+        ("api", _api, "the HTTP API only"),
+    ):
+        sp = sub.add_parser(name, help=doc)
+        sp.add_argument("--host")
+        sp.add_argument("--port", type=int)
+        sp.set_defaults(run=run)
+    sub.add_parser("dispatcher", help="dispatcher + reaper only").set_defaults(run=_dispatcher)
+    sub.add_parser("migrate", help="run database migrations").set_defaults(run=_migrate)
+
+    mock = sub.add_parser("mock-upstream", help="a slow business API for tests and demos")
+    mock.add_argument("--host", default="127.0.0.1")
+    mock.add_argument("--port", type=int, default=9000)
+    mock.add_argument("--concurrency", type=int, default=0)
+    mock.add_argument("--latency-ms", type=float, default=0)
+    mock.add_argument("--fail-rate", type=float, default=0)
+    mock.set_defaults(run=_mock)
+    return p
+
+
+@contextlib.contextmanager
+def _redis(settings: Settings) -> Iterator[str]:
+    """The configured Redis, or the embedded one (started here, stopped on exit)."""
+    if settings.redis_url:
+        yield settings.redis_url
+        return
+    server = EmbeddedRedis(settings.data_dir)
+    url = server.start()
+    try:
+        yield url
+    finally:
+        server.stop()
+
+
+def _prepare_db(settings: Settings) -> None:
+    """Migrate on start (the default): one command takes a fresh machine to a running gateway."""
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    if settings.auto_migrate:
+        _migrate(settings, None, quiet=True)
+
+
+def _serve(settings: Settings, args: Any, dispatcher: bool = True) -> None:
+    from app.main import create_app
+    from app.runtime import Runtime
+
+    _prepare_db(settings)
+    with _redis(settings) as url:
+        app = create_app(Runtime(settings, url, with_dispatcher=dispatcher))
+        print(f"queue-gateway listening on http://{settings.host}:{settings.port}\n"
+              f"  admin token: {settings.admin_secret}\n"
+              f"  redis: {url}\n  database: {settings.db_url}", flush=True)
+        uvicorn.run(app, host=settings.host, port=settings.port, log_config=None,
+                    access_log=False, timeout_graceful_shutdown=15)
+
+
+def _api(settings: Settings, args: Any) -> None:
+    _serve(settings, args, dispatcher=False)
+
+
+def _dispatcher(settings: Settings, args: Any) -> None:
+    from app.runtime import Runtime
+
+    async def run(url: str) -> None:
+        rt = Runtime(settings, url, with_dispatcher=True)
+        await rt.start()
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        log.info("dispatcher running")
+        await stop.wait()
+        log.info("dispatcher stopping")
+        await rt.stop()
+
+    _prepare_db(settings)
+    with _redis(settings) as url:
+        asyncio.run(run(url))
+
+
+def _migrate(settings: Settings, args: Any, quiet: bool = False) -> None:
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        migrate.upgrade(settings.db_url)
+    except Exception as exc:  # whatever the driver raises, the operator gets one line
+        print(f"qgw: cannot migrate {settings.db_url}: {type(exc).__name__}: {exc}",
+              file=sys.stderr)
+        sys.exit(1)
+    if not quiet:
+        print(f"database at head: {settings.db_url}")
+
+
+def _mock(settings: Settings, args: Any) -> None:
+    from app.mock_upstream import MockUpstream
+
+    app = MockUpstream(args.concurrency, args.latency_ms, args.fail_rate)
+    print(f"mock upstream on http://{args.host}:{args.port}", flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_config=None, access_log=False,
+                backlog=4096)

@@ -1,0 +1,63 @@
+"""SQL: the endpoint table and API keys (the sources of truth), engine and sessions."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+from sqlalchemy import JSON, BigInteger, Boolean, DateTime, Integer, String
+from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker, create_async_engine
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC).replace(tzinfo=None)
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class EndpointRow(Base):
+    __tablename__ = "endpoints"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    name: Mapped[str] = mapped_column(String(200), default="")
+    target_url: Mapped[str] = mapped_column(String(2048))
+    methods: Mapped[list[str]] = mapped_column(JSON)
+    limiter: Mapped[str] = mapped_column(String(32))
+    rate: Mapped[int] = mapped_column(Integer)
+    interval_ms: Mapped[int] = mapped_column(Integer)
+    max_concurrency: Mapped[int] = mapped_column(Integer)
+    avg_exec_ms: Mapped[int] = mapped_column(Integer)
+    timeout_ms: Mapped[int] = mapped_column(Integer)
+    max_retries: Mapped[int] = mapped_column(Integer)
+    retry_backoff_ms: Mapped[int] = mapped_column(Integer)
+    max_queue_len: Mapped[int] = mapped_column(Integer)
+    permit_ttl_s: Mapped[int] = mapped_column(Integer)
+    permit_max_uses: Mapped[int] = mapped_column(Integer)
+    enabled: Mapped[bool] = mapped_column(Boolean, default=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow, onupdate=utcnow)
+
+
+class ApiKeyRow(Base):
+    __tablename__ = "api_keys"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    key_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    user_id: Mapped[int] = mapped_column(BigInteger, index=True)
+    tier: Mapped[str] = mapped_column(String(32))
+    max_priority: Mapped[int] = mapped_column(Integer)
+    daily_quota: Mapped[int] = mapped_column(Integer)
+    created_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
+    revoked_at: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)
+
+
+def make_engine(url: str) -> AsyncEngine:
+    if url.startswith("sqlite"):
+        return create_async_engine(url, connect_args={"timeout": 5})
+    return create_async_engine(url, pool_pre_ping=True, pool_recycle=3600)
+
+
+def sessions(engine: AsyncEngine) -> async_sessionmaker:  # type: ignore[type-arg]
+    return async_sessionmaker(engine, expire_on_commit=False)

@@ -1,0 +1,78 @@
+"""The endpoint config (one business API behind the gateway) and URL matching."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+from urllib.parse import urlsplit
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
+
+from app.models import ENDPOINT_ID, HTTP_METHODS
+
+Limiter = Literal["sliding_window", "fixed_window", "token_bucket"]
+Method = Literal["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
+
+
+def url_key(url: str) -> tuple[str, str, int, str] | None:
+    """(scheme, host, port, path) of an http(s) URL; None if it is not one."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError:
+        return None
+    scheme = parts.scheme.lower()
+    if scheme not in ("http", "https") or not parts.hostname:
+        return None
+    port = port or (443 if scheme == "https" else 80)
+    return scheme, parts.hostname.lower(), port, parts.path or "/"
+
+
+class EndpointSettings(BaseModel):
+    """Everything about an endpoint but its id: the body of PUT, and of PATCH with fields unset."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: Annotated[str, StringConstraints(max_length=200)] = ""
+    target_url: Annotated[str, StringConstraints(max_length=2048)]
+    methods: list[Method] = Field(default_factory=lambda: ["POST"], min_length=1)
+    limiter: Limiter = "sliding_window"
+    rate: int = Field(0, ge=0, le=1_000_000, description="admissions per interval; 0 = unlimited")
+    interval_ms: int = Field(1000, ge=1, le=86_400_000)
+    max_concurrency: int = Field(0, ge=0, le=100_000, description="0 = unlimited")
+    avg_exec_ms: int = Field(1000, ge=1, le=86_400_000)
+    timeout_ms: int = Field(30_000, ge=1, le=3_600_000)
+    max_retries: int = Field(3, ge=0, le=100)
+    retry_backoff_ms: int = Field(1000, ge=0, le=3_600_000)
+    max_queue_len: int = Field(100_000, ge=0, le=100_000_000, description="0 = unbounded")
+    permit_ttl_s: int = Field(20, ge=1, le=86_400)
+    permit_max_uses: int = Field(3, ge=1, le=1_000_000)
+    enabled: bool = True
+
+    @field_validator("methods", mode="before")
+    @classmethod
+    def _upper(cls, v: object) -> object:
+        if isinstance(v, list):
+            return [m.upper() if isinstance(m, str) else m for m in v]
+        return v
+
+    @field_validator("target_url")
+    @classmethod
+    def _http_url(cls, v: str) -> str:
+        if url_key(v) is None:
+            raise ValueError("target_url must be an absolute http:// or https:// URL")
+        if urlsplit(v).query or urlsplit(v).fragment:
+            raise ValueError("target_url must not carry a query string or fragment")
+        return v
+
+
+class EndpointConfig(EndpointSettings):
+    id: Annotated[str, StringConstraints(pattern=ENDPOINT_ID)]
+
+    @property
+    def key(self) -> tuple[str, str, int, str]:
+        key = url_key(self.target_url)
+        assert key is not None  # validated
+        return key
+
+
+assert set(HTTP_METHODS) == set(Method.__args__)  # type: ignore[attr-defined]

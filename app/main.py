@@ -1,0 +1,33 @@
+"""The FastAPI app factory."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+
+from app import __version__, errors
+from app.routes import admin, ops, tasks
+from app.runtime import Runtime
+
+
+def create_app(runtime: Runtime, manage: bool = True) -> FastAPI:
+    """The app; with `manage`, its lifespan starts and stops the runtime."""
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        if manage:
+            await runtime.start()
+        try:
+            yield
+        finally:
+            if manage:
+                await runtime.stop()
+
+    app = FastAPI(title="queue-gateway", version=__version__, lifespan=lifespan)
+    app.state.runtime = runtime
+    errors.install(app)
+    for router in (tasks.router, admin.router, ops.router):
+        app.include_router(router)
+    return app

@@ -1,0 +1,99 @@
+"""`qgw mock-upstream`: a slow business API for demos, tests and benchmarks.
+
+Any path answers `{"ok": true, "n": <request number>, ...}` after `latency_ms`; more than
+`concurrency` requests in flight get 429; `fail_rate` of requests get 503.  A request may ask
+for a status or latency with `X-Mock-Status` / `X-Mock-Latency-Ms`.  It records every request:
+`GET /_mock/stats` gives counts, `GET /_mock/log` the requests in arrival order (time in ms,
+method, path, query, Idempotency-Key, body, status), `POST /_mock/reset` clears both.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import parse_qsl
+
+Scope = dict[str, Any]
+
+
+@dataclass
+class MockUpstream:
+    concurrency: int = 0  # 0 = no cap
+    latency_ms: float = 0
+    fail_rate: float = 0
+    in_flight: int = 0
+    log: list[dict[str, Any]] = field(default_factory=list)
+    statuses: Counter[int] = field(default_factory=Counter)
+
+    async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            while (await receive())["type"] != "lifespan.shutdown":
+                await send({"type": "lifespan.startup.complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        body = b""
+        while True:
+            msg = await receive()
+            body += msg.get("body", b"")
+            if not msg.get("more_body"):
+                break
+        path = scope["path"]
+        if path.startswith("/_mock/"):
+            await self._control(path, send)
+            return
+        await self._serve(scope, body, send)
+
+    async def _serve(self, scope: Scope, body: bytes, send: Any) -> None:
+        headers = {k.decode().lower(): v.decode() for k, v in scope["headers"]}
+        arrived = time.time() * 1000
+        self.in_flight += 1
+        try:
+            status = int(headers.get("x-mock-status", 0)) or 200
+            if self.concurrency and self.in_flight > self.concurrency:
+                status = 429
+            elif status == 200 and random.random() < self.fail_rate:
+                status = 503
+            entry = {
+                "t": arrived, "method": scope["method"], "path": scope["path"],
+                "query": dict(parse_qsl(scope["query_string"].decode())),
+                "idempotency_key": headers.get("idempotency-key"),
+                "headers": headers, "body": body.decode(errors="replace"), "status": status,
+            }
+            self.log.append(entry)
+            self.statuses[status] += 1
+            latency = float(headers.get("x-mock-latency-ms", self.latency_ms))
+            if latency and status != 429:
+                await asyncio.sleep(latency / 1000)
+            reply = {"ok": 200 <= status < 300, "n": len(self.log), "path": scope["path"],
+                     "echo": entry["body"]}
+            await _send_json(send, status, reply)
+        finally:
+            self.in_flight -= 1
+
+    async def _control(self, path: str, send: Any) -> None:
+        if path == "/_mock/reset":
+            self.log.clear()
+            self.statuses.clear()
+            await _send_json(send, 200, {"ok": True})
+        elif path == "/_mock/log":
+            await _send_json(send, 200, self.log)
+        else:
+            keys = Counter(e["idempotency_key"] for e in self.log)
+            await _send_json(send, 200, {
+                "received": len(self.log), "in_flight": self.in_flight,
+                "statuses": {str(k): v for k, v in self.statuses.items()},
+                "duplicates": sum(v - 1 for k, v in keys.items() if k and v > 1),
+            })
+
+
+async def _send_json(send: Any, status: int, payload: Any) -> None:
+    data = json.dumps(payload).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"),
+                            (b"content-length", str(len(data)).encode())]})
+    await send({"type": "http.response.body", "body": data})

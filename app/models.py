@@ -1,0 +1,108 @@
+"""The task model and the JSON shapes of the public API (field names of the go-zero service)."""
+
+from __future__ import annotations
+
+import enum
+import re
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
+
+MAX_PRIORITY = 1000  # keeps every queue score below 2^53 (see lua/submit-5.lua)
+ENDPOINT_ID = r"^[a-z0-9][a-z0-9_-]{0,63}$"
+HTTP_METHODS = ("GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS")
+
+
+class TaskStatus(enum.StrEnum):
+    PENDING = "pending"
+    PROCESSING = "processing"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    EXPIRED = "expired"
+
+    @property
+    def finished(self) -> bool:
+        return self not in (TaskStatus.PENDING, TaskStatus.PROCESSING)
+
+
+class TaskType(enum.StrEnum):
+    ONLINE = "online"
+    OFFLINE = "offline"
+
+
+HeaderName = Annotated[str, StringConstraints(pattern=r"^[!#$%&'*+.^_`|~0-9A-Za-z-]{1,128}$")]
+MultiDict = dict[Annotated[str, StringConstraints(max_length=256)], list[str]]
+
+
+class SubmitRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    target_url: Annotated[str, StringConstraints(max_length=2048)]
+    http_method: Literal["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"] = "POST"
+    body: str = Field("", description="request body for the business API, as a string")
+    priority: int = Field(0, ge=0, le=MAX_PRIORITY)
+    timestamp: int | None = Field(None, description="client clock (ms); informative only")
+    # A Literal, not the enum, keeps the OpenAPI schema of this body free of $refs.
+    task_type: Literal["online", "offline"] = "offline"
+    headers: dict[HeaderName, list[str]] = Field(default_factory=dict)
+    query_params: MultiDict = Field(default_factory=dict)
+
+    @field_validator("http_method", mode="before")
+    @classmethod
+    def _upper(cls, v: object) -> object:
+        return v.upper() if isinstance(v, str) else v
+
+    @field_validator("target_url")
+    @classmethod
+    def _http_url(cls, v: str) -> str:
+        if not re.match(r"^https?://[^/?#\s]+", v, re.IGNORECASE):
+            raise ValueError("target_url must be an absolute http:// or https:// URL")
+        return v
+
+
+class SubmitResponse(BaseModel):
+    task_id: str
+    task_status: TaskStatus
+    created_at: str | None
+    wait_num: int
+
+
+class Permit(BaseModel):
+    token: str
+    expires_at: str
+
+
+class TaskView(BaseModel):
+    task_id: str
+    task_type: TaskType
+    task_status: TaskStatus
+    task_result: str | None = None
+    wait_num: int = 0
+    wait_time: float = 0
+    created_at: str | None = None
+    started_at: str | None = None
+    ended_at: str | None = None
+    result_status_code: int | None = None
+    attempts: int = 0
+    permit: Permit | None = None
+
+
+class CancelResponse(BaseModel):
+    task_id: str
+    task_status: TaskStatus
+
+
+class CompleteRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    task_result: str | None = None
+
+
+class ErrorBody(BaseModel):
+    code: str
+    message: str
+    task_status: TaskStatus | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorBody

@@ -1,0 +1,20 @@
+"""Online permits: HMAC-SHA256 over task id and expiry, with the secret replicas share."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+
+
+def sign(secret: bytes, task_id: str, expires_ms: int) -> str:
+    mac = hmac.new(secret, f"{task_id}\n{expires_ms}".encode(), hashlib.sha256).digest()
+    return f"{expires_ms}.{base64.urlsafe_b64encode(mac).rstrip(b'=').decode()}"
+
+
+def verify(secret: bytes, task_id: str, token: str, now_ms: int) -> bool:
+    """Genuine and unexpired; the signature is compared in constant time."""
+    expires, _, _ = token.partition(".")
+    if not expires.isdigit() or int(expires) <= now_ms:
+        return False
+    return hmac.compare_digest(sign(secret, task_id, int(expires)), token)

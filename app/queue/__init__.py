@@ -1,0 +1,1 @@
+"""Queues over Redis: key schema, scripts, submit/claim/ack/cancel, dispatcher, registry."""

@@ -1,0 +1,72 @@
+"""Every Redis key the gateway uses, in one place.
+
+Each endpoint's keys carry the endpoint id as a hash tag (`{e}`), so the scripts that touch
+one endpoint touch one Cluster slot.  A task id names its endpoint after a dot
+(`<uuid7 hex>.<endpoint id>`), so status and cancel find the task key without a lookup.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Keys:
+    prefix: str = "qgw"
+
+    def queue(self, endpoint: str) -> str:
+        """ZSet of pending task ids; score orders by priority, then arrival."""
+        return f"{self.prefix}:{{{endpoint}}}:q"
+
+    def active(self, endpoint: str) -> str:
+        """ZSet of claimed task ids; score is the lease deadline (ms, Redis clock)."""
+        return f"{self.prefix}:{{{endpoint}}}:active"
+
+    def ratelimit(self, endpoint: str, limiter: str) -> str:
+        """Limiter state; one key per kind, so switching kinds never meets a stale type."""
+        return f"{self.prefix}:{{{endpoint}}}:rl:{limiter}"
+
+    def task_prefix(self, endpoint: str) -> str:
+        return f"{self.prefix}:{{{endpoint}}}:t:"
+
+    def seq(self, endpoint: str) -> str:
+        """Per-endpoint arrival counter: breaks ties inside a priority exactly."""
+        return f"{self.prefix}:{{{endpoint}}}:seq"
+
+    def stats(self, endpoint: str) -> str:
+        """Hash of counters and the moving average of exec time."""
+        return f"{self.prefix}:{{{endpoint}}}:stats"
+
+    def task(self, task_id: str) -> str:
+        return self.task_prefix(endpoint_of(task_id)) + task_id
+
+    def idempotency(self, user_id: int, key: str) -> str:
+        return f"{self.prefix}:idem:{user_id}:{key}"
+
+    @property
+    def wake(self) -> str:
+        """ZSet of endpoints worth a claim attempt; score = when (ms, Redis clock)."""
+        return f"{self.prefix}:wake"
+
+    @property
+    def delayed(self) -> str:
+        """ZSet of rate-limited endpoints; score = when their limiter admits again."""
+        return f"{self.prefix}:delayed"
+
+    @property
+    def endpoints(self) -> str:
+        return f"{self.prefix}:endpoints"
+
+    @property
+    def api_keys(self) -> str:
+        return f"{self.prefix}:apikeys"
+
+    def version(self, table: str) -> str:
+        return f"{self.prefix}:{table}:ver"
+
+    def channel(self, table: str) -> str:
+        return f"{self.prefix}:{table}:changed"
+
+
+def endpoint_of(task_id: str) -> str:
+    return task_id.partition(".")[2]

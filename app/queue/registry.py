@@ -1,0 +1,123 @@
+"""SQL tables mirrored into Redis, so every process sees a change within a second.
+
+SQL is the source of truth; the admin writes there, then into a Redis hash, bumps a version and
+publishes on a channel.  Each process keeps a local copy: it reloads when a message arrives,
+and polls the version twice a second in case a message was missed (pub/sub does not queue).
+If the mirror is gone (a Redis that lost its data), the first process to notice rebuilds it
+from SQL.  The hot paths (submit, claim, auth) then read only process memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any, Generic, TypeVar
+
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from app.endpoints import EndpointConfig, url_key
+from app.queue.keys import Keys
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+POLL_S = 0.5
+
+
+class Mirror(Generic[T]):
+    def __init__(
+        self,
+        redis: Redis,
+        keys: Keys,
+        table: str,
+        parse: Callable[[dict[str, Any]], T],
+        load_sql: Callable[[], Awaitable[dict[str, str]]],
+    ) -> None:
+        self.redis, self.table, self._parse, self._load_sql = redis, table, parse, load_sql
+        self.hash_key = getattr(keys, table)
+        self.version_key, self.channel = keys.version(table), keys.channel(table)
+        self.items: dict[str, T] = {}
+        self.version: str | None = None
+        self.listeners: list[Callable[[set[str]], None]] = []
+
+    async def put(self, item_id: str, value: dict[str, Any] | None) -> None:
+        """Publish one row (None removes it); call after the SQL write has committed."""
+        async with self.redis.pipeline(transaction=True) as pipe:
+            if value is None:
+                pipe.hdel(self.hash_key, item_id)
+            else:
+                pipe.hset(self.hash_key, item_id, json.dumps(value))
+            pipe.incr(self.version_key)
+            pipe.publish(self.channel, item_id)
+            await pipe.execute()
+        await self.refresh()
+
+    async def refresh(self) -> None:
+        version = await self.redis.get(self.version_key)
+        if version is None:
+            await self._rebuild()
+            version = await self.redis.get(self.version_key)
+        if version == self.version:
+            return
+        raw = await self.redis.hgetall(self.hash_key)
+        items = {k: self._parse(json.loads(v)) for k, v in raw.items()}
+        changed = {k for k in items.keys() | self.items.keys() if items.get(k) != self.items.get(k)}
+        self.items, self.version = items, version
+        for listener in self.listeners:
+            listener(changed)
+
+    async def _rebuild(self) -> None:
+        rows = await self._load_sql()
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.delete(self.hash_key)
+            if rows:
+                pipe.hset(self.hash_key, mapping=rows)  # type: ignore[arg-type]
+            pipe.incr(self.version_key)
+            await pipe.execute()
+        log.info("rebuilt the %s mirror from SQL (%d rows)", self.table, len(rows))
+
+    async def watch(self) -> None:
+        """Keep the local copy fresh until cancelled."""
+        while True:
+            try:
+                async with self.redis.pubsub() as pubsub:
+                    await pubsub.subscribe(self.channel)
+                    while True:
+                        await pubsub.get_message(ignore_subscribe_messages=True, timeout=POLL_S)
+                        await self.refresh()
+            except (RedisError, OSError) as exc:
+                log.warning("%s mirror: redis error %s; retrying", self.table, exc)
+                await asyncio.sleep(1)
+
+
+class EndpointRegistry:
+    """The endpoints this process serves, found by id or by target URL."""
+
+    def __init__(self, mirror: Mirror[EndpointConfig]) -> None:
+        self.mirror = mirror
+        self._by_url: dict[tuple[str, str, int, str], EndpointConfig] = {}
+        mirror.listeners.append(self._index)
+
+    def _index(self, _: set[str]) -> None:
+        self._by_url = {e.key: e for e in self.mirror.items.values()}
+
+    def get(self, endpoint_id: str) -> EndpointConfig | None:
+        return self.mirror.items.get(endpoint_id)
+
+    def all(self) -> list[EndpointConfig]:
+        return list(self.mirror.items.values())
+
+    def match(self, url: str) -> EndpointConfig | None:
+        key = url_key(url)
+        return self._by_url.get(key) if key else None
+
+
+async def cancel_quietly(task: asyncio.Task[Any] | None) -> None:
+    if task is None:
+        return
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await task

@@ -1,0 +1,95 @@
+"""Calling the business API: headers from an allow-list, the retry policy, the outcome."""
+
+from __future__ import annotations
+
+import email.utils
+import json
+import random
+import time
+from dataclasses import dataclass
+
+import httpx
+
+# Only these go to the business API, plus custom `x-` headers that are not ours or a proxy's:
+# never hop-by-hop headers, Host, or credentials meant for a gateway.
+_ALLOWED = frozenset({
+    "accept", "accept-language", "content-type", "content-language", "user-agent",
+    "traceparent", "tracestate", "baggage",
+})
+_DENIED_PREFIXES = ("x-api-key", "x-queue-", "x-forwarded-", "x-real-ip", "x-original-")
+MAX_RETRY_AFTER_S = 300.0
+
+
+def forwardable(headers: dict[str, list[str]]) -> list[tuple[str, str]]:
+    out = []
+    for name, values in headers.items():
+        low = name.lower()
+        if low in _ALLOWED or (low.startswith("x-") and not low.startswith(_DENIED_PREFIXES)):
+            out.extend((name, v) for v in values)
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    method: str
+    url: str
+    headers: str  # JSON as stored
+    query: str
+    body: str
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    status_code: int | None  # None: no response (timeout, connection error)
+    text: str
+    retry_after_s: float | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status_code is not None and 200 <= self.status_code < 300
+
+    @property
+    def retryable(self) -> bool:
+        code = self.status_code
+        return code is None or code == 429 or code >= 500
+
+
+async def call(
+    client: httpx.AsyncClient, task_id: str, req: Request, timeout_s: float
+) -> Outcome:
+    headers = forwardable(json.loads(req.headers or "{}"))
+    headers.append(("Idempotency-Key", task_id))
+    params = httpx.QueryParams(httpx.URL(req.url).params)
+    for name, values in json.loads(req.query or "{}").items():
+        for value in values:
+            params = params.add(name, value)
+    try:
+        resp = await client.request(
+            req.method, req.url, params=params, headers=headers,
+            content=req.body.encode() if req.body else None, timeout=timeout_s,
+        )
+    except httpx.TimeoutException:
+        return Outcome(None, f"upstream timed out after {timeout_s:g} s")
+    except httpx.HTTPError as exc:
+        return Outcome(None, f"upstream unreachable: {type(exc).__name__}: {exc}")
+    return Outcome(resp.status_code, resp.text, retry_after(resp.headers.get("retry-after")))
+
+
+def retry_after(value: str | None) -> float | None:
+    """Seconds from a Retry-After header (delta-seconds or an HTTP date)."""
+    if not value:
+        return None
+    if value.strip().isdigit():
+        return min(float(value), MAX_RETRY_AFTER_S)
+    try:
+        when = email.utils.parsedate_to_datetime(value).timestamp()
+    except (TypeError, ValueError):
+        return None
+    return min(max(0.0, when - time.time()), MAX_RETRY_AFTER_S)
+
+
+def backoff_s(base_ms: int, attempt: int, retry_after_s: float | None) -> float:
+    """Exponential back-off with jitter after `attempt` failed calls; Retry-After wins if longer."""
+    ceiling = base_ms / 1000 * 2 ** (attempt - 1)
+    delay = random.uniform(ceiling / 2, ceiling)
+    return max(delay, retry_after_s or 0.0)

@@ -1,0 +1,1 @@
+"""FastAPI routers: thin; the work happens in app.queue and friends."""

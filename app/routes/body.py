@@ -1,0 +1,42 @@
+"""Reading a JSON body ourselves: a size limit before parsing, and errors in our shape."""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+from fastapi import Request
+from pydantic import BaseModel, ValidationError
+
+from app.errors import ApiError, describe
+
+M = TypeVar("M", bound=BaseModel)
+
+
+async def read_limited(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, "body_too_large", f"the request body exceeds {limit} bytes")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(413, "body_too_large", f"the request body exceeds {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def parse(model: type[M], raw: bytes) -> M:
+    if not raw.strip():
+        raise ApiError(400, "invalid_json", "a JSON object is required")
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as exc:
+        if any(e["type"] == "json_invalid" for e in exc.errors()):
+            raise ApiError(400, "invalid_json", "the body is not valid JSON") from None
+        raise ApiError(422, "invalid_request", describe(exc)) from None
+
+
+def body_schema(model: type[BaseModel]) -> dict[str, Any]:
+    """openapi_extra for a route that reads its body itself."""
+    return {"requestBody": {"required": True, "content": {
+        "application/json": {"schema": model.model_json_schema()}}}}

@@ -1,0 +1,93 @@
+"""Public task routes: submit, status, cancel (API.md)."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Header, Query, Request
+from fastapi.responses import JSONResponse
+
+from app.auth import api_key, runtime
+from app.errors import ApiError
+from app.models import (
+    CancelResponse,
+    ErrorResponse,
+    SubmitRequest,
+    SubmitResponse,
+    TaskView,
+)
+from app.routes.body import body_schema, parse, read_limited
+from app.runtime import Runtime
+from app.store import ApiKey
+
+router = APIRouter(prefix="/api/v1", tags=["tasks"])
+TASK_ID = re.compile(r"^[0-9a-f]{32}\.[a-z0-9][a-z0-9_-]{0,63}$")
+IDEM_KEY = re.compile(r"^[\x21-\x7e]{1,128}$")
+ERRORS: dict[int | str, dict[str, object]] = {
+    c: {"model": ErrorResponse} for c in (400, 401, 403, 404, 409, 413, 422, 429, 503)
+}
+Caller = Annotated[ApiKey, Depends(api_key)]
+Rt = Annotated[Runtime, Depends(runtime)]
+
+
+@router.post("/tasks", status_code=202, response_model=SubmitResponse, responses=ERRORS,
+             openapi_extra=body_schema(SubmitRequest))
+async def submit(
+    request: Request, caller: Caller, rt: Rt,
+    idempotency_key: Annotated[str | None, Header()] = None,
+) -> JSONResponse:
+    """Queue a request for a registered endpoint."""
+    req = parse(SubmitRequest, await read_limited(request, rt.settings.max_body_bytes))
+    endpoint = rt.registry.match(req.target_url)
+    if endpoint is None or not endpoint.enabled:
+        raise ApiError(404, "endpoint_not_registered",
+                       "target_url matches no registered, enabled endpoint")
+    if req.http_method not in endpoint.methods:
+        raise ApiError(422, "method_not_allowed",
+                       f"{endpoint.id!r} accepts {', '.join(endpoint.methods)}")
+    if req.priority > caller.max_priority:
+        raise ApiError(403, "priority_not_allowed",
+                       f"priority {req.priority} exceeds this key's max_priority "
+                       f"{caller.max_priority}")
+    if idempotency_key is not None and not IDEM_KEY.match(idempotency_key):
+        raise ApiError(400, "invalid_idempotency_key",
+                       "Idempotency-Key must be 1-128 visible ASCII characters")
+    result = await rt.queue.submit(caller.user_id, endpoint, req, idempotency_key)
+    if isinstance(result, str):  # a repeat: answer with the first task
+        view = await rt.queue.status(caller.user_id, result, rt.registry.get(endpoint.id))
+        result = SubmitResponse(task_id=view.task_id, task_status=view.task_status,
+                                created_at=view.created_at, wait_num=view.wait_num)
+    return JSONResponse(result.model_dump(mode="json"), 202)
+
+
+def _checked(task_id: str) -> str:
+    if not TASK_ID.match(task_id):
+        raise ApiError(404, "task_not_found", f"no task {task_id!r}")
+    return task_id
+
+
+@router.get("/tasks/{task_id}", response_model=TaskView, responses=ERRORS)
+async def status(
+    task_id: str, caller: Caller, rt: Rt,
+    wait: Annotated[float, Query(ge=0, le=30, description="hold until the status changes")] = 0,
+) -> JSONResponse:
+    """A task's status, place in line, estimated wait and result."""
+    tid = _checked(task_id)
+    endpoint = rt.registry.get(tid.partition(".")[2])
+    view = await rt.queue.status(caller.user_id, tid, endpoint)
+    deadline = time.monotonic() + wait
+    first = view.task_status
+    while view.task_status == first and not first.finished and time.monotonic() < deadline:
+        await asyncio.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
+        view = await rt.queue.status(caller.user_id, tid, endpoint)
+    return JSONResponse(view.model_dump(mode="json"))
+
+
+@router.post("/tasks/{task_id}/cancel", response_model=CancelResponse, responses=ERRORS)
+async def cancel(task_id: str, caller: Caller, rt: Rt) -> CancelResponse:
+    """Cancel a pending task, or an admitted online one."""
+    status = await rt.queue.cancel(caller.user_id, _checked(task_id))
+    return CancelResponse(task_id=task_id, task_status=status)

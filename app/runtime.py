@@ -1,0 +1,94 @@
+"""What a process holds while it runs: clients, mirrors, the queue, and its dispatcher."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from redis.asyncio import Redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from app.db import make_engine
+from app.endpoints import EndpointConfig
+from app.queue.dispatcher import Dispatcher
+from app.queue.keys import Keys
+from app.queue.registry import EndpointRegistry, Mirror, cancel_quietly
+from app.queue.scripts import Scripts
+from app.queue.tasks import TaskQueue
+from app.settings import Settings
+from app.store import ApiKey, EndpointStore, KeyStore
+
+log = logging.getLogger(__name__)
+
+
+def redis_client(url: str, timeout_s: float | None) -> Redis:
+    # One quick retry rides over a reconnect (after a Redis restart) without making a caller
+    # wait: with Redis down the API answers 503 within about a second.
+    return Redis.from_url(
+        url, decode_responses=True, socket_timeout=timeout_s, socket_connect_timeout=0.5,
+        retry=Retry(NoBackoff(), 1), health_check_interval=30,
+    )
+
+
+@dataclass
+class Runtime:
+    settings: Settings
+    redis_url: str
+    with_dispatcher: bool = False
+    redis: Redis = field(init=False)
+    engine: AsyncEngine = field(init=False)
+    keys: Keys = field(init=False)
+    registry: EndpointRegistry = field(init=False)
+    api_keys: Mirror[ApiKey] = field(init=False)
+    endpoints: EndpointStore = field(init=False)
+    key_store: KeyStore = field(init=False)
+    queue: TaskQueue = field(init=False)
+    dispatcher: Dispatcher | None = field(default=None, init=False)
+    http: httpx.AsyncClient | None = field(default=None, init=False)
+    _blocking: Redis | None = field(default=None, init=False)
+    _watchers: list[asyncio.Task[Any]] = field(default_factory=list, init=False)
+
+    async def start(self) -> None:
+        s = self.settings
+        self.redis = redis_client(self.redis_url, s.redis_timeout_s)
+        self.engine = make_engine(s.db_url)
+        self.keys = Keys(s.key_prefix)
+        scripts = Scripts.register(self.redis)
+        ep_mirror: Mirror[EndpointConfig] = Mirror(
+            self.redis, self.keys, "endpoints", EndpointConfig.model_validate,
+            lambda: self.endpoints.load_all())
+        self.api_keys = Mirror(self.redis, self.keys, "api_keys", lambda d: ApiKey(**d),
+                               lambda: self.key_store.load_all())
+        self.endpoints = EndpointStore(self.engine, ep_mirror)
+        self.key_store = KeyStore(self.engine, self.api_keys)
+        self.registry = EndpointRegistry(ep_mirror)
+        self.queue = TaskQueue(self.redis, self.keys, scripts, s)
+        for mirror in (ep_mirror, self.api_keys):
+            await mirror.refresh()
+            self._watchers.append(asyncio.create_task(mirror.watch()))
+        if self.with_dispatcher:
+            self._blocking = redis_client(self.redis_url, s.redis_timeout_s + 2)
+            limits = httpx.Limits(max_connections=s.dispatch_concurrency,
+                                  max_keepalive_connections=s.dispatch_concurrency)
+            # Redirects are not followed: the gateway calls only URLs somebody registered.
+            self.http = httpx.AsyncClient(limits=limits, follow_redirects=False)
+            self.dispatcher = Dispatcher(self.redis, self._blocking, self.keys, scripts,
+                                         self.registry, s, self.http)
+            self.dispatcher.start()
+
+    async def stop(self, grace_s: float = 10.0) -> None:
+        if self.dispatcher:
+            await self.dispatcher.stop(grace_s)
+        for task in self._watchers:
+            await cancel_quietly(task)
+        if self.http:
+            await self.http.aclose()
+        for client in (self._blocking, self.redis):
+            if client is not None:
+                await client.aclose()
+        await self.engine.dispose()

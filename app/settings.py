@@ -1,0 +1,90 @@
+"""Settings from the environment (`QGW_*`), an optional `.env`, and CLI flags."""
+
+from __future__ import annotations
+
+import secrets
+from functools import cached_property
+from pathlib import Path
+
+from pydantic import Field, ValidationError, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="QGW_", env_file=".env", extra="ignore")
+
+    redis_url: str | None = None
+    database_url: str | None = None
+    data_dir: Path = Path(".qgw")
+    host: str = "127.0.0.1"
+    port: int = Field(8080, ge=0, le=65535)
+    admin_token: str | None = None
+    permit_secret: str | None = None
+    key_prefix: str = Field("qgw", pattern=r"^[A-Za-z0-9_.:-]{1,32}$")
+
+    pending_ttl_s: int = Field(10800, ge=1)
+    done_ttl_s: int = Field(3600, ge=1)
+    read_ttl_s: int = Field(20, ge=1)
+    db_retention_s: int = Field(259200, ge=1)
+
+    max_body_bytes: int = Field(1_048_576, ge=1024)
+    #: Upstream calls one dispatcher process keeps in flight, over all endpoints.
+    dispatch_concurrency: int = Field(256, ge=1, le=100_000)
+    #: How long a claim stays valid without a heartbeat; the executor renews it every third.
+    lease_ms: int = Field(15_000, ge=500)
+    #: How often the reaper looks for expired leases.
+    reap_interval_ms: int = Field(1000, ge=50)
+    redis_timeout_s: float = Field(1.0, gt=0)
+    auto_migrate: bool = True
+    log_level: str = "info"
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_scheme(cls, v: str | None) -> str | None:
+        if v and not v.startswith(("redis://", "rediss://", "unix://", "redis+sentinel://")):
+            raise ValueError("must start with redis://, rediss://, unix:// or redis+sentinel://")
+        return v or None
+
+    @field_validator("database_url")
+    @classmethod
+    def _db_scheme(cls, v: str | None) -> str | None:
+        if v and not v.startswith(("sqlite+aiosqlite://", "mysql+aiomysql://")):
+            raise ValueError("must start with sqlite+aiosqlite:// or mysql+aiomysql://")
+        return v or None
+
+    @property
+    def db_url(self) -> str:
+        return self.database_url or f"sqlite+aiosqlite:///{self.data_dir.resolve()}/qgw.db"
+
+    @cached_property
+    def admin_secret(self) -> str:
+        return self.admin_token or _stored_secret(self.data_dir, "admin_token")
+
+    @cached_property
+    def permit_key(self) -> bytes:
+        return (self.permit_secret or _stored_secret(self.data_dir, "permit_secret")).encode()
+
+
+def _stored_secret(data_dir: Path, name: str) -> str:
+    """A secret generated once and kept in the data dir, so restarts keep it."""
+    path = data_dir / name
+    if path.exists():
+        return path.read_text().strip()
+    data_dir.mkdir(parents=True, exist_ok=True)
+    value = secrets.token_urlsafe(32)
+    path.write_text(value + "\n")
+    path.chmod(0o600)
+    return value
+
+
+class SettingsError(Exception):
+    """A bad setting, already phrased as the one line the operator sees."""
+
+
+def load_settings(**overrides: object) -> Settings:
+    try:
+        return Settings(**overrides)  # type: ignore[arg-type]
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        name = "QGW_" + str(err["loc"][0]).upper() if err["loc"] else "settings"
+        raise SettingsError(f"bad setting {name}: {err['msg']}") from None

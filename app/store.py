@@ -1,0 +1,150 @@
+"""Admin writes: endpoints and API keys in SQL first, then published to the Redis mirrors."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from app.db import ApiKeyRow, EndpointRow, sessions, utcnow
+from app.endpoints import EndpointConfig
+from app.errors import ApiError
+from app.models import MAX_PRIORITY
+from app.queue.registry import Mirror
+
+ENDPOINT_FIELDS = tuple(EndpointConfig.model_fields)
+
+
+@dataclass(frozen=True, slots=True)
+class ApiKey:
+    id: str
+    user_id: int
+    tier: str
+    max_priority: int
+    daily_quota: int
+
+
+def hash_key(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def _endpoint(row: EndpointRow) -> EndpointConfig:
+    return EndpointConfig.model_validate({f: getattr(row, f) for f in ENDPOINT_FIELDS})
+
+
+class EndpointStore:
+    def __init__(self, engine: AsyncEngine, mirror: Mirror[EndpointConfig]) -> None:
+        self.sessions, self.mirror = sessions(engine), mirror
+
+    async def load_all(self) -> dict[str, str]:
+        """Rows as the mirror stores them (id -> JSON)."""
+        async with self.sessions() as s:
+            rows = (await s.scalars(select(EndpointRow))).all()
+        return {r.id: _endpoint(r).model_dump_json() for r in rows}
+
+    async def list(self) -> list[EndpointConfig]:
+        async with self.sessions() as s:
+            rows = (await s.scalars(select(EndpointRow).order_by(EndpointRow.id))).all()
+        return [_endpoint(r) for r in rows]
+
+    async def get(self, endpoint_id: str) -> EndpointConfig:
+        async with self.sessions() as s:
+            row = await s.get(EndpointRow, endpoint_id)
+        if row is None:
+            raise ApiError(404, "endpoint_not_found", f"no endpoint {endpoint_id!r}")
+        return _endpoint(row)
+
+    async def create(self, config: EndpointConfig) -> EndpointConfig:
+        self._check_url_free(config)
+        try:
+            async with self.sessions.begin() as s:
+                s.add(EndpointRow(**config.model_dump()))
+        except IntegrityError:
+            raise ApiError(409, "endpoint_exists", f"endpoint {config.id!r} exists") from None
+        await self.mirror.put(config.id, config.model_dump())
+        return config
+
+    async def update(self, endpoint_id: str, changes: dict[str, Any]) -> EndpointConfig:
+        async with self.sessions.begin() as s:
+            row = await s.get(EndpointRow, endpoint_id, with_for_update=True)
+            if row is None:
+                raise ApiError(404, "endpoint_not_found", f"no endpoint {endpoint_id!r}")
+            merged = {**_endpoint(row).model_dump(), **changes, "id": endpoint_id}
+            config = EndpointConfig.model_validate(merged)
+            self._check_url_free(config)
+            for field, value in config.model_dump().items():
+                setattr(row, field, value)
+        await self.mirror.put(endpoint_id, config.model_dump())
+        return config
+
+    async def delete(self, endpoint_id: str) -> None:
+        async with self.sessions.begin() as s:
+            row = await s.get(EndpointRow, endpoint_id)
+            if row is None:
+                raise ApiError(404, "endpoint_not_found", f"no endpoint {endpoint_id!r}")
+            await s.delete(row)
+        await self.mirror.put(endpoint_id, None)
+
+    def _check_url_free(self, config: EndpointConfig) -> None:
+        """One URL, one endpoint: otherwise a submit could not tell which queue it joins."""
+        for other in self.mirror.items.values():
+            if other.id != config.id and other.key == config.key:
+                raise ApiError(
+                    409, "endpoint_url_taken", f"endpoint {other.id!r} already serves this URL"
+                )
+
+
+class KeyStore:
+    def __init__(self, engine: AsyncEngine, mirror: Mirror[ApiKey]) -> None:
+        self.sessions, self.mirror = sessions(engine), mirror
+
+    async def load_all(self) -> dict[str, str]:
+        async with self.sessions() as s:
+            rows = (await s.scalars(select(ApiKeyRow).where(ApiKeyRow.revoked_at.is_(None)))).all()
+        return {r.key_hash: json.dumps(_key_view(r)) for r in rows}
+
+    async def create(
+        self, user_id: int, tier: str, max_priority: int, daily_quota: int
+    ) -> tuple[str, dict[str, Any]]:
+        """A new key; the plain key is returned here once and stored only as a hash."""
+        if not 0 <= max_priority <= MAX_PRIORITY:
+            raise ApiError(422, "invalid_request", f"max_priority must be 0..{MAX_PRIORITY}")
+        plain = "qgw_" + secrets.token_urlsafe(32)
+        row = ApiKeyRow(
+            id=secrets.token_hex(8), key_hash=hash_key(plain), user_id=user_id, tier=tier,
+            max_priority=max_priority, daily_quota=daily_quota, created_at=utcnow(),
+        )
+        async with self.sessions.begin() as s:
+            s.add(row)
+        view = _key_view(row)
+        await self.mirror.put(row.key_hash, view)
+        return plain, view
+
+    async def list(self) -> list[dict[str, Any]]:
+        async with self.sessions() as s:
+            rows = (await s.scalars(select(ApiKeyRow).order_by(ApiKeyRow.created_at))).all()
+        return [
+            {**_key_view(r), "created_at": r.created_at.isoformat() + "Z",
+             "revoked": r.revoked_at is not None}
+            for r in rows
+        ]
+
+    async def revoke(self, key_id: str) -> None:
+        async with self.sessions.begin() as s:
+            row = await s.get(ApiKeyRow, key_id)
+            if row is None:
+                raise ApiError(404, "api_key_not_found", f"no API key {key_id!r}")
+            row.revoked_at = row.revoked_at or utcnow()
+            key_hash = row.key_hash
+        await self.mirror.put(key_hash, None)
+
+
+def _key_view(row: ApiKeyRow) -> dict[str, Any]:
+    return {"id": row.id, "user_id": row.user_id, "tier": row.tier,
+            "max_priority": row.max_priority, "daily_quota": row.daily_quota}

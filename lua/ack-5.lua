@@ -1,0 +1,28 @@
+--[[ Finish a claimed task, if the caller still holds its lease.
+KEYS[1] active    KEYS[2] task    KEYS[3] queue    KEYS[4] wake    KEYS[5] stats
+ARGV[1] task id   ARGV[2] lease token   ARGV[3] final status ('completed' | 'failed')
+ARGV[4] result    ARGV[5] result status code ('' if none)    ARGV[6] done TTL (ms)
+ARGV[7] endpoint id    ARGV[8] exec time of the last attempt (ms)
+Returns 1, or 0 when the lease was lost (reaped and claimed again): the newer attempt wins.
+]]
+--@include now.lua
+
+if redis.call('HGET', KEYS[2], 'lease') ~= ARGV[2] then return 0 end
+local now = now_ms()
+redis.call('ZREM', KEYS[1], ARGV[1])
+redis.call('HSET', KEYS[2], 'status', ARGV[3], 'result', ARGV[4],
+  'result_status_code', ARGV[5], 'ended_at', now)
+redis.call('HDEL', KEYS[2], 'lease', 'deadline')
+redis.call('PEXPIRE', KEYS[2], ARGV[6])
+
+redis.call('HINCRBY', KEYS[5], ARGV[3], 1)
+local exec = tonumber(ARGV[8])
+if ARGV[3] == 'completed' and exec >= 0 then
+  -- A moving average of recent completions, for the wait estimate.
+  local avg = tonumber(redis.call('HGET', KEYS[5], 'exec_ms') or exec)
+  redis.call('HSET', KEYS[5], 'exec_ms', string.format('%.1f', avg * 0.9 + exec * 0.1))
+end
+if redis.call('ZCARD', KEYS[3]) > 0 then
+  redis.call('ZADD', KEYS[4], 'NX', now, ARGV[7])  -- a slot is free: worth a claim
+end
+return 1

@@ -1,0 +1,25 @@
+--[[ Cancel a task of this user: a pending one leaves its queue; an admitted online one loses
+its permit and frees its slot. Anything that already ended, or an offline call in flight, stays.
+KEYS[1] task    KEYS[2] queue    KEYS[3] active    KEYS[4] wake
+ARGV[1] task id    ARGV[2] user id    ARGV[3] done TTL (ms)    ARGV[4] endpoint id
+Returns {'cancelled'} | {'missing'} | {'conflict', current status}.
+]]
+--@include now.lua
+
+local f = redis.call('HMGET', KEYS[1], 'user_id', 'status', 'type')
+if not f[1] or f[1] ~= ARGV[2] then return {'missing'} end
+local now = now_ms()
+if f[2] == 'pending' then
+  redis.call('ZREM', KEYS[2], ARGV[1])
+elseif f[2] == 'processing' and f[3] == 'online' then
+  redis.call('ZREM', KEYS[3], ARGV[1])
+  redis.call('HDEL', KEYS[1], 'lease', 'deadline')
+  if redis.call('ZCARD', KEYS[2]) > 0 then
+    redis.call('ZADD', KEYS[4], 'NX', now, ARGV[4])
+  end
+else
+  return {'conflict', f[2]}
+end
+redis.call('HSET', KEYS[1], 'status', 'cancelled', 'ended_at', now)
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+return {'cancelled'}

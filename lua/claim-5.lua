@@ -1,0 +1,60 @@
+--[[ Claim up to N tasks of one endpoint: limiter, concurrency cap, pop and lease in one step.
+KEYS[1] queue    KEYS[2] active    KEYS[3] limiter state    KEYS[4] wake
+KEYS[5] delayed  ZSet of limited endpoints; score = when the limiter admits again
+ARGV[1] endpoint id         ARGV[2] N (free capacity of the caller)
+ARGV[3] max concurrency (0 = none)    ARGV[4] lease (ms)
+ARGV[5] limiter kind        ARGV[6] rate (0 = none)    ARGV[7] interval (ms)
+ARGV[8] task key prefix (same hash tag as KEYS, so the script stays in one slot)
+ARGV[9] lease token prefix (unique per call)    ARGV[10] permit TTL (ms) for online tasks
+Returns {state, wait ms, now, then per claim: id, token, attempts, type, method, url, headers,
+query, body}; state is
+'more' (N reached, work remains), 'empty', 'full' (concurrency cap) or 'limited' (retry in wait ms).
+Task ids whose hash has expired are dropped from the queue on the way.
+]]
+--@include now.lua
+--@include ratelimit.lua
+
+redis.call('ZREM', KEYS[5], ARGV[1])  -- this attempt consumes any scheduled retry
+
+local endpoint, n, cap = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
+local lease, kind, rate, interval = tonumber(ARGV[4]), ARGV[5], tonumber(ARGV[6]), tonumber(ARGV[7])
+local prefix, token_prefix, permit_ttl = ARGV[8], ARGV[9], tonumber(ARGV[10])
+local now = now_ms()
+local out = {'more', 0, now}
+local claimed = 0
+
+while true do
+  if claimed >= n then break end
+  if cap > 0 and redis.call('ZCARD', KEYS[2]) >= cap then out[1] = 'full'; break end
+  local head = redis.call('ZRANGE', KEYS[1], 0, 0)
+  if #head == 0 then out[1] = 'empty'; break end
+  local id = head[1]
+  local task = prefix .. id
+  local ttype = redis.call('HGET', task, 'type')
+  if not ttype then
+    redis.call('ZREM', KEYS[1], id)  -- expired while pending: never runs
+  else
+    local token = token_prefix .. ':' .. claimed
+    local wait = rl_acquire(kind, KEYS[3], rate, interval, now, token)
+    if wait > 0 then out[1] = 'limited'; out[2] = wait; break end
+    redis.call('ZREM', KEYS[1], id)
+    local deadline = now + lease
+    if ttype == 'online' then deadline = now + permit_ttl end
+    redis.call('ZADD', KEYS[2], deadline, id)
+    local attempts = redis.call('HINCRBY', task, 'attempts', 1)
+    redis.call('HSET', task, 'status', 'processing', 'lease', token, 'started_at', now,
+      'deadline', deadline)
+    claimed = claimed + 1
+    local req = redis.call('HMGET', task, 'method', 'url', 'headers', 'query', 'body')
+    for _, v in ipairs({id, token, attempts, ttype, req[1], req[2], req[3], req[4], req[5]}) do
+      out[#out + 1] = v
+    end
+  end
+end
+
+if out[1] == 'limited' then
+  redis.call('ZADD', KEYS[5], now + out[2], endpoint)
+elseif out[1] == 'more' then
+  redis.call('ZADD', KEYS[4], 'NX', now, endpoint)
+end
+return out

@@ -1,0 +1,42 @@
+--[[ Return claims whose lease ran out to their queue, with their original score.
+Safe in many processes at once: each expired id is handled by whichever script runs first.
+KEYS[1] active    KEYS[2] queue    KEYS[3] wake    KEYS[4] stats
+ARGV[1] endpoint id    ARGV[2] task key prefix    ARGV[3] max attempts
+ARGV[4] done TTL (ms)  ARGV[5] batch size
+Returns {requeued, failed, ended online}.
+]]
+--@include now.lua
+
+local now = now_ms()
+local ids = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, tonumber(ARGV[5]))
+local requeued, failed, ended = 0, 0, 0
+for _, id in ipairs(ids) do
+  redis.call('ZREM', KEYS[1], id)
+  local task = ARGV[2] .. id
+  local fields = redis.call('HMGET', task, 'type', 'attempts', 'score', 'status')
+  if fields[1] and fields[4] == 'processing' then
+    redis.call('HDEL', task, 'lease', 'deadline')
+    if fields[1] == 'online' then
+      -- The permit lapsed without `complete`: the slot is free again.
+      redis.call('HSET', task, 'status', 'expired', 'ended_at', now)
+      redis.call('PEXPIRE', task, ARGV[4])
+      redis.call('HINCRBY', KEYS[4], 'expired', 1)
+      ended = ended + 1
+    elseif tonumber(fields[2]) >= tonumber(ARGV[3]) then
+      redis.call('HSET', task, 'status', 'failed', 'ended_at', now,
+        'result', 'lease expired on attempt ' .. fields[2] .. ': the dispatcher stopped answering')
+      redis.call('PEXPIRE', task, ARGV[4])
+      redis.call('HINCRBY', KEYS[4], 'failed', 1)
+      failed = failed + 1
+    else
+      redis.call('HSET', task, 'status', 'pending')
+      redis.call('ZADD', KEYS[2], fields[3], id)
+      redis.call('HINCRBY', KEYS[4], 'retried', 1)
+      requeued = requeued + 1
+    end
+  end
+end
+if #ids > 0 and redis.call('ZCARD', KEYS[2]) > 0 then
+  redis.call('ZADD', KEYS[3], 'NX', now, ARGV[1])
+end
+return {requeued, failed, ended}
