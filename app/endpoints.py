@@ -13,6 +13,10 @@ Limiter = Literal["sliding_window", "fixed_window", "token_bucket"]
 Method = Literal["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
 
 
+def _post_only() -> list[Method]:
+    return ["POST"]
+
+
 def url_key(url: str) -> tuple[str, str, int, str] | None:
     """(scheme, host, port, path) of an http(s) URL; None if it is not one."""
     try:
@@ -34,7 +38,7 @@ class EndpointSettings(BaseModel):
 
     name: Annotated[str, StringConstraints(max_length=200)] = ""
     target_url: Annotated[str, StringConstraints(max_length=2048)]
-    methods: list[Method] = Field(default_factory=lambda: ["POST"], min_length=1)
+    methods: list[Method] = Field(default_factory=_post_only, min_length=1)
     limiter: Limiter = "sliding_window"
     rate: int = Field(0, ge=0, le=1_000_000, description="admissions per interval; 0 = unlimited")
     interval_ms: int = Field(1000, ge=1, le=86_400_000)

@@ -62,7 +62,8 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(HTTPException)
     async def _http(_: Request, exc: HTTPException) -> JSONResponse:
         code = _HTTP_CODES.get(exc.status_code, "http_error")
-        return error_response(exc.status_code, code, str(exc.detail), exc.headers)
+        headers = dict(exc.headers) if exc.headers else None
+        return error_response(exc.status_code, code, str(exc.detail), headers)
 
     @app.exception_handler(RedisConnectionError)
     @app.exception_handler(RedisTimeoutError)

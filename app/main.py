@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
@@ -12,13 +12,17 @@ from app.routes import admin, ops, tasks
 from app.runtime import Runtime
 
 
-def create_app(runtime: Runtime, manage: bool = True) -> FastAPI:
+def create_app(
+    runtime: Runtime, manage: bool = True, on_started: Callable[[], None] | None = None
+) -> FastAPI:
     """The app; with `manage`, its lifespan starts and stops the runtime."""
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         if manage:
             await runtime.start()
+        if on_started:
+            on_started()
         try:
             yield
         finally:

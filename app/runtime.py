@@ -14,6 +14,7 @@ from redis.retry import Retry
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app.db import make_engine
+from app.embedded import EmbeddedRedis
 from app.endpoints import EndpointConfig
 from app.queue.dispatcher import Dispatcher
 from app.queue.keys import Keys
@@ -38,8 +39,8 @@ def redis_client(url: str, timeout_s: float | None) -> Redis:
 @dataclass
 class Runtime:
     settings: Settings
-    redis_url: str
     with_dispatcher: bool = False
+    redis_url: str = field(init=False)
     redis: Redis = field(init=False)
     engine: AsyncEngine = field(init=False)
     keys: Keys = field(init=False)
@@ -51,10 +52,16 @@ class Runtime:
     dispatcher: Dispatcher | None = field(default=None, init=False)
     http: httpx.AsyncClient | None = field(default=None, init=False)
     _blocking: Redis | None = field(default=None, init=False)
+    _embedded: EmbeddedRedis | None = field(default=None, init=False)
     _watchers: list[asyncio.Task[Any]] = field(default_factory=list, init=False)
 
     async def start(self) -> None:
         s = self.settings
+        if s.redis_url:
+            self.redis_url = s.redis_url
+        else:  # the private server lives and dies with this runtime
+            self._embedded = EmbeddedRedis(s.data_dir)
+            self.redis_url = await asyncio.to_thread(self._embedded.start)
         self.redis = redis_client(self.redis_url, s.redis_timeout_s)
         self.engine = make_engine(s.db_url)
         self.keys = Keys(s.key_prefix)
@@ -92,3 +99,5 @@ class Runtime:
             if client is not None:
                 await client.aclose()
         await self.engine.dispose()
+        if self._embedded:
+            await asyncio.to_thread(self._embedded.stop)

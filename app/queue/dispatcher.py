@@ -14,7 +14,9 @@ import logging
 import secrets
 import time
 from collections import Counter
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
+from typing import Any
 
 import httpx
 from redis.asyncio import Redis
@@ -58,6 +60,7 @@ class Dispatcher:
     stopping: asyncio.Event = field(default_factory=asyncio.Event)
     _room: asyncio.Event = field(default_factory=asyncio.Event)
     _loops: list[asyncio.Task[None]] = field(default_factory=list)
+    _background: set[asyncio.Task[None]] = field(default_factory=set)
 
     @property
     def capacity(self) -> int:
@@ -87,7 +90,7 @@ class Dispatcher:
     def _on_config_change(self, changed: set[str]) -> None:
         """A new limit or cap may admit at once: give changed endpoints a claim attempt."""
         if changed and not self.stopping.is_set():
-            asyncio.create_task(self._wake(changed))
+            self._spawn(self._wake(changed))
 
     async def _wake(self, endpoint_ids: set[str]) -> None:
         try:
@@ -109,7 +112,7 @@ class Dispatcher:
                 await self._backoff("wake", exc, failures)
                 continue
             if item is not None:
-                await self.claim(item[1])
+                await self.claim(str(item[1]))
 
     async def claim(self, endpoint_id: str) -> None:
         """Claim what this endpoint may start now, and start it."""
@@ -142,7 +145,13 @@ class Dispatcher:
 
     def _retry_claim(self, endpoint_id: str) -> None:
         if not self.stopping.is_set():
-            asyncio.create_task(self.claim(endpoint_id))
+            self._spawn(self.claim(endpoint_id))
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        """Run a short job, holding a reference so it is not collected half-way."""
+        task = asyncio.create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def _start(self, claim: Claim) -> None:
         tid = claim.task_id

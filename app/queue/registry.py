@@ -56,13 +56,13 @@ class Mirror(Generic[T]):
         await self.refresh()
 
     async def refresh(self) -> None:
-        version = await self.redis.get(self.version_key)
+        version: str | None = await self.redis.get(self.version_key)  # type: ignore[assignment]
         if version is None:
             await self._rebuild()
-            version = await self.redis.get(self.version_key)
+            version = await self.redis.get(self.version_key)  # type: ignore[assignment]
         if version == self.version:
             return
-        raw = await self.redis.hgetall(self.hash_key)
+        raw: dict[str, str] = await self.redis.hgetall(self.hash_key)  # type: ignore[assignment]
         items = {k: self._parse(json.loads(v)) for k, v in raw.items()}
         changed = {k for k in items.keys() | self.items.keys() if items.get(k) != self.items.get(k)}
         self.items, self.version = items, version

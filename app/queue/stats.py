@@ -24,15 +24,15 @@ async def queue_stats(redis: Redis, keys: Keys, endpoints: list[EndpointConfig])
             else:
                 pipe.exists(keys.ratelimit(ep.id, ep.limiter))  # placeholder keeps the stride
         raw = await pipe.execute()
-    heads = [r[0] if r else None for r in raw[2::5]]
+    heads = [r[0] for r in raw[2::5] if r]
     async with redis.pipeline(transaction=False) as pipe:
-        for ep, head in zip(endpoints, heads, strict=True):
-            pipe.hget(keys.task(head), "created_at") if head else pipe.echo("")
-        created = await pipe.execute()
+        for head in heads:
+            pipe.hget(keys.task(head), "created_at")
+        created_at = dict(zip(heads, await pipe.execute(), strict=True))
     out = []
     for i, ep in enumerate(endpoints):
-        pending, inflight, _, stats, admitted = raw[i * 5:i * 5 + 5]
-        oldest = created[i]
+        pending, inflight, head, stats, admitted = raw[i * 5:i * 5 + 5]
+        oldest = created_at.get(head[0]) if head else None
         out.append({
             "id": ep.id, "pending": pending, "in_flight": inflight,
             "admitted_last_window": admitted if ep.limiter == "sliding_window" else None,

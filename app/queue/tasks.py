@@ -34,7 +34,7 @@ class TaskQueue:
         """Enqueue; returns the response, or the id of the task an Idempotency-Key names."""
         e, k = endpoint.id, self.keys
         task_id = new_task_id(e)
-        fields = [
+        fields: list[str | int] = [
             "user_id", user_id, "type", req.task_type, "priority", req.priority,
             "method", req.http_method, "url", req.target_url, "body", req.body,
             "headers", json.dumps(req.headers), "query", json.dumps(req.query_params),

@@ -21,7 +21,7 @@ MAX_RETRY_AFTER_S = 300.0
 
 
 def forwardable(headers: dict[str, list[str]]) -> list[tuple[str, str]]:
-    out = []
+    out: list[tuple[str, str]] = []
     for name, values in headers.items():
         low = name.lower()
         if low in _ALLOWED or (low.startswith("x-") and not low.startswith(_DENIED_PREFIXES)):

@@ -1,0 +1,162 @@
+"""Fixtures: a real Redis per session, a fresh key prefix and SQLite file per test, the gateway
+app in-process (httpx over ASGI), dispatchers in-process or as `qgw dispatcher` processes."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from app import migrate
+from app.main import create_app
+from app.runtime import Runtime
+from app.settings import Settings
+from tests.servers import QGW, RedisServer, mock_upstream, stop
+
+ADMIN = "test-admin-token"
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def upstream() -> Iterator[str]:
+    """A shared mock upstream; tests use their own paths, so their logs do not mix."""
+    with mock_upstream() as base:
+        yield base
+
+
+@pytest.fixture
+def settings(redis_server: RedisServer, tmp_path: Path) -> Settings:
+    return Settings(
+        redis_url=redis_server.url, database_url=f"sqlite+aiosqlite:///{tmp_path}/qgw.db",
+        data_dir=tmp_path, key_prefix=f"t{uuid.uuid4().hex[:10]}", admin_token=ADMIN,
+        permit_secret="test-permit-secret", lease_ms=3000, reap_interval_ms=200,
+    )
+
+
+@pytest.fixture
+def env(settings: Settings) -> dict[str, str]:
+    """The environment a `qgw` process needs to join this test's gateway."""
+    return {**os.environ, "QGW_REDIS_URL": settings.redis_url or "",
+            "QGW_DATABASE_URL": settings.db_url, "QGW_KEY_PREFIX": settings.key_prefix,
+            "QGW_DATA_DIR": str(settings.data_dir), "QGW_ADMIN_TOKEN": ADMIN,
+            "QGW_PERMIT_SECRET": "test-permit-secret", "QGW_LEASE_MS": str(settings.lease_ms),
+            "QGW_REAP_INTERVAL_MS": str(settings.reap_interval_ms)}
+
+
+class Gateway:
+    """The app in-process, with helpers that speak its HTTP API."""
+
+    def __init__(self, runtime: Runtime, client: httpx.AsyncClient) -> None:
+        self.rt, self.http = runtime, client
+        self.admin = {"Authorization": f"Bearer {ADMIN}"}
+
+    async def add_endpoint(self, endpoint_id: str, target_url: str, **fields: Any) -> None:
+        r = await self.http.post("/admin/v1/endpoints", headers=self.admin,
+                                 json={"id": endpoint_id, "target_url": target_url, **fields})
+        assert r.status_code == 201, r.text
+
+    async def new_key(self, user_id: int = 1, max_priority: int = 10) -> dict[str, str]:
+        r = await self.http.post("/admin/v1/api-keys", headers=self.admin,
+                                 json={"user_id": user_id, "max_priority": max_priority})
+        assert r.status_code == 201, r.text
+        return {"Authorization": f"Bearer {r.json()['key']}"}
+
+    async def submit(self, auth: dict[str, str], target_url: str, **fields: Any) -> dict[str, Any]:
+        r = await self.http.post("/api/v1/tasks", headers=auth,
+                                 json={"target_url": target_url, **fields})
+        assert r.status_code == 202, r.text
+        body: dict[str, Any] = r.json()
+        return body
+
+    async def status(self, auth: dict[str, str], task_id: str) -> dict[str, Any]:
+        r = await self.http.get(f"/api/v1/tasks/{task_id}", headers=auth)
+        assert r.status_code == 200, r.text
+        body: dict[str, Any] = r.json()
+        return body
+
+    async def wait_finished(
+        self, auth: dict[str, str], task_ids: list[str], timeout: float = 30
+    ) -> list[dict[str, Any]]:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        pending = set(task_ids)
+        done: dict[str, dict[str, Any]] = {}
+        while pending:
+            for tid in list(pending):
+                s = await self.status(auth, tid)
+                if s["task_status"] not in ("pending", "processing"):
+                    done[tid] = s
+                    pending.discard(tid)
+            if pending:
+                assert loop.time() < deadline, f"{len(pending)} tasks still unfinished"
+                await asyncio.sleep(0.1)
+        return [done[t] for t in task_ids]
+
+
+async def _migrated(settings: Settings) -> None:
+    await asyncio.to_thread(migrate.upgrade, settings.db_url)
+
+
+@pytest.fixture
+async def gateway(settings: Settings) -> AsyncIterator[Gateway]:
+    """The API without a dispatcher: tasks stay queued until a test starts one."""
+    await _migrated(settings)
+    rt = Runtime(settings)
+    await rt.start()
+    app = create_app(rt, manage=False)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app),
+                                 base_url="http://gateway") as client:
+        yield Gateway(rt, client)
+    await rt.stop()
+
+
+@pytest.fixture
+async def start_dispatcher(settings: Settings) -> AsyncIterator[Callable[[], Awaitable[Runtime]]]:
+    """Start an in-process dispatcher (as many as called); all stop at the end of the test."""
+    started: list[Runtime] = []
+
+    async def start() -> Runtime:
+        rt = Runtime(settings, with_dispatcher=True)
+        await rt.start()
+        started.append(rt)
+        return rt
+
+    yield start
+    for rt in started:
+        await rt.stop(grace_s=1)
+
+
+@pytest.fixture
+def dispatcher_process(env: dict[str, str]) -> Iterator[Callable[..., subprocess.Popen[bytes]]]:
+    """Start `qgw dispatcher` processes; all are stopped at the end of the test."""
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def start(**extra_env: str) -> subprocess.Popen[bytes]:
+        proc = subprocess.Popen([*QGW, "dispatcher"], env={**env, **extra_env},
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        procs.append(proc)
+        return proc
+
+    yield start
+    for proc in procs:
+        stop(proc)
+
+
+@pytest.fixture
+def fresh_upstream() -> Iterator[str]:
+    with mock_upstream() as base:
+        yield base

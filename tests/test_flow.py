@@ -1,0 +1,146 @@
+"""The offline path end to end: submit, wait in line, run against the mock upstream, finish."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from collections.abc import Awaitable, Callable
+from datetime import datetime
+
+import httpx
+
+from app.runtime import Runtime
+from tests.conftest import Gateway
+
+
+def _log(upstream: str, path: str) -> list[dict[str, object]]:
+    return [e for e in httpx.get(f"{upstream}/_mock/log").json() if e["path"] == path]
+
+
+async def test_status_walks_pending_processing_completed(
+    gateway: Gateway, upstream: str, start_dispatcher: Callable[[], Awaitable[Runtime]]
+) -> None:
+    await gateway.add_endpoint("walk", f"{upstream}/walk", max_concurrency=1)
+    auth = await gateway.new_key()
+    task = await gateway.submit(
+        auth,
+        f"{upstream}/walk",
+        body='{"prompt": "cat"}',
+        headers={"X-Mock-Latency-Ms": ["600"]},
+        query_params={"size": ["512"]},
+    )
+    assert task["task_status"] == "pending" and task["wait_num"] == 0
+    first = await gateway.status(auth, task["task_id"])
+    assert first["task_status"] == "pending"
+    assert first["created_at"] and first["started_at"] is None and first["ended_at"] is None
+
+    await start_dispatcher()
+    seen = ["pending"]
+    for _ in range(100):
+        s = await gateway.status(auth, task["task_id"])
+        if s["task_status"] != seen[-1]:
+            seen.append(s["task_status"])
+        if s["task_status"] == "completed":
+            break
+        await asyncio.sleep(0.05)
+    assert seen == ["pending", "processing", "completed"]
+    assert s["result_status_code"] == 200 and s["attempts"] == 1 and s["wait_time"] == 0
+    created, started, ended = (
+        datetime.fromisoformat(s[k]) for k in ("created_at", "started_at", "ended_at")
+    )
+    assert created <= started < ended
+    assert json.loads(s["task_result"])["echo"] == '{"prompt": "cat"}'
+    (call,) = _log(upstream, "/walk")
+    assert call["query"] == {"size": "512"}
+    assert call["idempotency_key"] == task["task_id"]
+
+
+async def test_wait_num_is_exact_and_priority_jumps_the_line(
+    gateway: Gateway, upstream: str
+) -> None:
+    await gateway.add_endpoint("line", f"{upstream}/line", rate=2, interval_ms=1000)
+    auth = await gateway.new_key(max_priority=5)
+    low = [await gateway.submit(auth, f"{upstream}/line") for _ in range(5)]
+    assert [t["wait_num"] for t in low] == [0, 1, 2, 3, 4]
+    vip = await gateway.submit(auth, f"{upstream}/line", priority=3)
+    assert vip["wait_num"] == 0
+    assert [(await gateway.status(auth, t["task_id"]))["wait_num"] for t in low] == [1, 2, 3, 4, 5]
+    s = await gateway.status(auth, low[-1]["task_id"])
+    assert s["wait_time"] == 2.5  # five ahead at two a second
+
+
+async def test_cancelled_pending_task_never_reaches_upstream(
+    gateway: Gateway, upstream: str, start_dispatcher: Callable[[], Awaitable[Runtime]]
+) -> None:
+    await gateway.add_endpoint("cancel", f"{upstream}/cancel")
+    auth = await gateway.new_key()
+    keep = await gateway.submit(auth, f"{upstream}/cancel", body="keep")
+    drop = await gateway.submit(auth, f"{upstream}/cancel", body="drop")
+    r = await gateway.http.post(f"/api/v1/tasks/{drop['task_id']}/cancel", headers=auth)
+    assert r.json() == {"task_id": drop["task_id"], "task_status": "cancelled"}
+    await start_dispatcher()
+    (done,) = await gateway.wait_finished(auth, [keep["task_id"]])
+    assert done["task_status"] == "completed"
+    assert (await gateway.status(auth, drop["task_id"]))["task_status"] == "cancelled"
+    assert [e["body"] for e in _log(upstream, "/cancel")] == ["keep"]
+    again = await gateway.http.post(f"/api/v1/tasks/{keep['task_id']}/cancel", headers=auth)
+    assert again.status_code == 409
+    assert again.json()["error"]["task_status"] == "completed"
+
+
+async def test_500_tasks_arrive_in_priority_then_arrival_order(
+    gateway: Gateway, upstream: str, start_dispatcher: Callable[[], Awaitable[Runtime]]
+) -> None:
+    await gateway.add_endpoint("order", f"{upstream}/order", max_concurrency=1)
+    auth = await gateway.new_key(max_priority=9)
+    rng = random.Random(7)
+    submitted = []
+    for i in range(500):
+        prio = rng.randint(0, 9)
+        await gateway.submit(auth, f"{upstream}/order", priority=prio, body=str(i))
+        submitted.append((prio, i))
+    expected = [str(i) for _, i in sorted(submitted, key=lambda p: (-p[0], p[1]))]
+    await start_dispatcher()
+    for _ in range(600):
+        arrived = [e["body"] for e in _log(upstream, "/order")]
+        if len(arrived) == 500:
+            break
+        await asyncio.sleep(0.05)
+    assert arrived == expected
+
+
+async def test_failed_4xx_keeps_the_response_and_is_not_retried(
+    gateway: Gateway, upstream: str, start_dispatcher: Callable[[], Awaitable[Runtime]]
+) -> None:
+    await gateway.add_endpoint("bad", f"{upstream}/bad", retry_backoff_ms=10)
+    auth = await gateway.new_key()
+    task = await gateway.submit(auth, f"{upstream}/bad", headers={"X-Mock-Status": ["400"]})
+    await start_dispatcher()
+    (s,) = await gateway.wait_finished(auth, [task["task_id"]])
+    assert s["task_status"] == "failed" and s["result_status_code"] == 400
+    assert s["attempts"] == 1 and len(_log(upstream, "/bad")) == 1
+
+
+async def test_5xx_is_retried_up_to_max_retries(
+    gateway: Gateway, upstream: str, start_dispatcher: Callable[[], Awaitable[Runtime]]
+) -> None:
+    await gateway.add_endpoint("flaky", f"{upstream}/flaky", retry_backoff_ms=20, max_retries=2)
+    auth = await gateway.new_key()
+    task = await gateway.submit(auth, f"{upstream}/flaky", headers={"X-Mock-Status": ["503"]})
+    await start_dispatcher()
+    (s,) = await gateway.wait_finished(auth, [task["task_id"]])
+    assert s["task_status"] == "failed" and s["result_status_code"] == 503
+    assert s["attempts"] == 3 and len(_log(upstream, "/flaky")) == 3
+
+
+async def test_other_users_cannot_see_or_cancel_a_task(gateway: Gateway, upstream: str) -> None:
+    await gateway.add_endpoint("mine", f"{upstream}/mine")
+    alice, bob = await gateway.new_key(user_id=1), await gateway.new_key(user_id=2)
+    task = await gateway.submit(alice, f"{upstream}/mine")
+    for r in (
+        await gateway.http.get(f"/api/v1/tasks/{task['task_id']}", headers=bob),
+        await gateway.http.post(f"/api/v1/tasks/{task['task_id']}/cancel", headers=bob),
+    ):
+        assert r.status_code == 404 and r.json()["error"]["code"] == "task_not_found"
+    assert (await gateway.status(alice, task["task_id"]))["task_status"] == "pending"

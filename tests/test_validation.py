@@ -1,0 +1,129 @@
+"""Bad input gets a clear JSON error of API.md's shape, and disturbs nothing already queued."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import Gateway
+
+TARGET = "http://127.0.0.1:9/v/gen"
+
+
+def _is_error(r: object, status: int, code: str | None = None) -> None:
+    assert r.status_code == status, r.text  # type: ignore[attr-defined]
+    err = r.json()["error"]  # type: ignore[attr-defined]
+    assert isinstance(err["message"], str) and err["message"]
+    if code:
+        assert err["code"] == code
+
+
+@pytest.fixture
+async def ready(gateway: Gateway) -> tuple[Gateway, dict[str, str], str]:
+    await gateway.add_endpoint("v", TARGET, methods=["POST", "GET"])
+    auth = await gateway.new_key(max_priority=2)
+    queued = await gateway.submit(auth, TARGET)
+    return gateway, auth, queued["task_id"]
+
+
+BAD_BODIES = [
+    (b"{not json", 400, "invalid_json"),
+    (b"", 400, "invalid_json"),
+    (b"[1, 2]", 422, "invalid_request"),
+    (b'{"http_method": "POST"}', 422, "invalid_request"),  # no target_url
+    (b'{"target_url": 12}', 422, "invalid_request"),
+    (b'{"target_url": "' + TARGET.encode() + b'", "priority": -1}', 422, "invalid_request"),
+    (b'{"target_url": "' + TARGET.encode() + b'", "priority": "1"}', 422, "invalid_request"),
+    (b'{"target_url": "' + TARGET.encode() + b'", "task_type": "batch"}', 422, None),
+    (b'{"target_url": "' + TARGET.encode() + b'", "http_method": "BREW"}', 422, None),
+    (b'{"target_url": "ftp://127.0.0.1:9/v/gen"}', 422, "invalid_request"),
+    (b'{"target_url": "file:///etc/passwd"}', 422, "invalid_request"),
+    (b'{"target_url": "' + TARGET.encode() + b'", "headers": {"A": "b"}}', 422, None),
+    (b'{"target_url": "' + TARGET.encode() + b'", "body": {"x": 1}}', 422, None),
+]
+
+
+@pytest.mark.parametrize(("raw", "status", "code"), BAD_BODIES)
+async def test_bad_submit_bodies(
+    ready: tuple[Gateway, dict[str, str], str], raw: bytes, status: int, code: str | None
+) -> None:
+    gw, auth, queued = ready
+    r = await gw.http.post(
+        "/api/v1/tasks", content=raw, headers={**auth, "Content-Type": "application/json"}
+    )
+    _is_error(r, status, code)
+    assert (await gw.status(auth, queued))["wait_num"] == 0  # still first in line
+
+
+async def test_oversized_body_is_413(ready: tuple[Gateway, dict[str, str], str]) -> None:
+    gw, auth, _ = ready
+    big = "x" * (gw.rt.settings.max_body_bytes + 1)
+    r = await gw.http.post("/api/v1/tasks", headers=auth, json={"target_url": TARGET, "body": big})
+    _is_error(r, 413, "body_too_large")
+
+
+async def test_unregistered_target_is_404(ready: tuple[Gateway, dict[str, str], str]) -> None:
+    gw, auth, _ = ready
+    for url in (
+        "http://127.0.0.1:9/v/other",
+        "http://127.0.0.1:10/v/gen",
+        "https://127.0.0.1:9/v/gen",
+    ):
+        r = await gw.http.post("/api/v1/tasks", headers=auth, json={"target_url": url})
+        _is_error(r, 404, "endpoint_not_registered")
+
+
+async def test_query_string_in_target_url_is_allowed(
+    ready: tuple[Gateway, dict[str, str], str],
+) -> None:
+    gw, auth, _ = ready
+    task = await gw.submit(auth, TARGET + "?size=512")
+    assert task["wait_num"] == 1
+
+
+async def test_method_the_endpoint_does_not_take(
+    ready: tuple[Gateway, dict[str, str], str],
+) -> None:
+    gw, auth, _ = ready
+    r = await gw.http.post(
+        "/api/v1/tasks", headers=auth, json={"target_url": TARGET, "http_method": "DELETE"}
+    )
+    _is_error(r, 422, "method_not_allowed")
+
+
+async def test_priority_above_the_key_is_403_not_clamped(
+    ready: tuple[Gateway, dict[str, str], str],
+) -> None:
+    gw, auth, _ = ready
+    r = await gw.http.post(
+        "/api/v1/tasks", headers=auth, json={"target_url": TARGET, "priority": 3}
+    )
+    _is_error(r, 403, "priority_not_allowed")
+
+
+async def test_missing_or_wrong_key_is_401(ready: tuple[Gateway, dict[str, str], str]) -> None:
+    gw, _, queued = ready
+    for headers in ({}, {"Authorization": "Bearer nope"}, {"X-API-Key": "nope"}):
+        _is_error(
+            await gw.http.post("/api/v1/tasks", headers=headers, json={"target_url": TARGET}),
+            401,
+            "unauthorized",
+        )
+        _is_error(await gw.http.get(f"/api/v1/tasks/{queued}", headers=headers), 401)
+
+
+async def test_unknown_and_malformed_task_ids_are_404(
+    ready: tuple[Gateway, dict[str, str], str],
+) -> None:
+    gw, auth, _ = ready
+    for tid in ("nope", "0" * 32 + ".v", "0" * 32 + ".Bad..id", "%2e%2e"):
+        _is_error(await gw.http.get(f"/api/v1/tasks/{tid}", headers=auth), 404, "task_not_found")
+        _is_error(await gw.http.post(f"/api/v1/tasks/{tid}/cancel", headers=auth), 404)
+
+
+async def test_unknown_route_and_bad_wait_are_json(
+    ready: tuple[Gateway, dict[str, str], str],
+) -> None:
+    gw, auth, queued = ready
+    _is_error(await gw.http.get("/api/v1/nothing", headers=auth), 404)
+    _is_error(await gw.http.get(f"/api/v1/tasks/{queued}?wait=99", headers=auth), 422)
+    _is_error(await gw.http.get(f"/api/v1/tasks/{queued}?wait=x", headers=auth), 422)
