@@ -18,7 +18,7 @@ from app.embedded import EmbeddedRedis
 from app.endpoints import EndpointConfig
 from app.queue.dispatcher import Dispatcher
 from app.queue.keys import Keys
-from app.queue.registry import EndpointRegistry, Mirror, cancel_quietly
+from app.queue.registry import EndpointRegistry, Mirror, cancel_all
 from app.queue.scripts import Scripts
 from app.queue.tasks import TaskQueue
 from app.settings import Settings
@@ -91,8 +91,7 @@ class Runtime:
     async def stop(self, grace_s: float = 10.0) -> None:
         if self.dispatcher:
             await self.dispatcher.stop(grace_s)
-        for task in self._watchers:
-            await cancel_quietly(task)
+        await cancel_all(self._watchers)
         if self.http:
             await self.http.aclose()
         for client in (self._blocking, self.redis):

@@ -24,7 +24,7 @@ from redis.exceptions import RedisError
 
 from app.endpoints import EndpointConfig
 from app.queue.keys import Keys
-from app.queue.registry import EndpointRegistry
+from app.queue.registry import EndpointRegistry, cancel_all
 from app.queue.scripts import Scripts
 from app.queue.upstream import Outcome, Request, backoff_s, call
 from app.settings import Settings
@@ -78,14 +78,10 @@ class Dispatcher:
         A cancelled call's lease runs out and the reaper returns the task to its queue.
         """
         self.stopping.set()
-        for t in self._loops:
-            t.cancel()
-        await asyncio.gather(*self._loops, return_exceptions=True)
+        await cancel_all(self._loops)
         if self.inflight:
             await asyncio.wait(list(self.inflight.values()), timeout=grace_s)
-        for t in list(self.inflight.values()):
-            t.cancel()
-        await asyncio.gather(*self.inflight.values(), return_exceptions=True)
+        await cancel_all([*self.inflight.values(), *self._background])
 
     def _on_config_change(self, changed: set[str]) -> None:
         """A new limit or cap may admit at once: give changed endpoints a claim attempt."""

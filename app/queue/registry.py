@@ -10,10 +10,9 @@ from SQL.  The hot paths (submit, claim, auth) then read only process memory.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, Generic, TypeVar
 
 from redis.asyncio import Redis
@@ -115,9 +114,17 @@ class EndpointRegistry:
         return self._by_url.get(key) if key else None
 
 
-async def cancel_quietly(task: asyncio.Task[Any] | None) -> None:
-    if task is None:
-        return
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError, Exception):
-        await task
+async def cancel_all(tasks: Iterable[asyncio.Task[Any]], timeout_s: float = 5.0) -> None:
+    """Cancel tasks and wait for them, cancelling again as needed.
+
+    redis-py may turn a cancellation that lands mid-command into a connection error, which a
+    retry loop then swallows; cancelling once more ends such a loop on its next await.
+    """
+    pending = set(tasks)
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while pending and asyncio.get_running_loop().time() < deadline:
+        for task in pending:
+            task.cancel()
+        _, pending = await asyncio.wait(pending, timeout=0.1)
+    if pending:
+        log.warning("%d tasks did not stop", len(pending))
