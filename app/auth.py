@@ -18,9 +18,15 @@ def _presented(request: Request) -> str | None:
     return request.headers.get("x-api-key")
 
 
-def runtime(request: Request) -> Runtime:
+def runtime_of(request: Request) -> Runtime:
     rt: Runtime = request.app.state.runtime
     return rt
+
+
+# `async def`: FastAPI runs a plain `def` dependency in a thread pool, which costs more than
+# a Redis round trip. The hot routes (submit, status) call `api_key` directly instead.
+async def runtime(request: Request) -> Runtime:
+    return runtime_of(request)
 
 
 def api_key(request: Request) -> ApiKey:
@@ -29,16 +35,16 @@ def api_key(request: Request) -> ApiKey:
     if not presented:
         raise ApiError(401, "unauthorized", "an API key is required (Authorization: Bearer ...)",
                        {"WWW-Authenticate": "Bearer"})
-    key = runtime(request).api_keys.items.get(hash_key(presented))
+    key = runtime_of(request).api_keys.items.get(hash_key(presented))
     if key is None:
         raise ApiError(401, "unauthorized", "unknown or revoked API key",
                        {"WWW-Authenticate": "Bearer"})
     return key
 
 
-def admin(request: Request) -> None:
+async def admin(request: Request) -> None:
     presented = _presented(request) or ""
-    expected = runtime(request).settings.admin_secret
+    expected = runtime_of(request).settings.admin_secret
     if not hmac.compare_digest(presented.encode(), expected.encode()):
         raise ApiError(401, "unauthorized", "the admin token is required",
                        {"WWW-Authenticate": "Bearer"})

@@ -21,6 +21,7 @@ from app.queue.keys import Keys
 from app.queue.registry import EndpointRegistry, Mirror, cancel_all
 from app.queue.scripts import Scripts
 from app.queue.tasks import TaskQueue
+from app.queue.upstream import upstream_client
 from app.settings import Settings
 from app.store import ApiKey, EndpointStore, KeyStore
 
@@ -80,10 +81,7 @@ class Runtime:
             self._watchers.append(asyncio.create_task(mirror.watch()))
         if self.with_dispatcher:
             self._blocking = redis_client(self.redis_url, s.redis_timeout_s + 2)
-            limits = httpx.Limits(max_connections=s.dispatch_concurrency,
-                                  max_keepalive_connections=s.dispatch_concurrency)
-            # Redirects are not followed: the gateway calls only URLs somebody registered.
-            self.http = httpx.AsyncClient(limits=limits, follow_redirects=False)
+            self.http = upstream_client(s.dispatch_concurrency)
             self.dispatcher = Dispatcher(self.redis, self._blocking, self.keys, scripts,
                                          self.registry, s, self.http)
             self.dispatcher.start()
