@@ -144,3 +144,34 @@ async def test_other_users_cannot_see_or_cancel_a_task(gateway: Gateway, upstrea
     ):
         assert r.status_code == 404 and r.json()["error"]["code"] == "task_not_found"
     assert (await gateway.status(alice, task["task_id"]))["task_status"] == "pending"
+
+
+async def test_online_task_gets_a_permit_and_complete_frees_its_slot(
+    gateway: Gateway, upstream: str, start_dispatcher: Callable[[], Awaitable[Runtime]]
+) -> None:
+    await gateway.add_endpoint("live", f"{upstream}/live", max_concurrency=1, permit_ttl_s=30)
+    auth = await gateway.new_key()
+    first = await gateway.submit(auth, f"{upstream}/live", task_type="online")
+    second = await gateway.submit(auth, f"{upstream}/live", task_type="online")
+    early = await gateway.http.post(f"/api/v1/tasks/{first['task_id']}/complete", headers=auth)
+    assert early.status_code == 409 and early.json()["error"]["task_status"] == "pending"
+    await start_dispatcher()
+    for _ in range(100):
+        s = await gateway.status(auth, first["task_id"])
+        if s["task_status"] == "processing":
+            break
+        await asyncio.sleep(0.05)
+    assert s["permit"]["token"] and s["permit"]["expires_at"]
+    assert (await gateway.status(auth, second["task_id"]))["task_status"] == "pending"  # cap 1
+    r = await gateway.http.post(f"/api/v1/tasks/{first['task_id']}/complete", headers=auth,
+                                json={"task_result": "done"})
+    assert r.json() == {"task_id": first["task_id"], "task_status": "completed"}
+    for _ in range(100):
+        if (await gateway.status(auth, second["task_id"]))["task_status"] == "processing":
+            break
+        await asyncio.sleep(0.05)
+    else:
+        raise AssertionError("the freed slot was not given to the next online task")
+    done = await gateway.status(auth, first["task_id"])
+    assert done["task_result"] == "done" and done["permit"] is None
+    assert _log(upstream, "/live") == []  # online tasks never call the API themselves

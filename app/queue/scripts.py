@@ -41,6 +41,7 @@ class Scripts:
     cancel: AsyncScript
     status: AsyncScript
     promote: AsyncScript
+    complete: AsyncScript
 
     @classmethod
     def register(cls, redis: Redis) -> Scripts:

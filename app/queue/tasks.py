@@ -104,6 +104,21 @@ class TaskQueue:
                            task_status=res[1])
         return TaskStatus.CANCELLED
 
+    async def complete(self, user_id: int, task_id: str, result: str | None) -> TaskStatus:
+        """An admitted online task is done: its slot frees before the permit runs out."""
+        k, e = self.keys, endpoint_of(task_id)
+        res = await self.scripts.complete(
+            keys=[k.task(task_id), k.active(e), k.queue(e), k.wake],
+            args=[task_id, user_id, result or "", self.settings.done_ttl_s * 1000, e],
+        )
+        if res[0] == "missing":
+            raise ApiError(404, "task_not_found", f"no task {task_id!r}")
+        if res[0] == "conflict":
+            raise ApiError(409, "task_not_completable",
+                           f"task {task_id!r} is {res[1]}; only an admitted online task can be "
+                           "completed", task_status=res[1])
+        return TaskStatus.COMPLETED
+
 
 def estimate_wait(endpoint: EndpointConfig | None, ahead: int, exec_ms: Any) -> float:
     """Seconds until a task with `ahead` tasks before it starts: ahead / sustainable throughput.

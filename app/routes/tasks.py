@@ -14,6 +14,7 @@ from app.auth import api_key, runtime, runtime_of
 from app.errors import ApiError
 from app.models import (
     CancelResponse,
+    CompleteRequest,
     ErrorResponse,
     SubmitRequest,
     SubmitResponse,
@@ -101,3 +102,15 @@ async def cancel(task_id: str, caller: Caller, rt: Rt) -> CancelResponse:
     """Cancel a pending task, or an admitted online one."""
     status = await rt.queue.cancel(caller.user_id, _checked(task_id))
     return CancelResponse(task_id=task_id, task_status=status)
+
+
+@router.post("/tasks/{task_id}/complete", response_model=CancelResponse, responses=ERRORS,
+             openapi_extra={"requestBody": {"required": False, "content": {
+                 "application/json": {"schema": CompleteRequest.model_json_schema()}}}})
+async def complete(request: Request, task_id: str, caller: Caller, rt: Rt) -> CancelResponse:
+    """An admitted online task is done; optional body `{"task_result": "..."}`."""
+    tid = _checked(task_id)
+    raw = await read_limited(request, rt.settings.max_body_bytes)
+    body = parse(CompleteRequest, raw) if raw.strip() else CompleteRequest()
+    status = await rt.queue.complete(caller.user_id, tid, body.task_result)
+    return CancelResponse(task_id=tid, task_status=status)

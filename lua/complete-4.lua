@@ -1,0 +1,20 @@
+--[[ An online task's caller is done with the business API: free its slot before the permit
+expires, and keep the result it reports.
+KEYS[1] task    KEYS[2] active    KEYS[3] queue    KEYS[4] wake
+ARGV[1] task id    ARGV[2] user id    ARGV[3] result    ARGV[4] done TTL (ms)    ARGV[5] endpoint
+Returns {'completed'} | {'missing'} | {'conflict', current status}.
+]]
+--@include now.lua
+
+local f = redis.call('HMGET', KEYS[1], 'user_id', 'status', 'type')
+if not f[1] or f[1] ~= ARGV[2] then return {'missing'} end
+if f[2] ~= 'processing' or f[3] ~= 'online' then return {'conflict', f[2]} end
+local now = now_ms()
+redis.call('ZREM', KEYS[2], ARGV[1])
+redis.call('HDEL', KEYS[1], 'lease', 'deadline')
+redis.call('HSET', KEYS[1], 'status', 'completed', 'result', ARGV[3], 'ended_at', now)
+redis.call('PEXPIRE', KEYS[1], ARGV[4])
+if redis.call('ZCARD', KEYS[3]) > 0 then
+  redis.call('ZADD', KEYS[4], 'NX', now, ARGV[5])
+end
+return {'completed'}
