@@ -8,7 +8,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from app import __version__, errors
-from app.routes import admin, ops, tasks
+from app.routes import admin, auth_check, ops, tasks
 from app.runtime import Runtime
 
 
@@ -32,6 +32,6 @@ def create_app(
     app = FastAPI(title="queue-gateway", version=__version__, lifespan=lifespan)
     app.state.runtime = runtime
     errors.install(app)
-    for router in (tasks.router, admin.router, ops.router):
+    for router in (tasks.router, auth_check.router, admin.router, ops.router):
         app.include_router(router)
     return app

@@ -42,6 +42,7 @@ class Scripts:
     status: AsyncScript
     promote: AsyncScript
     complete: AsyncScript
+    permit: AsyncScript
 
     @classmethod
     def register(cls, redis: Redis) -> Scripts:
