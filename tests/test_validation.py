@@ -127,3 +127,18 @@ async def test_unknown_route_and_bad_wait_are_json(
     _is_error(await gw.http.get("/api/v1/nothing", headers=auth), 404)
     _is_error(await gw.http.get(f"/api/v1/tasks/{queued}?wait=99", headers=auth), 422)
     _is_error(await gw.http.get(f"/api/v1/tasks/{queued}?wait=x", headers=auth), 422)
+
+
+async def test_daily_quota_answers_429_with_retry_after(gateway: Gateway) -> None:
+    await gateway.add_endpoint("q", "http://127.0.0.1:9/q")
+    r = await gateway.http.post("/admin/v1/api-keys", headers=gateway.admin,
+                                json={"user_id": 5, "daily_quota": 2})
+    auth = {"Authorization": f"Bearer {r.json()['key']}"}
+    for _ in range(2):
+        await gateway.submit(auth, "http://127.0.0.1:9/q")
+    r = await gateway.http.post("/api/v1/tasks", headers=auth,
+                                json={"target_url": "http://127.0.0.1:9/q"})
+    _is_error(r, 429, "quota_exceeded")
+    assert 0 < int(r.headers["Retry-After"]) <= 86400
+    bad = await gateway.http.post("/api/v1/tasks", headers=auth, json={"target_url": 1})
+    _is_error(bad, 422)  # bad input is not counted, and not confused with the quota

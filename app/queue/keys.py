@@ -43,6 +43,9 @@ class Keys:
     def idempotency(self, user_id: int, key: str) -> str:
         return f"{self.prefix}:idem:{user_id}:{key}"
 
+    def quota(self, user_id: int, day: int) -> str:
+        return f"{self.prefix}:quota:{user_id}:{day}"
+
     @property
     def wake(self) -> str:
         """ZSet of endpoints worth a claim attempt; score = when (ms, Redis clock)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,6 +17,7 @@ from app.queue.ids import new_task_id
 from app.queue.keys import Keys, endpoint_of
 from app.queue.scripts import Scripts
 from app.settings import Settings
+from app.store import ApiKey
 from app.timefmt import rfc3339
 
 IDEMPOTENCY_TTL_MS = 24 * 3600 * 1000
@@ -29,11 +31,12 @@ class TaskQueue:
     settings: Settings
 
     async def submit(
-        self, user_id: int, endpoint: EndpointConfig, req: SubmitRequest, idem_key: str | None
+        self, key: ApiKey, endpoint: EndpointConfig, req: SubmitRequest, idem_key: str | None
     ) -> SubmitResponse | str:
         """Enqueue; returns the response, or the id of the task an Idempotency-Key names."""
-        e, k = endpoint.id, self.keys
+        e, k, user_id = endpoint.id, self.keys, key.user_id
         task_id = new_task_id(e)
+        day = int(time.time() // 86400)
         fields: list[str | int] = [
             "user_id", user_id, "type", req.task_type, "priority", req.priority,
             "method", req.http_method, "url", req.target_url, "body", req.body,
@@ -42,13 +45,18 @@ class TaskQueue:
         ]
         idem = k.idempotency(user_id, idem_key) if idem_key else k.idempotency(user_id, "-")
         res = await self.scripts.submit(
-            keys=[k.queue(e), k.task(task_id), k.seq(e), k.wake, idem],
+            keys=[k.queue(e), k.task(task_id), k.seq(e), k.wake, idem, k.quota(user_id, day)],
             args=[task_id, e, req.priority, endpoint.max_queue_len,
                   self.settings.pending_ttl_s * 1000, "1" if idem_key else "0",
-                  IDEMPOTENCY_TTL_MS, *fields],
+                  IDEMPOTENCY_TTL_MS, key.daily_quota, (day + 1) * 86_400_000, *fields],
         )
         if res[0] == "dup":
             return str(res[1])
+        if res[0] == "quota":
+            retry = max(1, int(res[1]) // 1000 + 1)
+            raise ApiError(429, "quota_exceeded",
+                           f"the daily quota of {key.daily_quota} tasks is used up",
+                           {"Retry-After": str(retry)})
         if res[0] == "full":
             raise ApiError(503, "queue_full", f"the queue of {e!r} is full",
                            {"Retry-After": "5"})

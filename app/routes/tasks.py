@@ -65,7 +65,7 @@ async def submit(request: Request) -> JSONResponse:
     if idempotency_key is not None and not IDEM_KEY.match(idempotency_key):
         raise ApiError(400, "invalid_idempotency_key",
                        "Idempotency-Key must be 1-128 visible ASCII characters")
-    result = await rt.queue.submit(caller.user_id, endpoint, req, idempotency_key)
+    result = await rt.queue.submit(caller, endpoint, req, idempotency_key)
     if isinstance(result, str):  # a repeat: answer with the first task
         view = await rt.queue.status(caller.user_id, result, rt.registry.get(endpoint.id))
         result = SubmitResponse(task_id=view.task_id, task_status=view.task_status,

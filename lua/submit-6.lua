@@ -4,16 +4,23 @@ KEYS[2] task       Hash of the new task
 KEYS[3] seq        arrival counter of the endpoint
 KEYS[4] wake       ZSet of endpoints worth a claim attempt
 KEYS[5] idem       idempotency key (unused unless ARGV[6] == '1')
+KEYS[6] quota      the caller's counter for today (seed 000: INCR, expiring at the day's end)
 ARGV[1] task id    ARGV[2] endpoint id    ARGV[3] priority    ARGV[4] max queue length
 ARGV[5] pending TTL (ms)    ARGV[6] '1' to honour KEYS[5]    ARGV[7] idempotency TTL (ms)
-ARGV[8..] field, value pairs of the task
-Returns {'ok', task id, rank, created_at} | {'dup', first task id} | {'full'}
+ARGV[8] daily quota (0 = none)    ARGV[9] end of the day (unix ms)
+ARGV[10..] field, value pairs of the task
+Returns {'ok', task id, rank, created_at} | {'dup', first task id} | {'full'} |
+{'quota', ms until the quota resets}
 ]]
 --@include now.lua
 
 if ARGV[6] == '1' then
   local first = redis.call('GET', KEYS[5])
   if first then return {'dup', first} end
+end
+local quota = tonumber(ARGV[8])
+if quota > 0 and tonumber(redis.call('GET', KEYS[6]) or '0') >= quota then
+  return {'quota', redis.call('PTTL', KEYS[6])}
 end
 local max_len = tonumber(ARGV[4])
 if max_len > 0 and redis.call('ZCARD', KEYS[1]) >= max_len then
@@ -27,11 +34,14 @@ local seq = redis.call('INCR', KEYS[3])
 local score = int(-tonumber(ARGV[3]) * 8796093022208 + seq)
 
 redis.call('HSET', KEYS[2], 'status', 'pending', 'created_at', now, 'score', score,
-  'attempts', 0, unpack(ARGV, 8))
+  'attempts', 0, unpack(ARGV, 10))
 redis.call('PEXPIRE', KEYS[2], ARGV[5])
 redis.call('ZADD', KEYS[1], score, ARGV[1])
 redis.call('ZADD', KEYS[4], 'NX', now, ARGV[2])
 if ARGV[6] == '1' then
   redis.call('SET', KEYS[5], ARGV[1], 'PX', ARGV[7])
+end
+if quota > 0 and redis.call('INCR', KEYS[6]) == 1 then
+  redis.call('PEXPIREAT', KEYS[6], ARGV[9])
 end
 return {'ok', ARGV[1], redis.call('ZRANK', KEYS[1], ARGV[1]), now}
