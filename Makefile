@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
 
-.PHONY: run test lint bench clean
+.PHONY: run test lint fuzz bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,6 +19,10 @@ run: $(STAMP)
 ## Lint, type-check and run the test suite against real servers.
 test: $(STAMP) lint
 	$(BIN)/pytest -q
+
+## schemathesis against our own OpenAPI document: every route, valid credentials, bounded.
+fuzz: $(STAMP)
+	$(BIN)/python tests/fuzz_api.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check app tests bench

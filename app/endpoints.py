@@ -5,9 +5,9 @@ from __future__ import annotations
 from typing import Annotated, Literal
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
+from pydantic import ConfigDict, Field, StringConstraints, field_validator
 
-from app.models import ENDPOINT_ID, HTTP_METHODS
+from app.models import ENDPOINT_ID, HTTP_METHODS, HTTP_URL, StrictInput
 
 Limiter = Literal["sliding_window", "fixed_window", "token_bucket"]
 Method = Literal["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
@@ -31,13 +31,17 @@ def url_key(url: str) -> tuple[str, str, int, str] | None:
     return scheme, parts.hostname.lower(), port, parts.path or "/"
 
 
-class EndpointSettings(BaseModel):
+TargetUrl = Annotated[
+    str, StringConstraints(max_length=2048, pattern=HTTP_URL + r"(/[^?#\x00-\x20\x7f-\x9f]*)?$")]
+
+
+class EndpointSettings(StrictInput):
     """Everything about an endpoint but its id: the body of PUT, and of PATCH with fields unset."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     name: Annotated[str, StringConstraints(max_length=200)] = ""
-    target_url: Annotated[str, StringConstraints(max_length=2048)]
+    target_url: TargetUrl
     methods: list[Method] = Field(default_factory=_post_only, min_length=1)
     limiter: Limiter = "sliding_window"
     rate: int = Field(0, ge=0, le=1_000_000, description="admissions per interval; 0 = unlimited")
@@ -61,7 +65,9 @@ class EndpointSettings(BaseModel):
 
     @field_validator("target_url")
     @classmethod
-    def _http_url(cls, v: str) -> str:
+    def _http_url(cls, v: str | None) -> str | None:
+        if v is None:  # PATCH leaves it as it is
+            return v
         if url_key(v) is None:
             raise ValueError("target_url must be an absolute http:// or https:// URL")
         if urlsplit(v).query or urlsplit(v).fragment:

@@ -12,6 +12,7 @@ from pydantic import ValidationError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.exceptions import HTTPException
+from starlette.routing import Match
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,15 @@ def describe(exc: ValidationError | RequestValidationError) -> str:
     return "; ".join(parts[:5])
 
 
+def _allowed(app: FastAPI, request: Request) -> set[str]:
+    methods: set[str] = set()
+    for route in app.router.routes:
+        match, _ = route.matches({**request.scope, "method": "GET"})
+        if match is not Match.NONE:
+            methods |= getattr(route, "methods", None) or set()
+    return methods
+
+
 _HTTP_CODES = {401: "unauthorized", 403: "forbidden", 404: "not_found", 405: "method_not_allowed"}
 
 
@@ -60,9 +70,12 @@ def install(app: FastAPI) -> None:
         return error_response(422, "invalid_request", describe(exc))
 
     @app.exception_handler(HTTPException)
-    async def _http(_: Request, exc: HTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: HTTPException) -> JSONResponse:
         code = _HTTP_CODES.get(exc.status_code, "http_error")
         headers = dict(exc.headers) if exc.headers else None
+        if exc.status_code == 405:
+            # Starlette names only the first route that matched the path; list them all.
+            headers = {"Allow": ", ".join(sorted(_allowed(app, request)))}
         return error_response(exc.status_code, code, str(exc.detail), headers)
 
     @app.exception_handler(RedisConnectionError)

@@ -6,6 +6,7 @@ import asyncio
 import email.utils
 import json
 import random
+import re
 import time
 from dataclasses import dataclass
 
@@ -21,12 +22,15 @@ _ALLOWED = frozenset({
 })
 _DENIED_PREFIXES = ("x-api-key", "x-queue-", "x-forwarded-", "x-real-ip", "x-original-")
 MAX_RETRY_AFTER_S = 300.0
+_TOKEN = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]{1,128}$")  # RFC 9110 field name
 
 
 def forwardable(headers: dict[str, list[str]]) -> list[tuple[str, str]]:
     out: list[tuple[str, str]] = []
     for name, values in headers.items():
         low = name.lower()
+        if not _TOKEN.match(name):
+            continue
         if low in _ALLOWED or (low.startswith("x-") and not low.startswith(_DENIED_PREFIXES)):
             out.extend((name, v) for v in values)
     return out

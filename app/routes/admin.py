@@ -8,8 +8,8 @@ from fastapi import APIRouter, Depends, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from app.auth import admin, runtime
-from app.endpoints import EndpointConfig, EndpointSettings
-from app.models import MAX_PRIORITY, ErrorResponse
+from app.endpoints import EndpointConfig, EndpointSettings, TargetUrl
+from app.models import MAX_PRIORITY, ErrorResponse, StrictInput
 from app.queue.stats import queue_stats
 from app.routes.body import body_schema, parse, read_limited
 from app.runtime import Runtime
@@ -23,9 +23,9 @@ Rt = Annotated[Runtime, Depends(runtime)]
 ADMIN_BODY_LIMIT = 64 * 1024
 
 
-class ApiKeyCreate(BaseModel):
+class ApiKeyCreate(StrictInput):
     model_config = ConfigDict(extra="forbid", strict=True)
-    user_id: int = Field(ge=0, le=2**63 - 1)
+    user_id: int = Field(ge=0, le=2**53, description="up to 2^53: exact in every JSON parser")
     tier: str = Field("standard", min_length=1, max_length=32)
     max_priority: int = Field(0, ge=0, le=MAX_PRIORITY)
     daily_quota: int = Field(0, ge=0, le=2**31 - 1, description="0 = unlimited")
@@ -66,18 +66,19 @@ async def replace_endpoint(endpoint_id: str, request: Request, rt: Rt) -> Endpoi
     return await rt.endpoints.update(endpoint_id, config.model_dump())
 
 
-@router.patch("/endpoints/{endpoint_id}", response_model=EndpointConfig,
-              openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
-                  "schema": {"type": "object", "description": "any fields of an endpoint"}}}}})
-async def patch_endpoint(endpoint_id: str, request: Request, rt: Rt) -> EndpointConfig:
-    changes = parse(_Patch, await read_limited(request, ADMIN_BODY_LIMIT))
-    return await rt.endpoints.update(endpoint_id, changes.model_dump(exclude_unset=True))
-
-
-class _Patch(EndpointSettings):
+class EndpointPatch(EndpointSettings):
     """PATCH: every field optional; the merged result is validated in full."""
 
-    target_url: str | None = None  # type: ignore[assignment]
+    target_url: TargetUrl | None = None  # type: ignore[assignment]
+
+
+@router.patch("/endpoints/{endpoint_id}", response_model=EndpointConfig,
+              openapi_extra=body_schema(EndpointPatch))
+async def patch_endpoint(endpoint_id: str, request: Request, rt: Rt) -> EndpointConfig:
+    changes = parse(EndpointPatch, await read_limited(request, ADMIN_BODY_LIMIT))
+    # null means "leave as is": no endpoint field can be null.
+    return await rt.endpoints.update(
+        endpoint_id, changes.model_dump(exclude_unset=True, exclude_none=True))
 
 
 @router.delete("/endpoints/{endpoint_id}", status_code=204)
