@@ -20,7 +20,7 @@ async def queue_stats(redis: Redis, keys: Keys, endpoints: list[EndpointConfig])
             pipe.zrange(keys.queue(ep.id), 0, 0)
             pipe.hgetall(keys.stats(ep.id))
             if ep.limiter == "sliding_window":
-                pipe.zcount(keys.ratelimit(ep.id, ep.limiter), now - ep.interval_ms, "+inf")
+                pipe.zcount(keys.ratelimit(ep.id, ep.limiter), f"({now - ep.interval_ms}", "+inf")
             else:
                 pipe.exists(keys.ratelimit(ep.id, ep.limiter))  # placeholder keeps the stride
         raw = await pipe.execute()
