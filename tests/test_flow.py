@@ -175,3 +175,27 @@ async def test_online_task_gets_a_permit_and_complete_frees_its_slot(
     done = await gateway.status(auth, first["task_id"])
     assert done["task_result"] == "done" and done["permit"] is None
     assert _log(upstream, "/live") == []  # online tasks never call the API themselves
+
+
+async def test_only_allowed_headers_reach_the_upstream_and_redirects_are_not_followed(
+    gateway: Gateway, upstream: str, start_dispatcher: Callable[[], Awaitable[Runtime]]
+) -> None:
+    await gateway.add_endpoint("hdr", f"{upstream}/hdr")
+    auth = await gateway.new_key()
+    sent = {"Content-Type": ["application/json"], "X-Trace": ["t1"], "Connection": ["close"],
+            "Host": ["evil.example"], "Authorization": ["Bearer gateway-key"],
+            "X-API-Key": ["k"], "X-Queue-Permit": ["p"], "Transfer-Encoding": ["chunked"],
+            "Bad Name": ["x"]}
+    task = await gateway.submit(auth, f"{upstream}/hdr", headers=sent)
+    moved = await gateway.submit(auth, f"{upstream}/hdr", headers={"X-Mock-Status": ["302"]})
+    await start_dispatcher()
+    done, redirected = await gateway.wait_finished(auth, [task["task_id"], moved["task_id"]])
+    assert done["task_status"] == "completed"
+    assert redirected["task_status"] == "failed" and redirected["result_status_code"] == 302
+    first, second = _log(upstream, "/hdr")
+    got = first["headers"]
+    assert got["content-type"] == "application/json" and got["x-trace"] == "t1"  # type: ignore[index]
+    for name in ("authorization", "x-api-key", "x-queue-permit", "transfer-encoding"):
+        assert name not in got  # type: ignore[operator]
+    assert got["host"] != "evil.example"  # type: ignore[index]
+    assert second["status"] == 302 and len(_log(upstream, "/hdr")) == 2
