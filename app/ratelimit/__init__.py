@@ -1,0 +1,71 @@
+"""Per-endpoint rate limits: sliding window, fixed window, token bucket; Lua behind one interface.
+
+The limiters live in `lua/includes/ratelimit.lua`.  The dispatcher checks them inside the claim
+script (`claim-5.lua`), atomically with the pop; `Limiter` runs the very same code alone, for
+callers that want a limit without a queue (and for tests of the limiters themselves).
+Every check uses the Redis clock, so processes with skewed clocks agree.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from dataclasses import dataclass
+from typing import get_args
+
+from redis.asyncio import Redis
+from redis.commands.core import AsyncScript
+
+from app.endpoints import EndpointConfig
+from app.endpoints import Limiter as Kind
+from app.queue.keys import Keys
+from app.queue.scripts import source
+
+KINDS: tuple[Kind, ...] = get_args(Kind)
+
+
+@dataclass(frozen=True, slots=True)
+class Limit:
+    """At most `rate` admissions per `interval_ms`; rate 0 means no limit."""
+
+    kind: Kind = "sliding_window"
+    rate: int = 0
+    interval_ms: int = 1000
+
+    @classmethod
+    def of(cls, endpoint: EndpointConfig) -> Limit:
+        return cls(endpoint.limiter, endpoint.rate, endpoint.interval_ms)
+
+
+class Limiter:
+    """Acquire admissions under one limit, keyed per endpoint as the dispatcher keys them."""
+
+    def __init__(self, redis: Redis, limit: Limit, keys: Keys | None = None) -> None:
+        if limit.kind not in KINDS:
+            raise ValueError(f"unknown limiter {limit.kind!r}; one of {', '.join(KINDS)}")
+        self.redis, self.limit, self.keys = redis, limit, keys or Keys()
+        self._script: AsyncScript = redis.register_script(source("ratelimit"))
+
+    def key(self, endpoint_id: str) -> str:
+        return self.keys.ratelimit(endpoint_id, self.limit.kind)
+
+    async def acquire(self, endpoint_id: str, member: str | None = None) -> int:
+        """0 if admitted (and recorded), else the exact ms until an admission could succeed.
+
+        `member` names the admission in a sliding window; it must be unique (a fresh random
+        one by default): two admissions with one member would count once.
+        """
+        lim = self.limit
+        wait, _now = await self._script(
+            keys=[self.key(endpoint_id)],
+            args=[lim.kind, lim.rate, lim.interval_ms, member or secrets.token_hex(8)],
+        )
+        return int(wait)
+
+    async def wait(self, endpoint_id: str) -> None:
+        """Return once admitted, sleeping exactly as long as the limiter says between tries."""
+        while True:
+            wait_ms = await self.acquire(endpoint_id)
+            if wait_ms == 0:
+                return
+            await asyncio.sleep(wait_ms / 1000)

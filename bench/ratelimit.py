@@ -1,0 +1,328 @@
+"""Rate limits under a backlog: the gateway's claim-time limiter vs the seed's loop, same run.
+
+For rates of 50, 200 and 1000 calls per 1000 ms (sliding window), a backlog of 5 s worth of tasks
+is drained into the mock upstream (latency 0) by
+  ours   one or two `qgw dispatcher` processes (the limiter runs inside the claim script);
+  seed   one or two processes running a faithful copy of the seed's loop (seeds/002): BZPOPMIN
+         a task, check a sliding window whose member is the caller's millisecond, and when
+         limited put the task back and sleep the whole loop, 1 s doubling, capped at the
+         interval, at most 5 tries, un-recording the check that finally passes.
+Measured on what the upstream received (arrival times in its log), each call against the one
+`rate` places before it (the steady state: the opening allowance does not count):
+  delivered  interval / mean gap between call j and call j - rate: 1.000 is exactly the rate
+  worst      the most calls in any window [t, t + interval), at the upstream and on the
+             limiter's own clock (ours: the claim's Redis time; seed: the millisecond it used)
+  slot       from a slot opening (the call `rate` places back + interval) to the call using
+             it, p50 and p99 in ms; negative means the upstream saw that window overfull
+  transit    from admission to arrival at the upstream, p99 in ms: the dispatch jitter that
+             the upstream sees on top of the limiter's exact windows
+Loopback only; bounded to about three minutes.  Run: .venv/bin/python bench/ratelimit.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+from redis.asyncio import Redis
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from app import migrate
+from app.main import create_app
+from app.queue.upstream import upstream_client
+from app.runtime import Runtime
+from app.settings import Settings
+from bench._load import spawn
+from tests.servers import QGW, RedisServer, free_port, stop, wait_port
+
+RATES = (50, 200, 1000)
+INTERVAL_MS = 1000
+BACKLOG_S = 5
+BUDGET_S = 170.0  # no run starts, and every run is cut short, past this: the whole < 3 min
+STARTED = time.monotonic()
+
+
+# -- measuring -------------------------------------------------------------------------------
+
+@dataclass
+class Row:
+    impl: str
+    procs: int
+    rate: int
+    calls: int
+    delivered: float
+    worst_upstream: int
+    worst_limiter: int
+    slot_p50: float
+    slot_p99: float
+    transit_p99: float
+
+
+def worst_window(times: list[float], width: float) -> int:
+    most, j = 0, 0
+    for i, t in enumerate(times):
+        while j < len(times) and times[j] < t + width:
+            j += 1
+        most = max(most, j - i)
+    return most
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
+
+
+def measure(impl: str, procs: int, rate: int, arrived: dict[str, float],
+            admitted: dict[str, float]) -> Row:
+    """arrived: call id -> arrival at the upstream (ms); admitted: call id -> admission (ms)."""
+    t = sorted(arrived.values())
+    # Steady state: each call against the one `rate` places before it, so neither the opening
+    # allowance nor the spread of the first and last bursts counts.
+    periods = [t[j] - t[j - rate] for j in range(rate, len(t))]
+    delivered = INTERVAL_MS / (sum(periods) / len(periods)) if periods else float("nan")
+    slot = [p - INTERVAL_MS for p in periods]
+    transit = [arrived[k] - admitted[k] for k in arrived if k in admitted]
+    return Row(impl, procs, rate, len(t), delivered, worst_window(t, INTERVAL_MS),
+               worst_window(sorted(admitted.values()), INTERVAL_MS), percentile(slot, 0.5),
+               percentile(slot, 0.99), percentile(transit, 0.99))
+
+
+async def arrivals(mock: str, path: str, n: int, timeout: float) -> list[dict[str, object]]:
+    """The upstream's log of `path` once it holds n calls (or the time is up)."""
+    deadline = min(time.monotonic() + timeout, STARTED + BUDGET_S)
+    async with httpx.AsyncClient() as http:
+        while True:
+            received = (await http.get(f"{mock}/_mock/stats")).json()["received"]
+            if received >= n or time.monotonic() > deadline:
+                log: list[dict[str, object]] = (await http.get(f"{mock}/_mock/log")).json()
+                return [e for e in log if e["path"] == path]
+            await asyncio.sleep(0.25)
+
+
+async def reset(mock: str) -> None:
+    async with httpx.AsyncClient() as http:
+        (await http.post(f"{mock}/_mock/reset")).raise_for_status()
+
+
+# -- ours ------------------------------------------------------------------------------------
+
+async def run_ours(api: Api, env: dict[str, str], mock: str, rate: int, procs: int) -> Row:
+    eid, n = f"ours-{rate}-{procs}", rate * BACKLOG_S
+    url = f"{mock}/{eid}"
+    await api.admin("POST", "/admin/v1/endpoints", id=eid, target_url=url, rate=rate,
+                    interval_ms=INTERVAL_MS, max_queue_len=0)
+    ids = await api.submit_all(url, n)
+    await api.admin("PATCH", f"/admin/v1/endpoints/{eid}", enabled=False)  # hold the backlog
+    await reset(mock)
+    workers = [spawn([*QGW, "dispatcher"], env) for _ in range(procs)]
+    try:
+        await blocked_on(api.rt.redis, procs)  # until every dispatcher is up
+        await api.admin("PATCH", f"/admin/v1/endpoints/{eid}", enabled=True)
+        log = await arrivals(mock, f"/{eid}", n, timeout=BACKLOG_S * 4 + 10)
+    finally:
+        for w in workers:
+            stop(w)
+    async with api.rt.redis.pipeline(transaction=False) as pipe:
+        for tid in ids:
+            pipe.hget(api.rt.keys.task(tid), "started_at")
+        started = dict(zip(ids, await pipe.execute(), strict=True))
+    admitted = {k: float(v) for k, v in started.items() if v is not None}
+    return measure("ours", procs, rate, by_call(log), admitted)
+
+
+def by_call(log: list[dict[str, object]]) -> dict[str, float]:
+    """Arrival time (ms) of each call, by the Idempotency-Key the caller sent."""
+    return {str(e["idempotency_key"]): float(str(e["t"])) for e in log}
+
+
+@dataclass
+class Api:
+    """The gateway in-process, spoken to over its HTTP API (as tests/conftest.py does)."""
+
+    rt: Runtime
+    http: httpx.AsyncClient
+    auth: dict[str, str] = field(default_factory=dict)
+
+    async def admin(self, method: str, path: str, **body: Any) -> dict[str, Any]:
+        r = await self.http.request(method, path, json=body,
+                                    headers={"Authorization": "Bearer bench"})
+        r.raise_for_status()
+        out: dict[str, Any] = r.json()
+        return out
+
+    async def submit_all(self, url: str, n: int) -> list[str]:
+        if not self.auth:
+            key = (await self.admin("POST", "/admin/v1/api-keys", user_id=1))["key"]
+            self.auth = {"Authorization": f"Bearer {key}"}
+        ids: list[str] = []
+        for i in range(n):
+            r = await self.http.post("/api/v1/tasks", headers=self.auth,
+                                     json={"target_url": url, "body": str(i)})
+            r.raise_for_status()
+            ids.append(r.json()["task_id"])
+        return ids
+
+
+async def blocked_on(redis: Redis, count: int, timeout: float = 30) -> None:
+    """Wait until `count` dispatchers block on their wake markers: they are up and idle."""
+    deadline = time.monotonic() + timeout
+    while sum(c.get("cmd") == "bzpopmin" for c in await redis.client_list()) < count:
+        if time.monotonic() > deadline:
+            raise TimeoutError("dispatchers did not start")
+        await asyncio.sleep(0.1)
+
+
+# -- the seed --------------------------------------------------------------------------------
+
+# The seed's sliding window, with the caller's clock and its millisecond as the member.
+SEED_LIMIT = """
+local now, interval, rate = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+redis.call('ZREMRANGEBYSCORE', KEYS[1], 0, now - interval)
+if redis.call('ZCARD', KEYS[1]) >= rate then return 1 end
+redis.call('ZADD', KEYS[1], now, ARGV[1])
+redis.call('PEXPIRE', KEYS[1], interval)
+return 0
+"""
+
+
+async def seed_loop(redis_url: str, name: str, rate: int, interval_ms: int) -> None:
+    """The seed's dispatcher, step for step (seeds/002), for one queue."""
+    redis = Redis.from_url(redis_url, decode_responses=True)
+    limit = redis.register_script(SEED_LIMIT)
+    queue, window = f"seed:{name}:q", f"seed:{name}:rl"
+    http = upstream_client(1000)
+    running: set[asyncio.Task[None]] = set()
+
+    async def limited(now: int) -> bool:
+        return bool(await limit(keys=[window], args=[now, interval_ms, rate]))
+
+    async def execute(task_id: str, task: dict[str, str], admitted: int) -> None:
+        resp = await http.post(task["url"], content=task["body"],
+                               headers={"Idempotency-Key": task_id})
+        await redis.set(f"seed:{name}:result:{task_id}", resp.text, ex=3600)
+        await redis.hset(f"seed:{name}:admitted", task_id, admitted)
+
+    while True:
+        popped = await redis.bzpopmin(queue, timeout=1)
+        if popped is None:
+            continue
+        task_id, score = str(popped[1]), float(popped[2])
+        task = json.loads(await redis.get(f"seed:{name}:task:{task_id}") or "{}")
+        now = int(time.time() * 1000)
+        if await limited(now):
+            await redis.zadd(queue, {task_id: score})  # put the task back
+            for retry in range(5):
+                await asyncio.sleep(min(1.0 * 2 ** retry, interval_ms / 1000))
+                now = int(time.time() * 1000)
+                if not await limited(now):
+                    await redis.zrem(window, now)  # un-record the check that passed
+                    break
+            continue
+        job = asyncio.create_task(execute(task_id, task, now))  # `go Execute(task)`
+        running.add(job)
+        job.add_done_callback(running.discard)
+
+
+async def run_seed(redis_url: str, mock: str, rate: int, procs: int) -> Row:
+    name, n = f"{rate}-{procs}", rate * BACKLOG_S
+    url = f"{mock}/seed-{name}"
+    async with Redis.from_url(redis_url, decode_responses=True) as redis:
+        async with redis.pipeline(transaction=False) as pipe:
+            for i in range(n):
+                tid = f"{name}-{i:06d}"
+                pipe.set(f"seed:{name}:task:{tid}", json.dumps({"url": url, "body": str(i)}))
+                pipe.zadd(f"seed:{name}:q", {tid: i})  # -priority * 1e9 + ts, one priority
+            await pipe.execute()
+        await reset(mock)
+        workers = [spawn([sys.executable, __file__, "--seed", redis_url, name, str(rate)])
+                   for _ in range(procs)]
+        try:
+            log = await arrivals(mock, f"/seed-{name}", n, timeout=BACKLOG_S * 6 + 15)
+        finally:
+            for w in workers:
+                stop(w)
+        raw = await redis.hgetall(f"seed:{name}:admitted")
+    return measure("seed", procs, rate, by_call(log), {str(k): float(v) for k, v in raw.items()})
+
+
+# -- the run ---------------------------------------------------------------------------------
+
+def table(rows: list[Row]) -> str:
+    head = (f"{'impl':<5} {'procs':>5} {'rate/s':>6} {'calls':>5} {'delivered':>9} "
+            f"{'worst@upstream':>14} {'worst@limiter':>13} {'slot p50':>8} {'slot p99':>8} "
+            f"{'transit p99':>11}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(
+            f"{r.impl:<5} {r.procs:>5} {r.rate:>6} {r.calls:>5} {r.delivered:>9.3f} "
+            f"{f'{r.worst_upstream}/{r.rate}':>14} {f'{r.worst_limiter}/{r.rate}':>13} "
+            f"{r.slot_p50:>8.1f} {r.slot_p99:>8.1f} {r.transit_p99:>11.1f}")
+    return "\n".join(lines)
+
+
+async def main() -> None:
+    began = STARTED
+    tmp = Path(tempfile.mkdtemp(prefix="qgw-bench-rl-"))
+    redis_server = RedisServer(tmp / "redis")
+    redis_server.start()
+    mock_port = free_port()
+    mock_proc = spawn([*QGW, "mock-upstream", "--port", str(mock_port)])
+    settings = Settings(redis_url=redis_server.url, database_url=f"sqlite+aiosqlite:///{tmp}/db",
+                        data_dir=tmp, key_prefix="bench", admin_token="bench",
+                        permit_secret="bench")
+    env = {"QGW_REDIS_URL": redis_server.url, "QGW_DATABASE_URL": settings.db_url,
+           "QGW_DATA_DIR": str(tmp), "QGW_KEY_PREFIX": "bench", "QGW_ADMIN_TOKEN": "bench",
+           "QGW_PERMIT_SECRET": "bench", "QGW_LOG_LEVEL": "warning"}
+    rt = Runtime(settings)
+    rows: list[Row] = []
+    try:
+        wait_port(mock_port, 30, mock_proc)
+        await asyncio.to_thread(migrate.upgrade, settings.db_url)
+        await rt.start()
+        http = httpx.AsyncClient(transport=httpx.ASGITransport(create_app(rt, manage=False)),
+                                 base_url="http://gateway")
+        api = Api(rt, http)
+        mock = f"http://127.0.0.1:{mock_port}"
+        for rate in RATES:
+            for impl in ("ours", "seed"):
+                for procs in (1, 2):
+                    if time.monotonic() - began > BUDGET_S:
+                        print(f"skipped {impl} x{procs} at {rate}/s: time budget spent")
+                        continue
+                    row = (await run_ours(api, env, mock, rate, procs) if impl == "ours"
+                           else await run_seed(redis_server.url, mock, rate, procs))
+                    rows.append(row)
+                    print(table([row]).splitlines()[-1], flush=True)
+        await http.aclose()
+    finally:
+        await rt.stop()
+        stop(mock_proc)
+        redis_server.stop()
+    print(f"\nsliding window, interval {INTERVAL_MS} ms, backlog {BACKLOG_S} s, mock latency 0, "
+          f"{time.monotonic() - began:.0f} s in all\n")
+    print(table(rows))
+
+
+def seed_main(argv: list[str]) -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("redis_url")
+    p.add_argument("name")
+    p.add_argument("rate", type=int)
+    args = p.parse_args(argv)
+    asyncio.run(seed_loop(args.redis_url, args.name, args.rate, INTERVAL_MS))
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--seed"]:
+        seed_main(sys.argv[2:])
+    else:
+        asyncio.run(main())

@@ -1,0 +1,335 @@
+"""Exact per-endpoint rate limits: sliding window, fixed window and token bucket (GCRA).
+
+The limit is enforced when the claim script admits a task, on the Redis clock; a claimed task's
+`started_at` is that admission time.  The tests check every window on those times, without any
+tolerance, and check that the upstream received exactly the admitted calls, once each.
+Wall-clock timing is used only to decide which windows to count, never as a speed limit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import subprocess
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from typing import Any, cast
+
+import pytest
+from redis.asyncio import Redis
+
+from app.endpoints import Limiter as Kind
+from app.queue.dispatcher import SHARE
+from app.ratelimit import Limit, Limiter
+from app.runtime import Runtime
+from tests.conftest import Gateway
+from tests.servers import mock_log
+
+KINDS: tuple[Kind, ...] = ("sliding_window", "fixed_window", "token_bucket")
+StartDispatcher = Callable[[], Awaitable[Runtime]]
+
+
+# -- helpers ---------------------------------------------------------------------------------
+
+async def _backlog(gateway: Gateway, auth: dict[str, str], url: str, n: int,
+                   **fields: Any) -> list[str]:
+    """Submit n tasks, a few at a time; their ids in submission order."""
+    ids: list[str] = []
+    for start in range(0, n, 50):
+        batch = [gateway.submit(auth, url, body=str(i), **fields)
+                 for i in range(start, min(n, start + 50))]
+        ids += [t["task_id"] for t in await asyncio.gather(*batch)]
+    return ids
+
+
+async def _left(gateway: Gateway, endpoint_id: str) -> int:
+    """Tasks of an endpoint still queued or in flight."""
+    k = gateway.rt.keys
+    return int(await gateway.rt.redis.zcard(k.queue(endpoint_id))) + int(
+        await gateway.rt.redis.zcard(k.active(endpoint_id)))
+
+
+async def _drain(gateway: Gateway, endpoint_ids: list[str], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while [e for e in endpoint_ids if await _left(gateway, e)]:
+        assert time.monotonic() < deadline, "backlog not drained"
+        await asyncio.sleep(0.2)
+
+
+async def _admissions(
+    gateway: Gateway, upstream: str, path: str, task_ids: list[str]
+) -> list[int]:
+    """When the limiter admitted each call (ms, Redis clock), checked against the upstream log:
+    the upstream received every admitted task exactly once, and nothing else."""
+    async with gateway.rt.redis.pipeline(transaction=False) as pipe:
+        for tid in task_ids:
+            pipe.hget(gateway.rt.keys.task(tid), "started_at")
+        started = dict(zip(task_ids, await pipe.execute(), strict=True))
+    admitted = {tid: int(ms) for tid, ms in started.items() if ms is not None}
+    calls = Counter(e["idempotency_key"] for e in mock_log(upstream) if e["path"] == path)
+    assert calls == Counter(admitted.keys()), "upstream calls differ from the limiter's admissions"
+    return sorted(admitted.values())
+
+
+def _most_in_window(times: list[int], width: int) -> int:
+    """The most calls in any window [t, t + width) starting at a call (two pointers)."""
+    most, j = 0, 0
+    for i, t in enumerate(times):
+        while j < len(times) and times[j] < t + width:
+            j += 1
+        most = max(most, j - i)
+    return most
+
+
+def _gcra_excess(times: list[int], rate: int, interval: int) -> int:
+    """How far the calls exceed GCRA's bound, rate + floor(w * rate / interval) per window w.
+
+    A token bucket of burst `rate` admits `rate` at once and then one per interval/rate: a
+    window of one interval can hold 2 * rate - 1 calls, so "rate per any window" does not
+    apply; this is the bound that does (each admission moves the theoretical arrival time by
+    interval/rate, which never runs more than one interval ahead of the Redis clock).
+    """
+    worst = -rate
+    for i, first in enumerate(times):
+        for j in range(i, len(times)):
+            worst = max(worst, j - i + 1 - (rate + (times[j] - first) * rate // interval))
+    return worst
+
+
+def _throughput(times: list[int], rate: int, interval: int) -> float:
+    """Delivered rate over the run as a fraction of the configured one.
+
+    The first `rate` calls are the limiter's opening allowance; the rest arrive no faster than
+    rate per interval, so an exact and prompt limiter scores 1.0 (a fixed window slightly more:
+    its first window is cut short)."""
+    return (len(times) - rate) / (times[-1] - times[0]) * interval / rate
+
+
+# -- the limiter itself ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_limiter_admits_rate_then_names_the_exact_wait(
+    gateway: Gateway, kind: Kind
+) -> None:
+    redis, keys = gateway.rt.redis, gateway.rt.keys
+    limiter = Limiter(redis, Limit(kind, rate=3, interval_ms=400), keys)
+    seconds, micros = await redis.time()  # start just after a fixed window opens
+    await asyncio.sleep((400 - (seconds * 1000 + micros // 1000) % 400 + 5) / 1000)
+    assert [await limiter.acquire("solo") for _ in range(3)] == [0, 0, 0]
+    began = time.monotonic()
+    wait = await limiter.acquire("solo")
+    assert 20 < wait <= 400
+    await asyncio.sleep((wait - 15) / 1000)
+    early = await limiter.acquire("solo")
+    if (time.monotonic() - began) * 1000 < wait - 3:  # it surely ran before the named moment
+        assert early > 0
+    if early:
+        await asyncio.sleep(early / 1000)
+        assert await limiter.acquire("solo") == 0
+    assert await Limiter(redis, Limit(kind, 0), keys).acquire("solo") == 0
+
+
+async def test_wait_returns_once_admitted(gateway: Gateway) -> None:
+    redis, keys = gateway.rt.redis, gateway.rt.keys
+    limiter = Limiter(redis, Limit("sliding_window", rate=2, interval_ms=300), keys)
+    seconds, micros = await redis.time()
+    for _ in range(3):
+        await limiter.wait("waiter")
+    later_s, later_us = await redis.time()
+    assert (later_s - seconds) * 1000 + (later_us - micros) // 1000 >= 299
+
+
+async def test_sliding_window_wait_is_exact_after_the_rate_is_lowered(gateway: Gateway) -> None:
+    """A window holding more than the new rate names the wait until enough calls age out."""
+    redis, keys = gateway.rt.redis, gateway.rt.keys
+    for _ in range(6):
+        assert await Limiter(redis, Limit("sliding_window", 6, 500), keys).acquire("low") == 0
+        await asyncio.sleep(0.03)
+    lowered = Limiter(redis, Limit("sliding_window", 2, 500), keys)
+    wait = await lowered.acquire("low")
+    assert wait > 0
+    await asyncio.sleep(wait / 1000)
+    assert await lowered.acquire("low") == 0
+
+
+async def test_fixed_window_counts_afresh_when_the_interval_changes(gateway: Gateway) -> None:
+    """A shorter interval applies at once, not when the old, longer window ends."""
+    redis, keys = gateway.rt.redis, gateway.rt.keys
+    minute = Limiter(redis, Limit("fixed_window", 2, 60_000), keys)
+    assert [await minute.acquire("fw") for _ in range(2)] == [0, 0]
+    assert await minute.acquire("fw") > 0
+    short = Limiter(redis, Limit("fixed_window", 2, 300), keys)
+    wait = await short.acquire("fw")
+    assert wait <= 300
+    await asyncio.sleep(wait / 1000)
+    assert await short.acquire("fw") == 0
+
+
+# -- through the dispatcher ------------------------------------------------------------------
+
+async def test_each_limiter_holds_its_limit_over_a_long_backlog(
+    gateway: Gateway, fresh_upstream: str, start_dispatcher: StartDispatcher
+) -> None:
+    rate, interval, n = 20, 1000, 220  # 10 s of backlog after the opening allowance
+    auth = await gateway.new_key()
+    ids: dict[Kind, list[str]] = {}
+    for kind in KINDS:
+        eid = kind.replace("_", "-")
+        await gateway.add_endpoint(eid, f"{fresh_upstream}/{eid}", limiter=kind, rate=rate,
+                                   interval_ms=interval)
+        ids[kind] = await _backlog(gateway, auth, f"{fresh_upstream}/{eid}", n)
+    await start_dispatcher()
+    await _drain(gateway, [k.replace("_", "-") for k in KINDS], timeout=30)
+
+    for kind in KINDS:
+        eid = kind.replace("_", "-")
+        times = await _admissions(gateway, fresh_upstream, f"/{eid}", ids[kind])
+        assert len(times) == n
+        if kind == "sliding_window":
+            assert _most_in_window(times, interval) == rate
+        elif kind == "fixed_window":
+            assert max(Counter(t // interval for t in times).values()) == rate
+        else:
+            assert _gcra_excess(times, rate, interval) <= 0
+            assert len(times) - rate <= (times[-1] - times[0]) * rate // interval
+        assert _throughput(times, rate, interval) >= 0.9, kind
+
+
+async def test_two_dispatcher_processes_share_one_limit(
+    gateway: Gateway, fresh_upstream: str,
+    dispatcher_process: Callable[..., subprocess.Popen[bytes]],
+) -> None:
+    """Calls last long enough that one process alone could start only 15 a second, so a rate
+    near 20 means both worked; the limit must hold for their sum."""
+    rate, interval, n = 20, 1000, 140  # 6 s of backlog
+    slots = int(8 * SHARE)  # what a process with 8 slots gives one endpoint
+    latency_ms = str(round(slots * 1000 / 15))
+    url = f"{fresh_upstream}/pair"
+    await gateway.add_endpoint("pair", url, rate=rate, interval_ms=interval)
+    auth = await gateway.new_key()
+    ids = await _backlog(gateway, auth, url, n, headers={"X-Mock-Latency-Ms": [latency_ms]})
+    await _patch(gateway, "pair", enabled=False)  # hold the backlog until both are up
+    for _ in range(2):
+        dispatcher_process(QGW_DISPATCH_CONCURRENCY="8")
+    await _until_blocked_dispatchers(gateway.rt.redis, 2)
+    await _patch(gateway, "pair", enabled=True)
+    await _drain(gateway, ["pair"], timeout=30)
+
+    times = await _admissions(gateway, fresh_upstream, "/pair", ids)
+    assert _most_in_window(times, interval) == rate
+    assert _throughput(times, rate, interval) >= 0.9
+
+
+async def test_unlimited_endpoint_runs_while_a_limited_one_has_thousands_waiting(
+    gateway: Gateway, fresh_upstream: str, start_dispatcher: StartDispatcher
+) -> None:
+    await gateway.add_endpoint("trickle", f"{fresh_upstream}/trickle", rate=1, interval_ms=1000)
+    await gateway.add_endpoint("free", f"{fresh_upstream}/free")
+    auth = await gateway.new_key()
+    await _backlog(gateway, auth, f"{fresh_upstream}/trickle", 2000)
+    await start_dispatcher()
+    began = time.monotonic()
+    await asyncio.sleep(1.5)  # the limited endpoint is now waiting on its limiter
+    free = await _backlog(gateway, auth, f"{fresh_upstream}/free", 50)
+    done = await gateway.wait_finished(auth, free, timeout=10)
+    assert {d["task_status"] for d in done} == {"completed"}
+    elapsed = time.monotonic() - began
+    trickled = [e for e in mock_log(fresh_upstream) if e["path"] == "/trickle"]
+    assert 1 <= len(trickled) <= math.ceil(elapsed) + 1
+    assert await _left(gateway, "trickle") >= 2000 - len(trickled)
+
+
+async def test_rate_change_takes_effect_within_a_second(
+    gateway: Gateway, fresh_upstream: str, start_dispatcher: StartDispatcher
+) -> None:
+    url = f"{fresh_upstream}/tune"
+    await gateway.add_endpoint("tune", url, rate=5, interval_ms=1000)
+    auth = await gateway.new_key()
+    ids = await _backlog(gateway, auth, url, 200)
+    await start_dispatcher()
+    await asyncio.sleep(2.1)
+    raised = await _patch(gateway, "tune", rate=40)
+    await asyncio.sleep(2.1)
+    lowered = await _patch(gateway, "tune", rate=5)
+    await asyncio.sleep(3.1)
+    await _patch(gateway, "tune", enabled=False)
+    await asyncio.sleep(0.3)  # calls already claimed reach the upstream
+    times = await _admissions(gateway, fresh_upstream, "/tune", ids)
+
+    before = [t for t in times if t < raised]
+    assert _most_in_window(before, 1000) <= 5 and len(before) >= 10
+    assert sum(raised + 1000 <= t < raised + 2000 for t in times) >= 36
+    assert _most_in_window(times, 1000) <= 40
+    after = [t for t in times if t >= lowered + 1000]
+    assert _most_in_window(after, 1000) <= 5
+    assert sum(lowered + 1000 <= t < lowered + 3000 for t in times) >= 9
+
+
+async def test_a_failing_limiter_admits_nothing_and_stops_no_other_endpoint(
+    gateway: Gateway, fresh_upstream: str, start_dispatcher: StartDispatcher
+) -> None:
+    await gateway.add_endpoint("broken", f"{fresh_upstream}/broken", rate=5, interval_ms=1000)
+    await gateway.add_endpoint("fine", f"{fresh_upstream}/fine", rate=100, interval_ms=1000)
+    rl_key = gateway.rt.keys.ratelimit("broken", "sliding_window")
+    await gateway.rt.redis.set(rl_key, "not a sorted set")  # every claim script now errors
+    auth = await gateway.new_key()
+    broken = await _backlog(gateway, auth, f"{fresh_upstream}/broken", 20)
+    fine = await _backlog(gateway, auth, f"{fresh_upstream}/fine", 30)
+    await start_dispatcher()
+    done = await gateway.wait_finished(auth, fine, timeout=10)
+    assert {d["task_status"] for d in done} == {"completed"}
+    await asyncio.sleep(1)
+    assert not [e for e in mock_log(fresh_upstream) if e["path"] == "/broken"]
+    assert {(await gateway.status(auth, t))["task_status"] for t in broken} == {"pending"}
+
+
+# -- known gaps (see the report of issue 3): strict xfails flip to failures once fixed ---------
+
+async def test_a_limiter_that_recovers_serves_its_backlog_again(
+    gateway: Gateway, fresh_upstream: str, start_dispatcher: StartDispatcher
+) -> None:
+    await gateway.add_endpoint("mend", f"{fresh_upstream}/mend", rate=50, interval_ms=1000)
+    rl_key = gateway.rt.keys.ratelimit("mend", "sliding_window")
+    await gateway.rt.redis.set(rl_key, "not a sorted set")
+    auth = await gateway.new_key()
+    ids = await _backlog(gateway, auth, f"{fresh_upstream}/mend", 10)
+    await start_dispatcher()
+    await asyncio.sleep(1)
+    await gateway.rt.redis.delete(rl_key)  # Redis is well again; nothing new is submitted
+    done = await gateway.wait_finished(auth, ids, timeout=6)
+    assert {d["task_status"] for d in done} == {"completed"}
+
+
+@pytest.mark.xfail(strict=True, reason="dispatcher: retries after 5xx/429 skip the limiter")
+async def test_retries_count_against_the_limit(
+    gateway: Gateway, fresh_upstream: str, start_dispatcher: StartDispatcher
+) -> None:
+    url = f"{fresh_upstream}/busy"
+    await gateway.add_endpoint("busy", url, rate=5, interval_ms=1000, max_retries=3,
+                               retry_backoff_ms=20)
+    auth = await gateway.new_key()
+    await _backlog(gateway, auth, url, 10, headers={"X-Mock-Status": ["503"]})
+    await start_dispatcher()
+    await asyncio.sleep(2.5)
+    arrived = sorted(int(cast(float, e["t"])) for e in mock_log(fresh_upstream)
+                     if e["path"] == "/busy")
+    assert arrived and _most_in_window(arrived, 1000) <= 5
+
+
+# -- small steps -----------------------------------------------------------------------------
+
+async def _patch(gateway: Gateway, endpoint_id: str, **changes: Any) -> int:
+    """PATCH an endpoint; the time (ms) the change was committed."""
+    r = await gateway.http.patch(f"/admin/v1/endpoints/{endpoint_id}", headers=gateway.admin,
+                                 json=changes)
+    assert r.status_code == 200, r.text
+    return int(time.time() * 1000)
+
+
+async def _until_blocked_dispatchers(redis: Redis, count: int, timeout: float = 20) -> None:
+    """Wait until `count` dispatchers block on their wake markers (they are up and idle)."""
+    deadline = time.monotonic() + timeout
+    while sum(c.get("cmd") == "bzpopmin" for c in await redis.client_list()) < count:
+        assert time.monotonic() < deadline, "dispatchers did not start"
+        await asyncio.sleep(0.1)
