@@ -11,7 +11,7 @@ from typing import Any
 
 import uvicorn
 
-from app import logs, migrate
+from app import admin_cli, logs, migrate
 from app.settings import Settings, SettingsError, load_settings
 
 log = logging.getLogger("qgw")
@@ -55,10 +55,11 @@ def _parser() -> argparse.ArgumentParser:
     mock.add_argument("--latency-ms", type=float, default=0)
     mock.add_argument("--fail-rate", type=float, default=0)
     mock.set_defaults(run=_mock)
+    admin_cli.add_parsers(sub)
     return p
 
 
-def _prepare_db(settings: Settings) -> None:
+def prepare_db(settings: Settings) -> None:
     """Migrate on start (the default): one command takes a fresh machine to a running gateway."""
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     if settings.auto_migrate:
@@ -69,7 +70,7 @@ def _serve(settings: Settings, args: Any, dispatcher: bool = True) -> None:
     from app.main import create_app
     from app.runtime import Runtime
 
-    _prepare_db(settings)
+    prepare_db(settings)
     runtime = Runtime(settings, with_dispatcher=dispatcher)
 
     def banner() -> None:
@@ -87,21 +88,54 @@ def _api(settings: Settings, args: Any) -> None:
 
 
 def _dispatcher(settings: Settings, args: Any) -> None:
+    """Run until SIGTERM/SIGINT, then stop gracefully; a second signal cuts the grace short.
+
+    Redis being down at start is waited out with back-off, like an outage later on.
+    """
+    import contextlib
+
+    from redis.exceptions import RedisError
+
     from app.runtime import Runtime
 
+    async def start(stop: asyncio.Event) -> Runtime | None:
+        tries = 0
+        while not stop.is_set():
+            tries += 1
+            rt = Runtime(settings, with_dispatcher=True)
+            try:
+                await rt.start()
+                return rt
+            except (RedisError, OSError) as exc:
+                with contextlib.suppress(Exception):
+                    await rt.stop(0)
+                delay = min(0.2 * 2 ** min(tries - 1, 4), 2.0)
+                log.warning("cannot start (%s); retrying in %.1f s", exc, delay)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), delay)
+        return None
+
     async def run() -> None:
-        rt = Runtime(settings, with_dispatcher=True)
-        await rt.start()
         stop = asyncio.Event()
+        rt: Runtime | None = None
+
+        def on_signal() -> None:
+            if stop.is_set() and rt is not None and rt.dispatcher is not None:
+                rt.dispatcher.hurry()
+            stop.set()
+
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, on_signal)
+        rt = await start(stop)
+        if rt is None:
+            return
         log.info("dispatcher running")
         await stop.wait()
-        log.info("dispatcher stopping")
-        await rt.stop()
+        log.info("dispatcher stopping", extra={"grace_s": settings.shutdown_grace_s})
+        await rt.stop(settings.shutdown_grace_s)
 
-    _prepare_db(settings)
+    prepare_db(settings)
     asyncio.run(run())
 
 

@@ -34,6 +34,9 @@ class Settings(BaseSettings):
     lease_ms: int = Field(15_000, ge=500)
     #: How often the reaper looks for expired leases.
     reap_interval_ms: int = Field(1000, ge=50)
+    #: On SIGTERM, how long calls in flight may take to finish before their tasks are handed
+    #: back to their queues (at once, not when their leases run out).
+    shutdown_grace_s: float = Field(10.0, ge=0, le=3600)
     redis_timeout_s: float = Field(1.0, gt=0)
     auto_migrate: bool = True
     log_level: str = "info"

@@ -5,34 +5,52 @@ independent asyncio tasks, so a slow endpoint only ever holds its own slots; and
 hold more than `SHARE` of this process's capacity, so a backlog on one never starves the rest.
 A rate-limited endpoint is left alone until the exact moment its limiter names, while the
 others carry on (no back-off sleep of the whole loop, unlike the seed).
+
+Nothing is lost: a task is in a queue or in `active` under a lease until it is acknowledged.
+Through a Redis outage every loop retries with a short capped back-off and carries on.  On stop
+(SIGTERM) the dispatcher stops claiming, lets calls in flight finish within a grace period while
+it keeps renewing their leases, and hands the rest back to their queues at once
+(lua/release-5.lua) instead of leaving them to the reaper when their leases run out.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
+import random
 import secrets
+import socket
 import time
 from collections import Counter
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 from redis.asyncio import Redis
+from redis.commands.core import AsyncScript
 from redis.exceptions import RedisError
 
 from app.endpoints import EndpointConfig
 from app.queue.keys import Keys
 from app.queue.registry import EndpointRegistry, cancel_all
-from app.queue.scripts import Scripts
+from app.queue.scripts import Scripts, source
 from app.queue.upstream import Outcome, Request, backoff_s, call
 from app.settings import Settings
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 SHARE = 0.75
 CLAIM_FIELDS = 9  # values per claimed task in claim-5.lua's answer
 PROMOTE_GRACE_MS = 250
+WAKE_BLOCK_S = 1  # BZPOPMIN timeout: how long stopping may wait for the wake loop
+CLAIM_RETRY_S = 1.0  # a claim that met a Redis error is tried again after this
+BACKOFF_BASE_S, BACKOFF_MAX_S = 0.1, 2.0  # Redis errors: reconnect soon, never in lockstep
+HEARTBEAT_RETRY_S = 0.5
+REAP_SETTLE_S = 2 * HEARTBEAT_RETRY_S
+RELEASE_WINDOW_S = 5.0  # how long stopping keeps trying to hand tasks back through an outage
 
 
 @dataclass
@@ -59,8 +77,21 @@ class Dispatcher:
     per_endpoint: Counter[str] = field(default_factory=Counter)
     stopping: asyncio.Event = field(default_factory=asyncio.Event)
     _room: asyncio.Event = field(default_factory=asyncio.Event)
-    _loops: list[asyncio.Task[None]] = field(default_factory=list)
+    _drained: asyncio.Event = field(default_factory=asyncio.Event)
+    _claimers: list[asyncio.Task[None]] = field(default_factory=list)
+    _heartbeat: list[asyncio.Task[None]] = field(default_factory=list)
     _background: set[asyncio.Task[None]] = field(default_factory=set)
+    _in_claim: bool = False
+    _release: AsyncScript = field(init=False)
+    _nudge: AsyncScript = field(init=False)
+    _ident: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        # This module's own scripts (app.queue.scripts.Scripts may list them later).
+        self._release = self.redis.register_script(source("release"))
+        self._nudge = self.redis.register_script(source("nudge"))
+        # Lease tokens name their holder, so an operator can tell who holds a task.
+        self._ident = f"{os.getpid()}@{socket.gethostname()}"
 
     @property
     def capacity(self) -> int:
@@ -69,19 +100,41 @@ class Dispatcher:
     def start(self) -> None:
         self._room.set()
         self.registry.mirror.listeners.append(self._on_config_change)
-        for loop in (self._wake_loop, self._reap_loop, self._heartbeat_loop):
-            self._loops.append(asyncio.create_task(loop(), name=loop.__name__))
+        for loop in (self._wake_loop, self._reap_loop):
+            self._claimers.append(asyncio.create_task(loop(), name=loop.__name__))
+        self._heartbeat.append(asyncio.create_task(self._heartbeat_loop(), name="heartbeat"))
 
-    async def stop(self, grace_s: float = 10.0) -> None:
-        """Stop claiming, give in-flight calls `grace_s` to finish, then cancel the rest.
+    async def stop(self, grace_s: float | None = None) -> None:
+        """Stop claiming, give calls in flight `grace_s` to finish, hand the rest back at once.
 
-        A cancelled call's lease runs out and the reaper returns the task to its queue.
+        Leases are renewed throughout, so nobody else starts a task still running here.
         """
+        grace = self.settings.shutdown_grace_s if grace_s is None else grace_s
+        deadline = time.monotonic() + grace
         self.stopping.set()
-        await cancel_all(self._loops)
+        await self._stop_claiming()
         if self.inflight:
-            await asyncio.wait(list(self.inflight.values()), timeout=grace_s)
+            log.info("stopping: %d calls in flight, %.1f s grace", len(self.inflight), grace)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._drained.wait(), max(0.0, deadline - time.monotonic()))
+        held = list(self.leases.values())
         await cancel_all([*self.inflight.values(), *self._background])
+        released = await self.release(held)
+        await cancel_all(self._heartbeat)
+        log.info("dispatcher stopped", extra={"interrupted": len(held), "requeued": released})
+
+    def hurry(self) -> None:
+        """End the grace period now (a second SIGTERM)."""
+        self._drained.set()
+
+    async def _stop_claiming(self) -> None:
+        """Stop the wake loop and the reaper.  A claim whose reply is on its way is waited for:
+        cancelling it would leave its tasks leased to nobody until the lease runs out."""
+        if not self._in_claim:  # blocked in BZPOPMIN or backing off: nothing to lose but a
+            self._claimers[0].cancel()  # marker, which the reapers' nudge restores
+        pending = [*self._claimers[:1], *self._background]
+        await asyncio.wait(pending, timeout=WAKE_BLOCK_S + self.settings.redis_timeout_s)
+        await cancel_all(self._claimers)
 
     def _on_config_change(self, changed: set[str]) -> None:
         """A new limit or cap may admit at once: give changed endpoints a claim attempt."""
@@ -98,17 +151,24 @@ class Dispatcher:
 
     async def _wake_loop(self) -> None:
         failures = 0
-        while True:
+        while not self.stopping.is_set():
             await self._room.wait()
             try:
-                item = await self.blocking.bzpopmin(self.keys.wake, timeout=1)
-                failures = 0
+                item = await self.blocking.bzpopmin(self.keys.wake, timeout=WAKE_BLOCK_S)
             except (RedisError, OSError) as exc:
                 failures += 1
                 await self._backoff("wake", exc, failures)
                 continue
-            if item is not None:
+            if failures:
+                log.info("redis reachable again after %d failed tries", failures)
+                failures = 0
+            if item is None:
+                continue
+            self._in_claim = True
+            try:
                 await self.claim(str(item[1]))
+            finally:
+                self._in_claim = False
 
     async def claim(self, endpoint_id: str) -> None:
         """Claim what this endpoint may start now, and start it."""
@@ -118,7 +178,7 @@ class Dispatcher:
         room = min(self.capacity - len(self.inflight),
                    int(self.capacity * SHARE) - self.per_endpoint[endpoint_id])
         if room <= 0:
-            return  # this endpoint's own acks re-add its marker as slots free
+            return  # its acks, or the reaper's nudge, re-add its marker
         k, e = self.keys, endpoint_id
         try:
             res = await self.scripts.claim(
@@ -126,10 +186,12 @@ class Dispatcher:
                       k.delayed],
                 args=[e, room, endpoint.max_concurrency, self.settings.lease_ms,
                       endpoint.limiter, endpoint.rate, endpoint.interval_ms, k.task_prefix(e),
-                      secrets.token_hex(8), endpoint.permit_ttl_s * 1000],
+                      f"{self._ident}.{secrets.token_hex(8)}", endpoint.permit_ttl_s * 1000],
             )
         except (RedisError, OSError) as exc:
-            log.warning("claim failed", extra={"endpoint": e, "error": str(exc)})
+            # Its wake marker is spent: try again rather than wait for somebody to re-add it.
+            log.warning("claim failed: %s", exc, extra={"endpoint": e})
+            asyncio.get_running_loop().call_later(CLAIM_RETRY_S, self._retry_claim, e)
             return
         state, wait_ms = res[0], int(res[1])
         for i in range(3, len(res), CLAIM_FIELDS):
@@ -162,6 +224,8 @@ class Dispatcher:
         self.leases.pop(claim.task_id, None)
         self.per_endpoint[claim.endpoint.id] -= 1
         self._room.set()
+        if self.stopping.is_set() and not self.inflight:
+            self._drained.set()
 
     # -- executing --------------------------------------------------------------------------
 
@@ -170,6 +234,9 @@ class Dispatcher:
         extra = {"task_id": tid, "endpoint": ep.id}
         try:
             while True:
+                if claim.attempts > ep.max_retries + 1:  # max_retries lowered since queued
+                    await self._finish(claim, Outcome(None, "no attempts left"), -1)
+                    return
                 started = time.monotonic()
                 outcome = await call(self.http, tid, claim.request, ep.timeout_ms / 1000)
                 exec_ms = (time.monotonic() - started) * 1000
@@ -179,9 +246,11 @@ class Dispatcher:
                 delay = backoff_s(ep.retry_backoff_ms, claim.attempts, outcome.retry_after_s)
                 log.info("retrying in %.2f s: %s", delay, outcome.status_code or outcome.text,
                          extra=extra)
-                await asyncio.sleep(delay)
-                attempts = await self._extend(claim, add_attempt=1)
-                if attempts < 0:
+                if await self._stopping_within(delay):
+                    await self.release([claim])  # another dispatcher makes the next attempt
+                    return
+                attempts = await self._persist("extend", lambda: self._extend(claim, 1))
+                if attempts is None or attempts < 0:
                     log.warning("lease lost while backing off", extra=extra)
                     return
                 claim.attempts = attempts
@@ -192,22 +261,21 @@ class Dispatcher:
         finally:
             self._done(claim)
 
+    async def _stopping_within(self, delay_s: float) -> bool:
+        """Sleep `delay_s`, or less when the dispatcher starts stopping; True if it did."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.stopping.wait(), delay_s)
+        return self.stopping.is_set()
+
     async def _finish(self, claim: Claim, outcome: Outcome, exec_ms: float) -> None:
         k, e = self.keys, claim.endpoint.id
         status = "completed" if outcome.ok else "failed"
-        for failures in range(1, 6):
-            try:
-                acked = await self.scripts.ack(
-                    keys=[k.active(e), k.task(claim.task_id), k.queue(e), k.wake, k.stats(e)],
-                    args=[claim.task_id, claim.token, status, outcome.text,
-                          outcome.status_code or "", self.settings.done_ttl_s * 1000, e,
-                          round(exec_ms) if outcome.ok else -1],
-                )
-                break
-            except (RedisError, OSError) as exc:
-                await self._backoff("ack", exc, failures)
-        else:
-            return  # the lease runs out and the reaper re-queues the task
+        acked = await self._persist("ack", lambda: self.scripts.ack(
+            keys=[k.active(e), k.task(claim.task_id), k.queue(e), k.wake, k.stats(e)],
+            args=[claim.task_id, claim.token, status, outcome.text,
+                  outcome.status_code or "", self.settings.done_ttl_s * 1000, e,
+                  round(exec_ms) if outcome.ok else -1],
+        ))
         extra = {"task_id": claim.task_id, "endpoint": e, "status": status,
                  "code": outcome.status_code, "attempts": claim.attempts}
         if acked:
@@ -223,10 +291,39 @@ class Dispatcher:
         )
         return int(res)
 
+    async def release(self, claims: list[Claim]) -> int:
+        """Hand claims back to their queues now; returns how many were re-queued."""
+        if not claims:
+            return 0
+        k = self.keys
+
+        async def run() -> list[Any]:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for c in claims:
+                    e = c.endpoint.id
+                    await self._release(
+                        keys=[k.active(e), k.task(c.task_id), k.queue(e), k.wake, k.stats(e)],
+                        args=[c.task_id, c.token, e, c.endpoint.max_retries + 1,
+                              self.settings.done_ttl_s * 1000], client=pipe)
+                return await pipe.execute()
+
+        results = await self._persist("release", run, RELEASE_WINDOW_S)
+        if results is None:
+            log.warning("could not hand %d tasks back; their leases will run out", len(claims))
+            return 0
+        for c, r in zip(claims, results, strict=True):
+            if int(r):
+                log.info("failed: its last attempt was interrupted" if int(r) == 2 else
+                         "handed back to its queue", extra={"task_id": c.task_id,
+                         "endpoint": c.endpoint.id, "attempts": c.attempts})
+        return sum(1 for r in results if int(r) == 1)
+
     async def _heartbeat_loop(self) -> None:
-        """Renew every lease this process holds, in one pipeline, every third of a lease."""
+        """Renew every lease this process holds, in one pipeline, every third of a lease;
+        sooner after a failure, so a short Redis outage costs no lease."""
+        delay = period = self.settings.lease_ms / 3000
         while True:
-            await asyncio.sleep(self.settings.lease_ms / 3000)
+            await asyncio.sleep(delay)
             claims = list(self.leases.values())
             if not claims:
                 continue
@@ -239,21 +336,30 @@ class Dispatcher:
                             args=[c.task_id, c.token, self.settings.lease_ms, 0], client=pipe,
                         )
                     await pipe.execute()
+                delay = period
             except (RedisError, OSError) as exc:
                 log.warning("heartbeat failed: %s", exc)
+                delay = min(period, HEARTBEAT_RETRY_S)
 
     # -- reaping ----------------------------------------------------------------------------
 
     async def _reap_loop(self) -> None:
+        outage = False
         while True:
             await asyncio.sleep(self.settings.reap_interval_ms / 1000)
             try:
+                if outage:  # Redis is back: first let every dispatcher's heartbeat renew its
+                    await self.redis.ping()  # leases, or a long outage would make every call
+                    await asyncio.sleep(REAP_SETTLE_S)  # in flight look abandoned
+                    outage = False
                 await self.reap()
             except (RedisError, OSError) as exc:
+                outage = True
                 log.warning("reap failed: %s", exc)
 
     async def reap(self) -> None:
-        """Return expired claims of every endpoint, and wake limited endpoints nobody retried."""
+        """Return expired claims of every endpoint, wake limited endpoints nobody retried, and
+        wake endpoints with claimable work whose marker was lost."""
         k = self.keys
         endpoints = self.registry.all()
         async with self.redis.pipeline(transaction=False) as pipe:
@@ -264,6 +370,10 @@ class Dispatcher:
                           self.settings.done_ttl_s * 1000, 1000],
                     client=pipe,
                 )
+            for ep in endpoints:
+                if ep.enabled:
+                    await self._nudge(keys=[k.queue(ep.id), k.active(ep.id), k.wake, k.delayed],
+                                      args=[ep.id, ep.max_concurrency], client=pipe)
             await self.scripts.promote(keys=[k.delayed, k.wake], args=[PROMOTE_GRACE_MS],
                                        client=pipe)
             results = await pipe.execute()
@@ -272,8 +382,29 @@ class Dispatcher:
                 log.info("reaped expired leases", extra={
                     "endpoint": ep.id, "requeued": requeued, "failed": failed, "ended": ended})
 
+    async def _persist(
+        self, what: str, op: Callable[[], Awaitable[T]], window_s: float = float("inf")
+    ) -> T | None:
+        """Run a Redis step through an outage, retrying for up to `window_s`; None if it never
+        went through.  Acks retry until they land or the dispatcher stops: the lease is still
+        renewed meanwhile, so the result is not thrown away for a call made again."""
+        deadline = time.monotonic() + window_s
+        failures = 0
+        while True:
+            try:
+                return await op()
+            except (RedisError, OSError) as exc:
+                failures += 1
+                if time.monotonic() >= deadline:
+                    log.warning("%s: redis error (%s); giving up after %d tries", what, exc,
+                                failures)
+                    return None
+                await self._backoff(what, exc, failures)
+
     async def _backoff(self, what: str, exc: Exception, failures: int) -> None:
-        """Redis errors only: 1 s doubling, capped at 5 tries' worth (as the seed did)."""
-        delay = min(2 ** min(failures - 1, 4), 16)
-        log.warning("%s: redis error (%s); retrying in %d s", what, exc, delay)
+        """Redis errors: 0.1 s doubling to 2 s, jittered, so replicas do not reconnect in step."""
+        ceiling = min(BACKOFF_BASE_S * 2 ** min(failures - 1, 8), BACKOFF_MAX_S)
+        delay = random.uniform(ceiling / 2, ceiling)
+        level = logging.WARNING if failures == 1 or failures % 10 == 0 else logging.DEBUG
+        log.log(level, "%s: redis error (%s); retry %d in %.2f s", what, exc, failures, delay)
         await asyncio.sleep(delay)

@@ -1,0 +1,28 @@
+--[[ Hand a claimed task back to its queue at once (its dispatcher is shutting down), if the
+caller still holds its lease: no wait for the lease to run out.  The task keeps its original
+score, so it goes back to its place in line, and its attempt count: an interrupted call counts,
+so the task fails instead when that call was its last allowed one (as the reaper does).
+KEYS[1] active    KEYS[2] task    KEYS[3] queue    KEYS[4] wake    KEYS[5] stats
+ARGV[1] task id   ARGV[2] lease token   ARGV[3] endpoint id   ARGV[4] max attempts
+ARGV[5] done TTL (ms)
+Returns 1 (re-queued), 2 (failed: no attempt left) or 0 (lease lost: somebody else has it).
+]]
+--@include now.lua
+
+if redis.call('HGET', KEYS[2], 'lease') ~= ARGV[2] then return 0 end
+local now = now_ms()
+redis.call('ZREM', KEYS[1], ARGV[1])
+redis.call('HDEL', KEYS[2], 'lease', 'deadline')
+local f = redis.call('HMGET', KEYS[2], 'attempts', 'score')
+if tonumber(f[1]) >= tonumber(ARGV[4]) then
+  redis.call('HSET', KEYS[2], 'status', 'failed', 'ended_at', now,
+    'result', 'interrupted on attempt ' .. f[1] .. ': the dispatcher shut down')
+  redis.call('PEXPIRE', KEYS[2], ARGV[5])
+  redis.call('HINCRBY', KEYS[5], 'failed', 1)
+  return 2
+end
+redis.call('HSET', KEYS[2], 'status', 'pending')
+redis.call('ZADD', KEYS[3], f[2], ARGV[1])
+redis.call('HINCRBY', KEYS[5], 'released', 1)
+redis.call('ZADD', KEYS[4], 'NX', now, ARGV[3])
+return 1
