@@ -80,7 +80,7 @@ def _serve(settings: Settings, args: Any, dispatcher: bool = True) -> None:
 
     app = create_app(runtime, on_started=banner)
     uvicorn.run(app, host=settings.host, port=settings.port, log_config=None,
-                access_log=False, timeout_graceful_shutdown=15)
+                access_log=False, timeout_graceful_shutdown=5)
 
 
 def _api(settings: Settings, args: Any) -> None:

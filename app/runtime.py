@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
-from redis.asyncio import Redis
+from redis.asyncio import BlockingConnectionPool, Redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -28,13 +28,17 @@ from app.store import ApiKey, EndpointStore, KeyStore
 log = logging.getLogger(__name__)
 
 
-def redis_client(url: str, timeout_s: float | None) -> Redis:
-    # One quick retry rides over a reconnect (after a Redis restart) without making a caller
-    # wait: with Redis down the API answers 503 within about a second.
-    return Redis.from_url(
-        url, decode_responses=True, socket_timeout=timeout_s, socket_connect_timeout=0.5,
-        retry=Retry(NoBackoff(), 1), health_check_interval=30,
+def redis_client(url: str, timeout_s: float | None, max_connections: int = 512) -> Redis:
+    """A client whose pool waits for a free connection (redis-py's default pool fails with a
+    ConnectionError past 100, which would read as "Redis down"), and which never re-sends a
+    command: submit and claim are not safe to repeat after a connection dropped mid-command.
+    With Redis down the API answers 503 within about a second."""
+    pool = BlockingConnectionPool.from_url(
+        url, decode_responses=True, socket_timeout=timeout_s, socket_connect_timeout=1.0,
+        retry=Retry(NoBackoff(), 0), health_check_interval=30,
+        max_connections=max_connections, timeout=timeout_s or 1.0,
     )
+    return Redis.from_pool(pool)
 
 
 @dataclass
@@ -63,7 +67,8 @@ class Runtime:
         else:  # the private server lives and dies with this runtime
             self._embedded = EmbeddedRedis(s.data_dir)
             self.redis_url = await asyncio.to_thread(self._embedded.start)
-        self.redis = redis_client(self.redis_url, s.redis_timeout_s)
+        self.redis = redis_client(self.redis_url, s.redis_timeout_s,
+                                  max(512, s.dispatch_concurrency + 64))
         self.engine = make_engine(s.db_url)
         self.keys = Keys(s.key_prefix)
         scripts = Scripts.register(self.redis)
@@ -86,7 +91,8 @@ class Runtime:
                                          self.registry, s, self.http)
             self.dispatcher.start()
 
-    async def stop(self, grace_s: float = 10.0) -> None:
+    async def stop(self, grace_s: float | None = None) -> None:
+        """Stop; in-flight calls get `grace_s` (default QGW_SHUTDOWN_GRACE_S) to finish."""
         if self.dispatcher:
             await self.dispatcher.stop(grace_s)
         await cancel_all(self._watchers)

@@ -301,7 +301,6 @@ async def test_a_limiter_that_recovers_serves_its_backlog_again(
     assert {d["task_status"] for d in done} == {"completed"}
 
 
-@pytest.mark.xfail(strict=True, reason="dispatcher: retries after 5xx/429 skip the limiter")
 async def test_retries_count_against_the_limit(
     gateway: Gateway, fresh_upstream: str, start_dispatcher: StartDispatcher
 ) -> None:
@@ -314,7 +313,10 @@ async def test_retries_count_against_the_limit(
     await asyncio.sleep(2.5)
     arrived = sorted(int(cast(float, e["t"])) for e in mock_log(fresh_upstream)
                      if e["path"] == "/busy")
-    assert arrived and _most_in_window(arrived, 1000) <= 5
+    # Admissions happen in at most 3 windows in 2.5 s, whether first calls or retries: without
+    # the limiter on retries the upstream saw 21 calls in the first second alone. (Arrival
+    # windows are not checked exactly here: see the three-limiter test above for why.)
+    assert 5 < len(arrived) <= 15
 
 
 # -- small steps -----------------------------------------------------------------------------

@@ -30,14 +30,14 @@ from typing import Any, TypeVar
 
 import httpx
 from redis.asyncio import Redis
-from redis.commands.core import AsyncScript
 from redis.exceptions import RedisError
 
 from app.endpoints import EndpointConfig
 from app.queue.keys import Keys
 from app.queue.registry import EndpointRegistry, cancel_all
-from app.queue.scripts import Scripts, source
+from app.queue.scripts import Scripts
 from app.queue.upstream import Outcome, Request, backoff_s, call
+from app.ratelimit import Limit, Limiter
 from app.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -81,17 +81,19 @@ class Dispatcher:
     _claimers: list[asyncio.Task[None]] = field(default_factory=list)
     _heartbeat: list[asyncio.Task[None]] = field(default_factory=list)
     _background: set[asyncio.Task[None]] = field(default_factory=set)
+    _limiters: dict[Limit, Limiter] = field(default_factory=dict)
     _in_claim: bool = False
-    _release: AsyncScript = field(init=False)
-    _nudge: AsyncScript = field(init=False)
     _ident: str = field(init=False)
 
     def __post_init__(self) -> None:
-        # This module's own scripts (app.queue.scripts.Scripts may list them later).
-        self._release = self.redis.register_script(source("release"))
-        self._nudge = self.redis.register_script(source("nudge"))
         # Lease tokens name their holder, so an operator can tell who holds a task.
         self._ident = f"{os.getpid()}@{socket.gethostname()}"
+
+    def _limiter(self, endpoint: EndpointConfig) -> Limiter:
+        limit = Limit.of(endpoint)
+        if limit not in self._limiters:
+            self._limiters[limit] = Limiter(self.redis, limit, self.keys)
+        return self._limiters[limit]
 
     @property
     def capacity(self) -> int:
@@ -254,6 +256,7 @@ class Dispatcher:
                     log.warning("lease lost while backing off", extra=extra)
                     return
                 claim.attempts = attempts
+                await self._limiter(ep).wait(ep.id)  # a retry is an admission like any other
         except asyncio.CancelledError:
             raise
         except Exception:
@@ -301,7 +304,7 @@ class Dispatcher:
             async with self.redis.pipeline(transaction=False) as pipe:
                 for c in claims:
                     e = c.endpoint.id
-                    await self._release(
+                    await self.scripts.release(
                         keys=[k.active(e), k.task(c.task_id), k.queue(e), k.wake, k.stats(e)],
                         args=[c.task_id, c.token, e, c.endpoint.max_retries + 1,
                               self.settings.done_ttl_s * 1000], client=pipe)
@@ -372,8 +375,9 @@ class Dispatcher:
                 )
             for ep in endpoints:
                 if ep.enabled:
-                    await self._nudge(keys=[k.queue(ep.id), k.active(ep.id), k.wake, k.delayed],
-                                      args=[ep.id, ep.max_concurrency], client=pipe)
+                    await self.scripts.nudge(
+                        keys=[k.queue(ep.id), k.active(ep.id), k.wake, k.delayed],
+                        args=[ep.id, ep.max_concurrency], client=pipe)
             await self.scripts.promote(keys=[k.delayed, k.wake], args=[PROMOTE_GRACE_MS],
                                        client=pipe)
             results = await pipe.execute()

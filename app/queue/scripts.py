@@ -43,6 +43,8 @@ class Scripts:
     promote: AsyncScript
     complete: AsyncScript
     permit: AsyncScript
+    release: AsyncScript
+    nudge: AsyncScript
 
     @classmethod
     def register(cls, redis: Redis) -> Scripts:
