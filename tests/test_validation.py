@@ -142,3 +142,14 @@ async def test_daily_quota_answers_429_with_retry_after(gateway: Gateway) -> Non
     assert 0 < int(r.headers["Retry-After"]) <= 86400
     bad = await gateway.http.post("/api/v1/tasks", headers=auth, json={"target_url": 1})
     _is_error(bad, 422)  # bad input is not counted, and not confused with the quota
+
+
+async def test_a_whole_float_is_an_integer_as_json_schema_says(
+    ready: tuple[Gateway, dict[str, str], str],
+) -> None:
+    gw, auth, _ = ready
+    ok = await gw.http.post("/api/v1/tasks", headers=auth,
+                            json={"target_url": TARGET, "priority": 2.0})
+    assert ok.status_code == 202
+    _is_error(await gw.http.post("/api/v1/tasks", headers=auth,
+                                 json={"target_url": TARGET, "priority": 2.5}), 422)
