@@ -70,7 +70,8 @@ async def submit(request: Request) -> JSONResponse:
         view = await rt.queue.status(caller.user_id, result, rt.registry.get(endpoint.id))
         result = SubmitResponse(task_id=view.task_id, task_status=view.task_status,
                                 created_at=view.created_at, wait_num=view.wait_num)
-    return JSONResponse(result.model_dump(mode="json"), 202)
+    return JSONResponse({"task_id": result.task_id, "task_status": result.task_status.value,
+                         "created_at": result.created_at, "wait_num": result.wait_num}, 202)
 
 
 def _checked(task_id: str) -> str:
