@@ -33,6 +33,7 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from app.endpoints import EndpointConfig
+from app.lifecycle import Ttls
 from app.queue.keys import Keys
 from app.queue.registry import EndpointRegistry, cancel_all
 from app.queue.scripts import Scripts
@@ -86,6 +87,7 @@ class Dispatcher:
     _ident: str = field(init=False)
 
     def __post_init__(self) -> None:
+        self.ttls = Ttls.of(self.settings)
         # Lease tokens name their holder, so an operator can tell who holds a task.
         self._ident = f"{os.getpid()}@{socket.gethostname()}"
 
@@ -276,7 +278,7 @@ class Dispatcher:
         acked = await self._persist("ack", lambda: self.scripts.ack(
             keys=[k.active(e), k.task(claim.task_id), k.queue(e), k.wake, k.stats(e)],
             args=[claim.task_id, claim.token, status, outcome.text,
-                  outcome.status_code or "", self.settings.done_ttl_s * 1000, e,
+                  outcome.status_code or "", self.ttls.done_ms, e,
                   round(exec_ms) if outcome.ok else -1],
         ))
         extra = {"task_id": claim.task_id, "endpoint": e, "status": status,
@@ -307,7 +309,7 @@ class Dispatcher:
                     await self.scripts.release(
                         keys=[k.active(e), k.task(c.task_id), k.queue(e), k.wake, k.stats(e)],
                         args=[c.task_id, c.token, e, c.endpoint.max_retries + 1,
-                              self.settings.done_ttl_s * 1000], client=pipe)
+                              self.ttls.done_ms], client=pipe)
                 return await pipe.execute()
 
         results = await self._persist("release", run, RELEASE_WINDOW_S)
@@ -370,7 +372,7 @@ class Dispatcher:
                 await self.scripts.reap(
                     keys=[k.active(ep.id), k.queue(ep.id), k.wake, k.stats(ep.id)],
                     args=[ep.id, k.task_prefix(ep.id), ep.max_retries + 1,
-                          self.settings.done_ttl_s * 1000, 1000],
+                          self.ttls.done_ms, 1000],
                     client=pipe,
                 )
             for ep in endpoints:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 from redis.asyncio import Redis
@@ -12,6 +13,7 @@ from redis.asyncio import Redis
 from app import permits
 from app.endpoints import EndpointConfig
 from app.errors import ApiError
+from app.lifecycle import Ttls
 from app.models import Permit, SubmitRequest, SubmitResponse, TaskStatus, TaskType, TaskView
 from app.queue.ids import new_task_id
 from app.queue.keys import Keys, endpoint_of
@@ -30,6 +32,10 @@ class TaskQueue:
     scripts: Scripts
     settings: Settings
 
+    @cached_property
+    def ttls(self) -> Ttls:
+        return Ttls.of(self.settings)
+
     async def submit(
         self, key: ApiKey, endpoint: EndpointConfig, req: SubmitRequest, idem_key: str | None
     ) -> SubmitResponse | str:
@@ -47,7 +53,7 @@ class TaskQueue:
         res = await self.scripts.submit(
             keys=[k.queue(e), k.task(task_id), k.seq(e), k.wake, idem, k.quota(user_id, day)],
             args=[task_id, e, req.priority, endpoint.max_queue_len,
-                  self.settings.pending_ttl_s * 1000, "1" if idem_key else "0",
+                  self.ttls.pending_ms, "1" if idem_key else "0",
                   IDEMPOTENCY_TTL_MS, key.daily_quota, (day + 1) * 86_400_000, *fields],
         )
         if res[0] == "dup":
@@ -67,7 +73,7 @@ class TaskQueue:
         k, e = self.keys, endpoint_of(task_id)
         res = await self.scripts.status(
             keys=[k.task(task_id), k.queue(e), k.stats(e)],
-            args=[task_id, user_id, self.settings.read_ttl_s * 1000],
+            args=[task_id, user_id, self.ttls.read_ms],
         )
         if not res:
             raise ApiError(404, "task_not_found", f"no task {task_id!r}")
@@ -102,7 +108,7 @@ class TaskQueue:
         k, e = self.keys, endpoint_of(task_id)
         res = await self.scripts.cancel(
             keys=[k.task(task_id), k.queue(e), k.active(e), k.wake],
-            args=[task_id, user_id, self.settings.done_ttl_s * 1000, e],
+            args=[task_id, user_id, self.ttls.done_ms, e],
         )
         if res[0] == "missing":
             raise ApiError(404, "task_not_found", f"no task {task_id!r}")
@@ -117,7 +123,7 @@ class TaskQueue:
         k, e = self.keys, endpoint_of(task_id)
         res = await self.scripts.complete(
             keys=[k.task(task_id), k.active(e), k.queue(e), k.wake],
-            args=[task_id, user_id, result or "", self.settings.done_ttl_s * 1000, e],
+            args=[task_id, user_id, result or "", self.ttls.done_ms, e],
         )
         if res[0] == "missing":
             raise ApiError(404, "task_not_found", f"no task {task_id!r}")

@@ -1,0 +1,23 @@
+"""Task lifecycle (seed 002): how long Redis keeps a task in each stage.
+
+Pending tasks live `pending` (then they expire and never run); finished ones `done`; a finished
+task its owner has read keeps only `read` (it has been delivered). Scripts take milliseconds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from app.settings import Settings
+
+
+@dataclass(frozen=True, slots=True)
+class Ttls:
+    pending_ms: int
+    done_ms: int
+    read_ms: int
+
+    @classmethod
+    def of(cls, settings: Settings) -> Ttls:
+        return cls(settings.pending_ttl_s * 1000, settings.done_ttl_s * 1000,
+                   settings.read_ttl_s * 1000)
