@@ -31,6 +31,9 @@ lint: $(STAMP)
 ## Benchmarks: bounded, loopback only, ratios against a baseline measured in the same run.
 bench: $(STAMP)
 	$(BIN)/python bench/submit_dispatch.py
+	$(BIN)/python bench/upstream_client.py
+	$(BIN)/python bench/ratelimit.py
+	$(BIN)/python bench/chaos.py
 
 clean:
 	rm -rf $(VENV) .qgw .pytest_cache .mypy_cache .ruff_cache
