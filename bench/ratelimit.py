@@ -43,6 +43,7 @@ from app.runtime import Runtime
 from app.settings import Settings
 from bench._load import spawn
 from tests.servers import QGW, RedisServer, free_port, stop, wait_port
+from tests.test_ratelimit import most_in_window
 
 RATES = (50, 200, 1000)
 INTERVAL_MS = 1000
@@ -67,15 +68,6 @@ class Row:
     transit_p99: float
 
 
-def worst_window(times: list[float], width: float) -> int:
-    most, j = 0, 0
-    for i, t in enumerate(times):
-        while j < len(times) and times[j] < t + width:
-            j += 1
-        most = max(most, j - i)
-    return most
-
-
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
@@ -91,8 +83,8 @@ def measure(impl: str, procs: int, rate: int, arrived: dict[str, float],
     delivered = INTERVAL_MS / (sum(periods) / len(periods)) if periods else float("nan")
     slot = [p - INTERVAL_MS for p in periods]
     transit = [arrived[k] - admitted[k] for k in arrived if k in admitted]
-    return Row(impl, procs, rate, len(t), delivered, worst_window(t, INTERVAL_MS),
-               worst_window(sorted(admitted.values()), INTERVAL_MS), percentile(slot, 0.5),
+    return Row(impl, procs, rate, len(t), delivered, most_in_window(t, INTERVAL_MS),
+               most_in_window(sorted(admitted.values()), INTERVAL_MS), percentile(slot, 0.5),
                percentile(slot, 0.99), percentile(transit, 0.99))
 
 

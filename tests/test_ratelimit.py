@@ -13,7 +13,7 @@ import math
 import subprocess
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, cast
 
 import pytest
@@ -72,8 +72,9 @@ async def _admissions(
     return sorted(admitted.values())
 
 
-def _most_in_window(times: list[int], width: int) -> int:
-    """The most calls in any window [t, t + width) starting at a call (two pointers)."""
+def most_in_window(times: Sequence[float], width: float) -> int:
+    """The most calls in any window [t, t + width) starting at a call (two pointers).
+    bench/ratelimit.py uses it too."""
     most, j = 0, 0
     for i, t in enumerate(times):
         while j < len(times) and times[j] < t + width:
@@ -187,7 +188,7 @@ async def test_each_limiter_holds_its_limit_over_a_long_backlog(
         times = await _admissions(gateway, fresh_upstream, f"/{eid}", ids[kind])
         assert len(times) == n
         if kind == "sliding_window":
-            assert _most_in_window(times, interval) == rate
+            assert most_in_window(times, interval) == rate
         elif kind == "fixed_window":
             assert max(Counter(t // interval for t in times).values()) == rate
         else:
@@ -217,7 +218,7 @@ async def test_two_dispatcher_processes_share_one_limit(
     await _drain(gateway, ["pair"], timeout=30)
 
     times = await _admissions(gateway, fresh_upstream, "/pair", ids)
-    assert _most_in_window(times, interval) == rate
+    assert most_in_window(times, interval) == rate
     assert _throughput(times, rate, interval) >= 0.9
 
 
@@ -258,11 +259,11 @@ async def test_rate_change_takes_effect_within_a_second(
     times = await _admissions(gateway, fresh_upstream, "/tune", ids)
 
     before = [t for t in times if t < raised]
-    assert _most_in_window(before, 1000) <= 5 and len(before) >= 10
+    assert most_in_window(before, 1000) <= 5 and len(before) >= 10
     assert sum(raised + 1000 <= t < raised + 2000 for t in times) >= 36
-    assert _most_in_window(times, 1000) <= 40
+    assert most_in_window(times, 1000) <= 40
     after = [t for t in times if t >= lowered + 1000]
-    assert _most_in_window(after, 1000) <= 5
+    assert most_in_window(after, 1000) <= 5
     assert sum(lowered + 1000 <= t < lowered + 3000 for t in times) >= 9
 
 
