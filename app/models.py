@@ -18,7 +18,7 @@ ENDPOINT_ID = r"^[a-z0-9][a-z0-9_-]{0,63}$"
 # scheme://host[:port] with an unambiguous host; the rest (path, query) is checked by the caller.
 _PORT = r"(6553[0-5]|655[0-2][0-9]|65[0-4][0-9]{2}|6[0-4][0-9]{3}|[1-5][0-9]{4}|[0-9]{1,4})"
 HTTP_URL = r"^[hH][tT][tT][pP][sS]?://[A-Za-z0-9._~%-]+(:" + _PORT + ")?"
-HTTP_METHODS = ("GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS")
+Method = Literal["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
 
 
 class TaskStatus(enum.StrEnum):
@@ -57,7 +57,7 @@ class SubmitRequest(StrictInput):
 
     # The pattern is in the schema too, so clients (and the fuzzer) know what is accepted.
     target_url: Annotated[str, StringConstraints(max_length=2048, pattern=HTTP_URL)]
-    http_method: Literal["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"] = "POST"
+    http_method: Method = "POST"
     body: str = Field("", description="request body for the business API, as a string")
     priority: int = Field(0, ge=0, le=MAX_PRIORITY)
     timestamp: int | None = Field(None, description="client clock (ms); informative only")

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import logging
 import os
 import random
@@ -22,7 +21,6 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,7 +33,7 @@ from app import migrate
 from app.main import create_app
 from app.runtime import Runtime
 from app.settings import Settings
-from tests.servers import QGW, RedisServer, free_port, mock_log, stop, wait_port
+from tests.servers import QGW, RedisServer, mock_log, mock_upstream, stop
 
 ADMIN = "chaos-admin"
 EP = "chaos"
@@ -194,23 +192,11 @@ def report(run: Run, n: int, counts: Counter[str], calls: Counter[str], took: fl
         print(f"    t={t:5.1f} s  pid {pid:<7d} active {active:3d}  held by victim {held:3d}")
 
 
-@contextlib.contextmanager
-def quiet_mock() -> Iterator[str]:
-    port = free_port()
-    proc = subprocess.Popen([*QGW, "mock-upstream", "--port", str(port), "--latency-ms",
-                             str(LATENCY_MS)], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    try:
-        wait_port(port, proc=proc)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        stop(proc)
-
-
 async def main(n: int, seed: int) -> int:
     rng = random.Random(seed)
     logging.basicConfig(level=logging.ERROR)  # the in-process API warns on every 503
-    with tempfile.TemporaryDirectory(prefix="qgw-chaos-") as tmp, quiet_mock() as upstream:
+    with (tempfile.TemporaryDirectory(prefix="qgw-chaos-") as tmp,
+          mock_upstream("--latency-ms", str(LATENCY_MS)) as upstream):
         root = Path(tmp)
         redis = RedisServer(root / "redis")
         redis.start()

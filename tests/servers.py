@@ -79,7 +79,7 @@ class RedisServer:
 def mock_upstream(*flags: str) -> Iterator[str]:
     port = free_port()
     proc = subprocess.Popen([*QGW, "mock-upstream", "--port", str(port), *flags],
-                            stdout=subprocess.DEVNULL)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_port(port, proc=proc)
         yield f"http://127.0.0.1:{port}"
