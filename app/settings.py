@@ -38,6 +38,9 @@ class Settings(BaseSettings):
     #: back to their queues (at once, not when their leases run out).
     shutdown_grace_s: float = Field(10.0, ge=0, le=3600)
     redis_timeout_s: float = Field(1.0, gt=0)
+    #: Margin (ms) for the jitter between passing the rate limiter and the upstream receiving
+    #: the call; at most interval_ms / 20 of an endpoint is used (app/ratelimit).
+    rate_guard_ms: int = Field(20, ge=0, le=1000)
     auto_migrate: bool = True
     log_level: str = "info"
 

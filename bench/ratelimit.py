@@ -1,8 +1,9 @@
-"""Rate limits under a backlog: the gateway's claim-time limiter vs the seed's loop, same run.
+"""Rate limits under a backlog: the gateway's limiters vs the seed's loop, in the same run.
 
 For rates of 50, 200 and 1000 calls per 1000 ms (sliding window), a backlog of 5 s worth of tasks
 is drained into the mock upstream (latency 0) by
-  ours   one or two `qgw dispatcher` processes (the limiter runs inside the claim script);
+  ours   one or two `qgw dispatcher` processes (a call passes the limit in the claim script
+         and again right before it is sent, app/ratelimit);
   seed   one or two processes running a faithful copy of the seed's loop (seeds/002): BZPOPMIN
          a task, check a sliding window whose member is the caller's millisecond, and when
          limited put the task back and sleep the whole loop, 1 s doubling, capped at the

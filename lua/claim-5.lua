@@ -6,6 +6,7 @@ ARGV[3] max concurrency (0 = none)    ARGV[4] lease (ms)
 ARGV[5] limiter kind        ARGV[6] rate (0 = none)    ARGV[7] interval (ms)
 ARGV[8] task key prefix (same hash tag as KEYS, so the script stays in one slot)
 ARGV[9] lease token prefix (unique per call)    ARGV[10] permit TTL (ms) for online tasks
+ARGV[11] limiter guard (ms), see ratelimit.lua
 Returns {state, wait ms, now, then per claim: id, token, attempts, type, method, url, headers,
 query, body}; state is
 'more' (N reached, work remains), 'empty', 'full' (concurrency cap) or 'limited' (retry in wait ms).
@@ -19,6 +20,7 @@ redis.call('ZREM', KEYS[5], ARGV[1])  -- this attempt consumes any scheduled ret
 local endpoint, n, cap = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
 local lease, kind, rate, interval = tonumber(ARGV[4]), ARGV[5], tonumber(ARGV[6]), tonumber(ARGV[7])
 local prefix, token_prefix, permit_ttl = ARGV[8], ARGV[9], tonumber(ARGV[10])
+local guard = tonumber(ARGV[11])
 local now = now_ms()
 local out = {'more', 0, now}
 local claimed = 0
@@ -35,7 +37,7 @@ while true do
     redis.call('ZREM', KEYS[1], id)  -- expired while pending: never runs
   else
     local token = token_prefix .. ':' .. claimed
-    local wait = rl_acquire(kind, KEYS[3], rate, interval, now, token)
+    local wait = rl_acquire(kind, KEYS[3], rate, interval, guard, now, token)
     if wait > 0 then out[1] = 'limited'; out[2] = wait; break end
     redis.call('ZREM', KEYS[1], id)
     local deadline = now + lease

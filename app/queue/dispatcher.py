@@ -92,7 +92,7 @@ class Dispatcher:
         self._ident = f"{os.getpid()}@{socket.gethostname()}"
 
     def _limiter(self, endpoint: EndpointConfig) -> Limiter:
-        limit = Limit.of(endpoint)
+        limit = Limit.of(endpoint, self.settings.rate_guard_ms)
         if limit not in self._limiters:
             self._limiters[limit] = Limiter(self.redis, limit, self.keys)
         return self._limiters[limit]
@@ -190,7 +190,8 @@ class Dispatcher:
                       k.delayed],
                 args=[e, room, endpoint.max_concurrency, self.settings.lease_ms,
                       endpoint.limiter, endpoint.rate, endpoint.interval_ms, k.task_prefix(e),
-                      f"{self._ident}.{secrets.token_hex(8)}", endpoint.permit_ttl_s * 1000],
+                      f"{self._ident}.{secrets.token_hex(8)}", endpoint.permit_ttl_s * 1000,
+                      self._limiter(endpoint).limit.guard_ms],
             )
         except (RedisError, OSError) as exc:
             # Its wake marker is spent: try again rather than wait for somebody to re-add it.
@@ -241,6 +242,9 @@ class Dispatcher:
                 if claim.attempts > ep.max_retries + 1:  # max_retries lowered since queued
                     await self._finish(claim, Outcome(None, "no attempts left"), -1)
                     return
+                if not await self._pass_limiter(claim):
+                    await self.release([claim])  # stopping: another dispatcher sends it
+                    return
                 started = time.monotonic()
                 outcome = await call(self.http, tid, claim.request, ep.timeout_ms / 1000)
                 exec_ms = (time.monotonic() - started) * 1000
@@ -265,6 +269,16 @@ class Dispatcher:
             log.exception("executor error", extra=extra)
         finally:
             self._done(claim)
+
+    async def _pass_limiter(self, claim: Claim) -> bool:
+        """The second check of the rate limit, right before the call (see app/ratelimit):
+        the claim admitted it, this makes the limit hold where the upstream sees it."""
+        limiter, e = self._limiter(claim.endpoint), claim.endpoint.id
+        if limiter.limit.rate <= 0:
+            return True
+        passed = await self._persist("limiter", lambda: limiter.wait(
+            e, sent=True, sleep=self._stopping_within))
+        return bool(passed)
 
     async def _stopping_within(self, delay_s: float) -> bool:
         """Sleep `delay_s`, or less when the dispatcher starts stopping; True if it did."""

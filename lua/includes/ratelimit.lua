@@ -1,29 +1,40 @@
--- Limiters. Each takes the limiter key, rate, interval (ms), the Redis time and a member unique
--- to this admission; it either records the admission and returns 0, or records nothing and
--- returns the exact milliseconds until an admission could succeed.  Include now.lua first (int).
+-- Limiters. Each takes the limiter key, rate, interval (ms), a guard (ms), the Redis time and a
+-- member unique to this admission; it either records the admission and returns 0, or records
+-- nothing and returns the exact milliseconds until an admission could succeed.
+-- Include now.lua first (int).
+--
+-- The guard is a margin for the jitter between an admission and the moment the upstream sees
+-- the call: the dispatcher admits each call twice, at claim (pacing) and again right before
+-- it sends (lua/ratelimit-1.lua on the `sent` key), and a call sent `guard` ms late must still
+-- keep every window of the upstream within the limit.
 
--- A log of admissions, exact over any window of interval_ms. Members are unique per admission
--- (the seed used the millisecond, which folds two admissions in one millisecond into one).
-local function rl_sliding_window(key, rate, interval, now, member)
-  redis.call('ZREMRANGEBYSCORE', key, '-inf', now - interval)
+-- A log of admissions, exact over any window of interval + guard. Members are unique per
+-- admission (the seed used the millisecond, which folds two admissions in one into one).
+local function rl_sliding_window(key, rate, interval, guard, now, member)
+  local window = interval + guard
+  redis.call('ZREMRANGEBYSCORE', key, '-inf', now - window)
   local count = redis.call('ZCARD', key)
   if count < rate then
     redis.call('ZADD', key, now, member)
-    redis.call('PEXPIRE', key, interval)
+    redis.call('PEXPIRE', key, window)
     return 0
   end
   -- One admission fits once count - rate + 1 calls have left the window (more than one when
   -- the rate was lowered): wait for the youngest of those, not merely the oldest call.
   local nth = redis.call('ZRANGE', key, count - rate, count - rate, 'WITHSCORES')
-  return math.max(1, tonumber(nth[2]) + interval - now)
+  return math.max(1, tonumber(nth[2]) + window - now)
 end
 
 -- A counter per aligned window [k * interval, (k + 1) * interval), expiring when its window ends.
 -- The value names its window ('k:count'), so a changed interval counts afresh at once instead of
--- inheriting a count that would hold until the old, longer window ran out.
-local function rl_fixed_window(key, rate, interval, now, member)
+-- inheriting a count that would hold until the old, longer window ran out.  Nothing is admitted
+-- in a window's last `guard` ms: such a call could reach the upstream in the next window.
+local function rl_fixed_window(key, rate, interval, guard, now, member)
   local window = int(math.floor(now / interval))
   local ends = (math.floor(now / interval) + 1) * interval
+  if now >= ends - guard then
+    return ends - now
+  end
   local count = 0
   local stored = redis.call('GET', key)
   if stored then
@@ -37,14 +48,18 @@ local function rl_fixed_window(key, rate, interval, now, member)
   return 0
 end
 
--- GCRA in one key holding the theoretical arrival time: smooth pacing at rate/interval,
--- bursts of up to `rate` after a quiet spell.
-local function rl_token_bucket(key, rate, interval, now, member)
+-- GCRA in one key holding the theoretical arrival time: smooth pacing at rate/interval, bursts
+-- of up to `rate` after a quiet spell.  The guard comes off the burst tolerance (a late call
+-- must not turn a full burst into one over the bound); with no tolerance left (rate 1), it
+-- spaces the calls instead.
+local function rl_token_bucket(key, rate, interval, guard, now, member)
   local emission = interval / rate
+  local tolerance = interval - emission - guard
+  if tolerance < 0 then emission, tolerance = emission - tolerance, 0 end
   local tat = tonumber(redis.call('GET', key) or '0')
   if tat < now then tat = now end
   local new_tat = tat + emission
-  local allow_at = new_tat - interval
+  local allow_at = new_tat - emission - tolerance
   if allow_at > now then
     return math.max(1, math.ceil(allow_at - now))
   end
@@ -58,8 +73,21 @@ local limiters = {
   token_bucket = rl_token_bucket,
 }
 
+-- Pacing, for the check right before a call is sent: at most one call per interval / rate, with
+-- up to `guard` ms of catch-up.  A limiter may admit a whole window's calls at once, but a
+-- process pushes such a burst out over tens or hundreds of ms, so the upstream would see the
+-- late part of one window's burst together with the next window's: paced calls leave as they
+-- are admitted.  Returns the wait (ms) and, when 0, the state to record on success.
+local function rl_pace(key, rate, interval, guard, now)
+  local emission = interval / rate
+  local tat = tonumber(redis.call('GET', key) or '0')
+  if tat < now then tat = now end
+  if tat - now > guard then return math.max(1, math.ceil(tat - now - guard)), nil end
+  return 0, tat + emission
+end
+
 -- rate <= 0 means the endpoint has no rate limit.
-local function rl_acquire(kind, key, rate, interval, now, member)
+local function rl_acquire(kind, key, rate, interval, guard, now, member)
   if rate <= 0 then return 0 end
-  return limiters[kind](key, rate, interval, now, member)
+  return limiters[kind](key, rate, interval, guard, now, member)
 end
