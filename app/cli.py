@@ -64,6 +64,15 @@ def prepare_db(settings: Settings) -> None:
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     if settings.auto_migrate:
         _migrate(settings, None, quiet=True)
+        return
+    try:
+        behind = migrate.pending(settings.db_url)
+    except Exception as exc:  # whatever the driver raises, the operator gets one line
+        behind = f"{type(exc).__name__}: {exc}"
+    if behind:  # QGW_AUTO_MIGRATE=false: refuse rather than fail later on a missing table
+        print(f"qgw: {behind}; run `qgw migrate` (database {settings.db_url})",
+              file=sys.stderr)
+        sys.exit(1)
 
 
 def _serve(settings: Settings, args: Any, dispatcher: bool = True) -> None:

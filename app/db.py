@@ -1,10 +1,12 @@
-"""SQL: the endpoint table and API keys (the sources of truth), engine and sessions."""
+"""SQL: the endpoint table and API keys (the sources of truth), finished tasks kept for
+`QGW_DB_RETENTION_S` (app/lifecycle), engine and sessions."""
 
 from __future__ import annotations
 
 from datetime import UTC, datetime
 
-from sqlalchemy import JSON, BigInteger, Boolean, DateTime, Integer, String
+from sqlalchemy import JSON, BigInteger, Boolean, DateTime, Integer, SmallInteger, String, Text
+from sqlalchemy.dialects import mysql
 from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker, create_async_engine
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
@@ -53,10 +55,40 @@ class ApiKeyRow(Base):
     revoked_at: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)
 
 
+#: Task times keep their milliseconds on MySQL too (its DATETIME drops them by default).
+TaskTime = DateTime().with_variant(mysql.DATETIME(fsp=3), "mysql", "mariadb")
+#: A result is the business API's body: up to 16 MB on MySQL (TEXT stops at 64 KB).
+ResultText = Text().with_variant(mysql.MEDIUMTEXT(), "mysql", "mariadb")
+
+
+class TaskResultRow(Base):
+    """A finished task, written from the Redis outbox; status falls back to it once Redis has
+    let the task go. `created_at` is indexed: the janitor deletes by it in batches."""
+
+    __tablename__ = "task_results"
+
+    task_id: Mapped[str] = mapped_column(String(100), primary_key=True)
+    user_id: Mapped[int] = mapped_column(BigInteger)
+    endpoint: Mapped[str] = mapped_column(String(64))
+    type: Mapped[str] = mapped_column(String(16))
+    status: Mapped[str] = mapped_column(String(16))
+    result: Mapped[str | None] = mapped_column(ResultText, nullable=True)
+    result_status_code: Mapped[int | None] = mapped_column(SmallInteger, nullable=True)
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    created_at: Mapped[datetime] = mapped_column(TaskTime, index=True)
+    started_at: Mapped[datetime | None] = mapped_column(TaskTime, nullable=True)
+    ended_at: Mapped[datetime | None] = mapped_column(TaskTime, nullable=True)
+
+
+#: A dead database must not hold a request (status fallback) or a loop for long.
+SQL_CONNECT_TIMEOUT_S = 3
+
+
 def make_engine(url: str) -> AsyncEngine:
     if url.startswith("sqlite"):
         return create_async_engine(url, connect_args={"timeout": 5})
-    return create_async_engine(url, pool_pre_ping=True, pool_recycle=3600)
+    return create_async_engine(url, pool_pre_ping=True, pool_recycle=3600, pool_timeout=5,
+                               connect_args={"connect_timeout": SQL_CONNECT_TIMEOUT_S})
 
 
 def sessions(engine: AsyncEngine) -> async_sessionmaker:  # type: ignore[type-arg]

@@ -16,6 +16,8 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from app.db import make_engine
 from app.embedded import EmbeddedRedis
 from app.endpoints import EndpointConfig
+from app.lifecycle.jobs import LifecycleJobs
+from app.lifecycle.results import ResultStore
 from app.queue.dispatcher import Dispatcher
 from app.queue.keys import Keys
 from app.queue.registry import EndpointRegistry, Mirror, cancel_all
@@ -55,6 +57,7 @@ class Runtime:
     key_store: KeyStore = field(init=False)
     queue: TaskQueue = field(init=False)
     dispatcher: Dispatcher | None = field(default=None, init=False)
+    lifecycle: LifecycleJobs | None = field(default=None, init=False)
     http: httpx.AsyncClient | None = field(default=None, init=False)
     _blocking: Redis | None = field(default=None, init=False)
     _embedded: EmbeddedRedis | None = field(default=None, init=False)
@@ -80,7 +83,7 @@ class Runtime:
         self.endpoints = EndpointStore(self.engine, ep_mirror)
         self.key_store = KeyStore(self.engine, self.api_keys)
         self.registry = EndpointRegistry(ep_mirror)
-        self.queue = TaskQueue(self.redis, self.keys, scripts, s)
+        self.queue = TaskQueue(self.redis, self.keys, scripts, s, ResultStore(self.engine))
         for mirror in (ep_mirror, self.api_keys):
             await mirror.refresh()
             self._watchers.append(asyncio.create_task(mirror.watch()))
@@ -90,11 +93,17 @@ class Runtime:
             self.dispatcher = Dispatcher(self.redis, self._blocking, self.keys, scripts,
                                          self.registry, s, self.http)
             self.dispatcher.start()
+            # Outbox writer, pending expiry and janitor run where dispatchers run.
+            self.lifecycle = LifecycleJobs.build(s, self.redis, self.keys, scripts,
+                                                 self.registry, self.engine)
+            self.lifecycle.start()
 
     async def stop(self, grace_s: float | None = None) -> None:
         """Stop; in-flight calls get `grace_s` (default QGW_SHUTDOWN_GRACE_S) to finish."""
         if self.dispatcher:
             await self.dispatcher.stop(grace_s)
+        if self.lifecycle:  # after the dispatcher: its last acks reach SQL too
+            await self.lifecycle.stop()
         await cancel_all(self._watchers)
         if self.http:
             await self.http.aclose()

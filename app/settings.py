@@ -26,6 +26,15 @@ class Settings(BaseSettings):
     done_ttl_s: int = Field(3600, ge=1)
     read_ttl_s: int = Field(20, ge=1)
     db_retention_s: int = Field(259200, ge=1)
+    #: How often finished tasks move from the Redis outbox to SQL, and rows per transaction.
+    outbox_interval_ms: int = Field(500, ge=10)
+    outbox_batch: int = Field(500, ge=1, le=5000)
+    #: How often tasks pending past QGW_PENDING_TTL_S are marked `expired` (claims never
+    #: start one anyway).
+    expiry_interval_ms: int = Field(1000, ge=10)
+    #: How often the janitor deletes rows older than QGW_DB_RETENTION_S, and rows per DELETE.
+    janitor_interval_s: float = Field(300.0, gt=0)
+    janitor_batch: int = Field(1000, ge=1, le=1000)
 
     max_body_bytes: int = Field(1_048_576, ge=1024)
     #: Upstream calls one dispatcher process keeps in flight, over all endpoints.

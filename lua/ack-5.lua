@@ -4,8 +4,11 @@ ARGV[1] task id   ARGV[2] lease token   ARGV[3] final status ('completed' | 'fai
 ARGV[4] result    ARGV[5] result status code ('' if none)    ARGV[6] done TTL (ms)
 ARGV[7] endpoint id    ARGV[8] exec time of the last attempt (ms)
 Returns 1, or 0 when the lease was lost (reaped and claimed again): the newer attempt wins.
+The finished task goes to the endpoint's outbox (key built from KEYS[2], see lifecycle.lua).
 ]]
 --@include now.lua
+--@include stats.lua
+--@include lifecycle.lua
 
 if redis.call('HGET', KEYS[2], 'lease') ~= ARGV[2] then return 0 end
 local now = now_ms()
@@ -14,14 +17,21 @@ redis.call('HSET', KEYS[2], 'status', ARGV[3], 'result', ARGV[4],
   'result_status_code', ARGV[5], 'ended_at', now)
 redis.call('HDEL', KEYS[2], 'lease', 'deadline')
 redis.call('PEXPIRE', KEYS[2], ARGV[6])
+to_outbox(endpoint_key(string.sub(KEYS[2], 1, -#ARGV[1] - 1), 'outbox'), KEYS[2], ARGV[1])
 
-redis.call('HINCRBY', KEYS[5], ARGV[3], 1)
+local n = redis.call('HINCRBY', KEYS[5], ARGV[3], 1)
 local exec = tonumber(ARGV[8])
 if ARGV[3] == 'completed' and exec >= 0 then
-  -- A moving average of recent completions, for the wait estimate.
-  local avg = tonumber(redis.call('HGET', KEYS[5], 'exec_ms') or exec)
-  redis.call('HSET', KEYS[5], 'exec_ms', string.format('%.1f', avg * 0.9 + exec * 0.1))
+  stats_ema(KEYS[5], 'exec_ms', exec)  -- recent completions, for the dashboard
+  stats_observe(KEYS[5], 'upstream_ms', exec)
+elseif ARGV[3] == 'failed' then
+  stats_failure(KEYS[5], n, now, ARGV[1], ARGV[5], ARGV[4])
 end
+-- The wait estimate needs how long a task holds its slot, from claim to here (retries and
+-- back-off included), not only the last call.
+local started = tonumber(redis.call('HGET', KEYS[2], 'started_at'))
+if started then stats_ema(KEYS[5], 'slot_ms', now - started) end
+stats_tick(KEYS[5], 'done', now, 1)
 if redis.call('ZCARD', KEYS[3]) > 0 then
   redis.call('ZADD', KEYS[4], 'NX', now, ARGV[7])  -- a slot is free: worth a claim
 end

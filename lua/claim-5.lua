@@ -10,10 +10,13 @@ ARGV[11] limiter guard (ms), see ratelimit.lua
 Returns {state, wait ms, now, then per claim: id, token, attempts, type, method, url, headers,
 query, body}; state is
 'more' (N reached, work remains), 'empty', 'full' (concurrency cap) or 'limited' (retry in wait ms).
-Task ids whose hash has expired are dropped from the queue on the way.
+Task ids whose hash has expired are dropped from the queue on the way; tasks past their
+pending deadline are expired (lifecycle.lua, which builds the stats and outbox keys from ARGV[8]).
 ]]
 --@include now.lua
 --@include ratelimit.lua
+--@include lifecycle.lua
+--@include stats.lua
 
 redis.call('ZREM', KEYS[5], ARGV[1])  -- this attempt consumes any scheduled retry
 
@@ -23,6 +26,7 @@ local prefix, token_prefix, permit_ttl = ARGV[8], ARGV[9], tonumber(ARGV[10])
 local guard = tonumber(ARGV[11])
 local now = now_ms()
 local out = {'more', 0, now}
+local stats = sibling_key(KEYS[1], 'stats')  -- the dispatcher fixes KEYS
 local claimed = 0
 
 while true do
@@ -32,9 +36,14 @@ while true do
   if #head == 0 then out[1] = 'empty'; break end
   local id = head[1]
   local task = prefix .. id
-  local ttype = redis.call('HGET', task, 'type')
+  local tf = redis.call('HMGET', task, 'type', 'pexp')
+  local ttype = tf[1]
   if not ttype then
-    redis.call('ZREM', KEYS[1], id)  -- expired while pending: never runs
+    redis.call('ZREM', KEYS[1], id)  -- its hash is gone: never runs
+  elseif tf[2] and tonumber(tf[2]) <= now then
+    -- Past its pending deadline: never runs, even if the sweep (expire-3.lua) is late.
+    expire_pending(task, id, KEYS[1], endpoint_key(prefix, 'stats'),
+      endpoint_key(prefix, 'outbox'), now)
   else
     local token = token_prefix .. ':' .. claimed
     local wait = rl_acquire(kind, KEYS[3], rate, interval, guard, now, token)
@@ -46,7 +55,12 @@ while true do
     local attempts = redis.call('HINCRBY', task, 'attempts', 1)
     redis.call('HSET', task, 'status', 'processing', 'lease', token, 'started_at', now,
       'deadline', deadline)
+    redis.call('HDEL', task, 'pexp')  -- it has started: handed back later, it still runs
     claimed = claimed + 1
+    if attempts == 1 then  -- time in line before its first start (not after a hand-back)
+      local created = tonumber(redis.call('HGET', task, 'created_at')) or now
+      stats_observe(stats, 'queue_wait_ms', now - created)
+    end
     local req = redis.call('HMGET', task, 'method', 'url', 'headers', 'query', 'body')
     for _, v in ipairs({id, token, attempts, ttype, req[1], req[2], req[3], req[4], req[5]}) do
       out[#out + 1] = v
@@ -54,7 +68,12 @@ while true do
   end
 end
 
+if claimed > 0 then
+  redis.call('HINCRBY', stats, 'admitted', claimed)
+  stats_tick(stats, 'admitted', now, claimed)
+end
 if out[1] == 'limited' then
+  redis.call('HINCRBY', stats, 'limited', 1)
   redis.call('ZADD', KEYS[5], now + out[2], endpoint)
 elseif out[1] == 'more' then
   redis.call('ZADD', KEYS[4], 'NX', now, endpoint)

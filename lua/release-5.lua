@@ -6,8 +6,11 @@ KEYS[1] active    KEYS[2] task    KEYS[3] queue    KEYS[4] wake    KEYS[5] stats
 ARGV[1] task id   ARGV[2] lease token   ARGV[3] endpoint id   ARGV[4] max attempts
 ARGV[5] done TTL (ms)
 Returns 1 (re-queued), 2 (failed: no attempt left) or 0 (lease lost: somebody else has it).
+A failed task goes to the endpoint's outbox (key built from KEYS[2], see lifecycle.lua).
 ]]
 --@include now.lua
+--@include lifecycle.lua
+--@include stats.lua
 
 if redis.call('HGET', KEYS[2], 'lease') ~= ARGV[2] then return 0 end
 local now = now_ms()
@@ -18,7 +21,9 @@ if tonumber(f[1]) >= tonumber(ARGV[4]) then
   redis.call('HSET', KEYS[2], 'status', 'failed', 'ended_at', now,
     'result', 'interrupted on attempt ' .. f[1] .. ': the dispatcher shut down')
   redis.call('PEXPIRE', KEYS[2], ARGV[5])
-  redis.call('HINCRBY', KEYS[5], 'failed', 1)
+  local n = redis.call('HINCRBY', KEYS[5], 'failed', 1)
+  stats_failure(KEYS[5], n, now, ARGV[1], '', 'interrupted on attempt ' .. f[1])
+  to_outbox(endpoint_key(string.sub(KEYS[2], 1, -#ARGV[1] - 1), 'outbox'), KEYS[2], ARGV[1])
   return 2
 end
 redis.call('HSET', KEYS[2], 'status', 'pending')

@@ -8,11 +8,14 @@ KEYS[6] quota      the caller's counter for today (seed 000: INCR, expiring at t
 ARGV[1] task id    ARGV[2] endpoint id    ARGV[3] priority    ARGV[4] max queue length
 ARGV[5] pending TTL (ms)    ARGV[6] '1' to honour KEYS[5]    ARGV[7] idempotency TTL (ms)
 ARGV[8] daily quota (0 = none)    ARGV[9] end of the day (unix ms)
-ARGV[10..] field, value pairs of the task
+ARGV[10] done TTL (ms)    ARGV[11..] field, value pairs of the task
+The task is pending until `pexp` (now + pending TTL; then lua/expire-3.lua or the claim expires
+it), and its hash lives a done TTL longer, so its status can still say `expired`.
 Returns {'ok', task id, rank, created_at} | {'dup', first task id} | {'full'} |
 {'quota', ms until the quota resets}
 ]]
 --@include now.lua
+--@include stats.lua
 
 if ARGV[6] == '1' then
   local first = redis.call('GET', KEYS[5])
@@ -33,11 +36,13 @@ local now = now_ms()
 local seq = redis.call('INCR', KEYS[3])
 local score = int(-tonumber(ARGV[3]) * 8796093022208 + seq)
 
+local pending_ttl = tonumber(ARGV[5])
 redis.call('HSET', KEYS[2], 'status', 'pending', 'created_at', now, 'score', score,
-  'attempts', 0, unpack(ARGV, 10))
-redis.call('PEXPIRE', KEYS[2], ARGV[5])
+  'attempts', 0, 'pexp', now + pending_ttl, unpack(ARGV, 11))
+redis.call('PEXPIRE', KEYS[2], pending_ttl + tonumber(ARGV[10]))
 redis.call('ZADD', KEYS[1], score, ARGV[1])
 redis.call('ZADD', KEYS[4], 'NX', now, ARGV[2])
+redis.call('HINCRBY', sibling_key(KEYS[1], 'stats'), 'submitted', 1)
 if ARGV[6] == '1' then
   redis.call('SET', KEYS[5], ARGV[1], 'PX', ARGV[7])
 end

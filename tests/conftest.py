@@ -18,7 +18,7 @@ from app import migrate
 from app.main import create_app
 from app.runtime import Runtime
 from app.settings import Settings
-from tests.servers import QGW, RedisServer, mock_upstream, stop
+from tests.servers import QGW, MariaDB, RedisServer, mock_upstream, stop
 
 ADMIN = "test-admin-token"
 
@@ -29,6 +29,25 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServ
     server.start()
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def mariadb(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MariaDB]:
+    """One MariaDB for the session (started on first use); tests take a fresh database each."""
+    server = MariaDB(tmp_path_factory.mktemp("mariadb"))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(params=["sqlite", "mariadb"])
+def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """The storage suite runs once per database: a fresh SQLite file, or a fresh MariaDB
+    database on the session server."""
+    if request.param == "sqlite":
+        return f"sqlite+aiosqlite:///{tmp_path}/qgw.db"
+    server: MariaDB = request.getfixturevalue("mariadb")
+    return server.create_database(f"t{uuid.uuid4().hex[:12]}")
 
 
 @pytest.fixture(scope="session")

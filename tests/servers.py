@@ -1,8 +1,9 @@
-"""Real servers for tests: a Redis-compatible server and the mock upstream, as processes."""
+"""Real servers for tests: Redis-compatible, MariaDB and the mock upstream, as processes."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -90,3 +91,65 @@ def mock_upstream(*flags: str) -> Iterator[str]:
 def mock_log(base: str) -> list[dict[str, object]]:
     log: list[dict[str, object]] = httpx.get(f"{base}/_mock/log").json()
     return log
+
+
+class MariaDB:
+    """A private MariaDB server in a temp dir, on loopback TCP; root has no password.
+
+    CI installs Debian's `mariadb-server`; a missing binary fails the storage tests loudly
+    (they are the proof the MySQL path works), it does not skip them."""
+
+    def __init__(self, data_dir: Path) -> None:
+        self.data_dir, self.port = data_dir, free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @staticmethod
+    def binaries() -> tuple[str, str]:
+        server = shutil.which("mariadbd") or shutil.which("mariadbd", path="/usr/sbin")
+        install = shutil.which("mariadb-install-db")
+        if not server or not install:
+            raise RuntimeError("mariadbd / mariadb-install-db not found: install the "
+                               "mariadb-server package (CI does, see .ci/run)")
+        return server, install
+
+    def url(self, database: str) -> str:
+        return f"mysql+aiomysql://root@127.0.0.1:{self.port}/{database}"
+
+    def start(self) -> None:
+        server, install = self.binaries()
+        datadir = self.data_dir / "data"
+        if not datadir.exists():
+            subprocess.run(
+                [install, "--no-defaults", f"--datadir={datadir}", "--user=root",
+                 "--auth-root-authentication-method=normal", "--skip-test-db"],
+                check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        # Small buffers and no binary log or fsync per commit: a test server, not a durable one.
+        self.proc = subprocess.Popen(
+            [server, "--no-defaults", f"--datadir={datadir}", "--user=root",
+             f"--socket={self.data_dir}/mysqld.sock", f"--port={self.port}",
+             "--bind-address=127.0.0.1", "--skip-log-bin", "--innodb-buffer-pool-size=256M",
+             "--innodb-flush-log-at-trx-commit=2", "--skip-name-resolve",
+             f"--log-error={self.data_dir}/error.log", f"--pid-file={self.data_dir}/mysqld.pid"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_port(self.port, timeout=60, proc=self.proc)
+
+    def execute(self, *statements: str) -> None:
+        import pymysql
+
+        conn = pymysql.connect(host="127.0.0.1", port=self.port, user="root", password="")
+        try:
+            with conn.cursor() as cur:
+                for sql in statements:
+                    cur.execute(sql)
+            conn.commit()
+        finally:
+            conn.close()
+
+    def create_database(self, name: str) -> str:
+        self.execute(f"CREATE DATABASE `{name}` CHARACTER SET utf8mb4")
+        return self.url(name)
+
+    def stop(self) -> None:
+        if self.proc:
+            stop(self.proc, timeout=30)
+            self.proc = None

@@ -2,6 +2,9 @@
 
 Pending tasks live `pending` (then they expire and never run); finished ones `done`; a finished
 task its owner has read keeps only `read` (it has been delivered). Scripts take milliseconds.
+
+SQL keeps finished tasks for QGW_DB_RETENTION_S: `results` (outbox writer, status fallback),
+`expiry` (pending deadline sweep), `janitor` (purge), `jobs` (the loops a dispatcher runs).
 """
 
 from __future__ import annotations

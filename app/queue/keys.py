@@ -44,6 +44,17 @@ class Keys:
         """Hash of counters and the moving average of exec time."""
         return f"{self.prefix}:{{{endpoint}}}:stats"
 
+    def outbox(self, endpoint: str) -> str:
+        """Hash task id -> JSON of a finished task not yet written to SQL (app/lifecycle).
+
+        Scripts the dispatcher calls build it from the task prefix (lua/includes/lifecycle.lua):
+        it must stay `<task prefix without "t:">outbox`."""
+        return f"{self.prefix}:{{{endpoint}}}:outbox"
+
+    def delivered(self, endpoint: str) -> str:
+        """ZSet of finished task ids their owner has read; score = when the SQL row may go."""
+        return f"{self.prefix}:{{{endpoint}}}:delivered"
+
     def task(self, task_id: str) -> str:
         return self.task_prefix(endpoint_of(task_id)) + task_id
 
@@ -70,6 +81,10 @@ class Keys:
     @property
     def api_keys(self) -> str:
         return f"{self.prefix}:apikeys"
+
+    def lock(self, job: str) -> str:
+        """A lock with a TTL that one replica holds while it runs a periodic job."""
+        return f"{self.prefix}:lock:{job}"
 
     def version(self, table: str) -> str:
         return f"{self.prefix}:{table}:ver"

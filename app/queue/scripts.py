@@ -70,6 +70,7 @@ class Scripts:
     permit: Lua
     release: Lua
     nudge: Lua
+    expire: Lua
 
     @classmethod
     def register(cls, redis: Redis) -> Scripts:

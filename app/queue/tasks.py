@@ -1,4 +1,7 @@
-"""Submit, status, cancel and complete: each one Redis round trip (one script)."""
+"""Submit, status, cancel and complete: each one Redis round trip (one script).
+
+A task Redis no longer holds may be in SQL (app/lifecycle): status, cancel and complete then
+make one SQL lookup, off the hot path."""
 
 from __future__ import annotations
 
@@ -14,6 +17,9 @@ from app import permits
 from app.endpoints import EndpointConfig
 from app.errors import ApiError
 from app.lifecycle import Ttls
+from app.lifecycle.loop import STORE_ERRORS
+from app.lifecycle.records import fields_of
+from app.lifecycle.results import ResultStore
 from app.models import Permit, SubmitRequest, SubmitResponse, TaskStatus, TaskType, TaskView
 from app.queue.ids import new_task_id
 from app.queue.keys import Keys, endpoint_of
@@ -31,6 +37,7 @@ class TaskQueue:
     keys: Keys
     scripts: Scripts
     settings: Settings
+    results: ResultStore | None = None
 
     @cached_property
     def ttls(self) -> Ttls:
@@ -54,7 +61,8 @@ class TaskQueue:
             keys=[k.queue(e), k.task(task_id), k.seq(e), k.wake, idem, k.quota(user_id, day)],
             args=[task_id, e, req.priority, endpoint.max_queue_len,
                   self.ttls.pending_ms, "1" if idem_key else "0",
-                  IDEMPOTENCY_TTL_MS, key.daily_quota, (day + 1) * 86_400_000, *fields],
+                  IDEMPOTENCY_TTL_MS, key.daily_quota, (day + 1) * 86_400_000,
+                  self.ttls.done_ms, *fields],
         )
         if res[0] == "dup":
             return str(res[1])
@@ -72,11 +80,11 @@ class TaskQueue:
     async def status(self, user_id: int, task_id: str, endpoint: EndpointConfig | None) -> TaskView:
         k, e = self.keys, endpoint_of(task_id)
         res = await self.scripts.status(
-            keys=[k.task(task_id), k.queue(e), k.stats(e)],
+            keys=[k.task(task_id), k.queue(e), k.stats(e), k.outbox(e), k.delivered(e)],
             args=[task_id, user_id, self.ttls.read_ms],
         )
         if not res:
-            raise ApiError(404, "task_not_found", f"no task {task_id!r}")
+            return await self._finished_view(user_id, task_id, endpoint)
         rank, exec_ms = res[0], res[1]
         fields = dict(zip(res[2::2], res[3::2], strict=True))
         return self._view(task_id, fields, rank, exec_ms, endpoint)
@@ -107,11 +115,11 @@ class TaskQueue:
     async def cancel(self, user_id: int, task_id: str) -> TaskStatus:
         k, e = self.keys, endpoint_of(task_id)
         res = await self.scripts.cancel(
-            keys=[k.task(task_id), k.queue(e), k.active(e), k.wake],
+            keys=[k.task(task_id), k.queue(e), k.active(e), k.wake, k.outbox(e)],
             args=[task_id, user_id, self.ttls.done_ms, e],
         )
         if res[0] == "missing":
-            raise ApiError(404, "task_not_found", f"no task {task_id!r}")
+            res = ["conflict", await self._finished_status(user_id, task_id)]
         if res[0] == "conflict":
             raise ApiError(409, "task_not_cancellable",
                            f"task {task_id!r} is {res[1]} and cannot be cancelled",
@@ -122,32 +130,75 @@ class TaskQueue:
         """An admitted online task is done: its slot frees before the permit runs out."""
         k, e = self.keys, endpoint_of(task_id)
         res = await self.scripts.complete(
-            keys=[k.task(task_id), k.active(e), k.queue(e), k.wake],
+            keys=[k.task(task_id), k.active(e), k.queue(e), k.wake, k.outbox(e)],
             args=[task_id, user_id, result or "", self.ttls.done_ms, e],
         )
         if res[0] == "missing":
-            raise ApiError(404, "task_not_found", f"no task {task_id!r}")
+            res = ["conflict", await self._finished_status(user_id, task_id)]
         if res[0] == "conflict":
             raise ApiError(409, "task_not_completable",
                            f"task {task_id!r} is {res[1]}; only an admitted online task can be "
                            "completed", task_status=res[1])
         return TaskStatus.COMPLETED
 
+    async def _finished_row(self, user_id: int, task_id: str) -> Any:
+        """The SQL row of a task Redis has let go; 404 without one, 503 when SQL is down."""
+        row = None
+        if self.results is not None:
+            try:
+                row = await self.results.get(task_id, user_id)
+            except STORE_ERRORS:
+                raise ApiError(503, "database_unavailable",
+                               "finished tasks are unavailable; retry shortly",
+                               {"Retry-After": "5"}) from None
+        if row is None:
+            raise ApiError(404, "task_not_found", f"no task {task_id!r}")
+        return row
 
-def estimate_wait(endpoint: EndpointConfig | None, ahead: int, exec_ms: Any) -> float:
-    """Seconds until a task with `ahead` tasks before it starts: ahead / sustainable throughput.
+    async def _finished_status(self, user_id: int, task_id: str) -> str:
+        return str((await self._finished_row(user_id, task_id)).status)
 
-    Throughput is min(rate / interval, concurrency / exec time), with the measured exec time
-    once there is one (the seed's pending / QPS x exec time had the unit of seconds squared).
+    async def _finished_view(
+        self, user_id: int, task_id: str, endpoint: EndpointConfig | None
+    ) -> TaskView:
+        """Status from SQL. Read by its owner, the row is delivered like a Redis copy: it
+        goes once the read TTL has passed (NX: reading again does not postpone that)."""
+        row = await self._finished_row(user_id, task_id)
+        due = int(time.time() * 1000) + self.ttls.read_ms  # seconds of skew do not matter here
+        await self.redis.zadd(self.keys.delivered(endpoint_of(task_id)), {task_id: due}, nx=True)
+        return self._view(task_id, fields_of(row), None, None, endpoint)
+
+
+def estimate_wait(endpoint: EndpointConfig | None, ahead: int, measured: Any) -> float:
+    """Seconds until a task with `ahead` tasks before it in line starts.
+
+    Two limits hold it back, and it waits for the slower (DESIGN.md, "Estimated wait"):
+    - the concurrency cap C: the task starts once `ahead + 1 - free` slots have been given
+      back, free = C - in flight.  Slots come back at C / slot time, the slot time being
+      measured by the scripts from claim to finish (retries and back-off included, since
+      they hold the slot too; a moving average of recent tasks; `avg_exec_ms` until there is
+      one).  Under a backlog the next slot comes back on average half a gap from now, so
+      the n-th after (n - 1/2) gaps; counting from "now" rather than "a full gap" is what
+      keeps the estimate unbiased for the first tasks in line.
+    - the rate limit: the `ahead` admissions before it, at rate / interval.
+    `measured` is status-5.lua's {exec ms, slot ms, in flight}; a bare exec time (in flight
+    unknown: taken as a full endpoint) is accepted too.
     """
-    if endpoint is None or ahead == 0:
+    if endpoint is None:
         return 0.0
-    limits = []
+    if isinstance(measured, (list, tuple)):
+        exec_ms, slot_ms, flight = [*measured, None, None, None][:3]
+        in_flight = int(flight) if flight is not None else None
+    else:
+        exec_ms, slot_ms, in_flight = measured, None, None
+    wait = 0.0
+    cap = endpoint.max_concurrency
+    if cap > 0:
+        slot_s = float(slot_ms or exec_ms or endpoint.avg_exec_ms) / 1000
+        free = cap - in_flight if in_flight is not None else 0
+        behind = ahead + 1 - max(0, free)  # slots that must come back before it starts
+        if behind > 0:
+            wait = (behind - 0.5) * slot_s / cap
     if endpoint.rate > 0:
-        limits.append(endpoint.rate / (endpoint.interval_ms / 1000))
-    if endpoint.max_concurrency > 0:
-        exec_s = (float(exec_ms) if exec_ms else endpoint.avg_exec_ms) / 1000
-        limits.append(endpoint.max_concurrency / max(exec_s, 0.001))
-    if not limits:
-        return 0.0
-    return round(ahead / min(limits), 3)
+        wait = max(wait, ahead * endpoint.interval_ms / 1000 / endpoint.rate)
+    return round(wait, 3)

@@ -1,10 +1,12 @@
 --[[ Cancel a task of this user: a pending one leaves its queue; an admitted online one loses
 its permit and frees its slot. Anything that already ended, or an offline call in flight, stays.
-KEYS[1] task    KEYS[2] queue    KEYS[3] active    KEYS[4] wake
+KEYS[1] task    KEYS[2] queue    KEYS[3] active    KEYS[4] wake    KEYS[5] outbox
 ARGV[1] task id    ARGV[2] user id    ARGV[3] done TTL (ms)    ARGV[4] endpoint id
 Returns {'cancelled'} | {'missing'} | {'conflict', current status}.
 ]]
 --@include now.lua
+--@include lifecycle.lua
+--@include stats.lua
 
 local f = redis.call('HMGET', KEYS[1], 'user_id', 'status', 'type')
 if not f[1] or f[1] ~= ARGV[2] then return {'missing'} end
@@ -22,4 +24,6 @@ else
 end
 redis.call('HSET', KEYS[1], 'status', 'cancelled', 'ended_at', now)
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
+to_outbox(KEYS[5], KEYS[1], ARGV[1])
+redis.call('HINCRBY', sibling_key(KEYS[2], 'stats'), 'cancelled', 1)
 return {'cancelled'}

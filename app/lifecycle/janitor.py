@@ -1,0 +1,99 @@
+"""The janitor: deletes task_results rows older than QGW_DB_RETENTION_S.
+
+In batches of at most 1000, each its own short transaction: select the oldest keys through the
+`created_at` index (ORDER BY + LIMIT stops the range scan there), then delete them by primary
+key, which on InnoDB locks only those rows, never a range a writer inserts into (new rows are the
+newest). The same statements run on SQLite. With several replicas, one holds a Redis lock and
+does the work; without Redis the others may join in, which is harmless (a key deleted twice is
+deleted once).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+from sqlalchemy import Table, delete, select
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from app.db import TaskResultRow, utcnow
+from app.queue.keys import Keys
+
+log = logging.getLogger(__name__)
+T: Table = TaskResultRow.__table__  # type: ignore[assignment]  # declared as a FromClause
+LOCK_TTL_S = 30
+
+
+@dataclass
+class PurgeStats:
+    rows: int = 0
+    statements: int = 0
+    batches: list[int] = field(default_factory=list)
+    longest_delete_s: float = 0.0
+    elapsed_s: float = 0.0
+
+
+@dataclass
+class Janitor:
+    engine: AsyncEngine
+    retention_s: int
+    batch: int = 1000
+    redis: Redis | None = None
+    keys: Keys | None = None
+
+    async def run_once(self) -> PurgeStats | None:
+        """Purge under the replicas' lock; None when another replica holds it."""
+        if self.redis is None or self.keys is None:
+            return await self.purge()
+        lock = self.redis.lock(self.keys.lock("janitor"), timeout=LOCK_TTL_S, blocking=False)
+        try:
+            if not await lock.acquire():
+                return None
+        except RedisError as exc:
+            log.info("janitor lock unavailable (%s); purging without it", exc)
+            return await self.purge()
+        try:
+            return await self.purge(lock.reacquire)
+        finally:
+            with contextlib.suppress(RedisError):
+                await lock.release()
+
+    async def purge(
+        self, keep_lock: Callable[[], Awaitable[object]] | None = None,
+        cutoff: datetime | None = None,
+    ) -> PurgeStats:
+        """Delete every row created before `cutoff` (default: now - retention)."""
+        cutoff = cutoff or utcnow() - timedelta(seconds=self.retention_s)
+        stats, started = PurgeStats(), time.monotonic()
+        batch = min(self.batch, 1000)
+        while True:
+            async with self.engine.begin() as conn:
+                ids = (await conn.scalars(
+                    select(T.c.task_id).where(T.c.created_at < cutoff)
+                    .order_by(T.c.created_at).limit(batch))).all()
+                stats.statements += 1
+                if not ids:
+                    break
+                t0 = time.monotonic()
+                await conn.execute(delete(T).where(T.c.task_id.in_(ids)))
+                stats.statements += 1
+            # Its row locks last until the commit that just ended the block.
+            stats.longest_delete_s = max(stats.longest_delete_s, time.monotonic() - t0)
+            stats.rows += len(ids)
+            stats.batches.append(len(ids))
+            if keep_lock is not None:
+                with contextlib.suppress(RedisError):
+                    await keep_lock()
+            if len(ids) < batch:
+                break
+        stats.elapsed_s = time.monotonic() - started
+        if stats.rows:
+            log.info("janitor deleted %d rows in %d batches (%.1f s)", stats.rows,
+                     len(stats.batches), stats.elapsed_s)
+        return stats

@@ -1,0 +1,40 @@
+"""One background loop shape for the lifecycle jobs: run a step every interval, back off on
+errors (SQL or Redis down) and carry on when they come back, so the API never waits for them."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections.abc import Awaitable, Callable
+
+from redis.exceptions import RedisError
+from sqlalchemy.exc import SQLAlchemyError
+
+log = logging.getLogger(__name__)
+
+#: What a store being down looks like from here (drivers raise OSError subclasses too).
+STORE_ERRORS: tuple[type[BaseException], ...] = (SQLAlchemyError, RedisError, OSError,
+                                                 TimeoutError)
+MAX_BACKOFF_S = 2.0
+
+
+async def every(name: str, interval_s: float, step: Callable[[], Awaitable[object]]) -> None:
+    """Run `step` every `interval_s` until cancelled; after a failure, retry sooner than a
+    long outage would suggest (at most MAX_BACKOFF_S), jittered so replicas do not align."""
+    failures = 0
+    while True:
+        try:
+            await step()
+            failures, delay = 0, interval_s
+        except STORE_ERRORS as exc:
+            failures += 1
+            ceiling = min(0.1 * 2 ** min(failures - 1, 8), max(MAX_BACKOFF_S, interval_s))
+            delay = random.uniform(ceiling / 2, ceiling)
+            level = logging.WARNING if failures == 1 or failures % 20 == 0 else logging.DEBUG
+            log.log(level, "%s: %s: %s; retry %d in %.2f s", name, type(exc).__name__, exc,
+                    failures, delay)
+        except Exception:  # a bug must not end the loop silently and for good
+            log.exception("%s failed", name)
+            delay = max(interval_s, 1.0)
+        await asyncio.sleep(delay)

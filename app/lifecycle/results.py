@@ -1,0 +1,146 @@
+"""Finished tasks in SQL: the outbox writer and the store that status falls back to.
+
+Why an outbox: a task finishes inside a Lua script, when SQL may be slow or down. The script
+leaves a JSON copy of the task in its endpoint's outbox hash, atomically with the transition
+(lua/includes/lifecycle.lua), and this writer moves the copies to SQL in batches with
+idempotent upserts, deleting each copy only after its row committed. SQL down: copies wait in
+Redis, however long, and the API carries on. Several writers at once only repeat upserts.
+
+A finished task its owner has read is delivered: status-5.lua drops its outbox copy and
+schedules its row for deletion once the read TTL has run out (the `delivered` ZSet); the writer
+deletes those rows too, in batches.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from redis.asyncio import Redis
+from sqlalchemy import Table, delete, select
+from sqlalchemy.dialects.mysql import insert as mysql_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from app.db import TaskResultRow
+from app.lifecycle.records import row_of
+from app.queue.keys import Keys
+from app.queue.registry import EndpointRegistry
+
+log = logging.getLogger(__name__)
+
+T: Table = TaskResultRow.__table__  # type: ignore[assignment]  # declared as a FromClause
+_UPDATED = [c.name for c in T.columns if c.name != "task_id"]
+#: Rows per INSERT statement are also capped by size, below MySQL's default
+#: max_allowed_packet (16 MB) whatever the results weigh.
+STATEMENT_BYTES = 4 << 20
+
+
+class ResultStore:
+    """task_results: upserts from the outbox, deletes of delivered rows, lookups by owner."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.engine = engine
+
+    def _upsert(self, rows: list[dict[str, Any]]) -> Any:
+        if self.engine.dialect.name == "sqlite":
+            lite = sqlite_insert(T).values(rows)
+            return lite.on_conflict_do_update(
+                index_elements=[T.c.task_id], set_={c: lite.excluded[c] for c in _UPDATED})
+        my = mysql_insert(T).values(rows)
+        return my.on_duplicate_key_update({c: my.inserted[c] for c in _UPDATED})
+
+    async def upsert(self, rows: list[dict[str, Any]]) -> None:
+        """Write rows in one transaction; a repeat of the same row changes nothing."""
+        if not rows:
+            return
+        async with self.engine.begin() as conn:
+            for chunk in _chunks(rows):
+                await conn.execute(self._upsert(chunk))
+
+    async def delete(self, task_ids: list[str]) -> int:
+        if not task_ids:
+            return 0
+        async with self.engine.begin() as conn:
+            res = await conn.execute(delete(T).where(T.c.task_id.in_(task_ids)))
+        return int(getattr(res, "rowcount", 0) or 0)
+
+    async def get(self, task_id: str, user_id: int) -> Any | None:
+        """The row of this user's task, or None (unknown, or somebody else's)."""
+        async with self.engine.connect() as conn:
+            res = await conn.execute(
+                select(T).where(T.c.task_id == task_id, T.c.user_id == user_id))
+            return res.first()
+
+
+def _chunks(rows: list[dict[str, Any]]) -> Iterator[list[dict[str, Any]]]:
+    chunk: list[dict[str, Any]] = []
+    size = 0
+    for row in rows:
+        weight = 256 + len(row["result"] or "") * 4  # utf8mb4 worst case
+        if chunk and size + weight > STATEMENT_BYTES:
+            yield chunk
+            chunk, size = [], 0
+        chunk.append(row)
+        size += weight
+    if chunk:
+        yield chunk
+
+
+@dataclass
+class OutboxWriter:
+    redis: Redis
+    keys: Keys
+    registry: EndpointRegistry
+    store: ResultStore
+    batch: int = 500
+
+    async def flush(self) -> int:
+        """Move every outbox record to SQL and delete delivered rows that are due; returns the
+        number of rows written. Raises when SQL or Redis fails: the caller retries."""
+        written = 0
+        for endpoint in self.registry.all():
+            written += await self._write(endpoint.id)
+            await self._delete_delivered(endpoint.id)
+        return written
+
+    async def _write(self, endpoint_id: str) -> int:
+        outbox, cursor, written = self.keys.outbox(endpoint_id), 0, 0
+        while True:
+            cursor, found = await self.redis.hscan(outbox, cursor, count=self.batch)
+            records: dict[str, str] = found  # type: ignore[assignment]  # decode_responses
+            if records:
+                written += await self._write_batch(outbox, records)
+            if cursor == 0:
+                return written
+
+    async def _write_batch(self, outbox: str, records: dict[str, str]) -> int:
+        rows, bad = [], []
+        for task_id, raw in records.items():
+            try:
+                rows.append(row_of(task_id, raw))
+            except (ValueError, KeyError, TypeError) as exc:
+                bad.append(task_id)
+                log.error("dropping a malformed outbox record: %s", exc,
+                          extra={"task_id": task_id, "record": raw[:500]})
+        for i in range(0, len(rows), self.batch):
+            await self.store.upsert(rows[i:i + self.batch])
+        # Only now, after the commit: a crash before this line only repeats the upserts.
+        await self.redis.hdel(outbox, *records)
+        return len(rows)
+
+    async def _delete_delivered(self, endpoint_id: str) -> None:
+        key = self.keys.delivered(endpoint_id)
+        now_s, now_us = await self.redis.time()
+        now = now_s * 1000 + now_us // 1000
+        while True:
+            ids: list[str] = await self.redis.zrangebyscore(  # type: ignore[assignment]
+                key, "-inf", now, start=0, num=self.batch)
+            if not ids:
+                return
+            await self.store.delete(ids)
+            await self.redis.zrem(key, *ids)
+            if len(ids) < self.batch:
+                return

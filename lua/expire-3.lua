@@ -1,0 +1,40 @@
+--[[ Expire tasks still pending past their deadline (`pexp`, set at submit): they leave their
+queue and never run. No extra index: within one priority the queue is in arrival order, which
+is deadline order, so the script looks at the head of each priority band and jumps to the next
+band at the first task not yet due (a task handed back after a claim has no deadline; the
+walk steps past it). Bounded: at most ARGV[3] expirations and ARGV[4] steps.
+KEYS[1] queue    KEYS[2] stats    KEYS[3] outbox
+ARGV[1] task key prefix    ARGV[2] done TTL (ms)    ARGV[3] max expirations    ARGV[4] max steps
+Returns {expired, 1 if it stopped at a bound (more may be due) else 0}.
+]]
+--@include now.lua
+--@include lifecycle.lua
+
+local BAND = 8796093022208  -- 2^43, one priority step of the score (submit-6.lua)
+local now = now_ms()
+local max_expired, steps_left = tonumber(ARGV[3]), tonumber(ARGV[4])
+local from, expired = '-inf', 0
+while steps_left > 0 do
+  if expired >= max_expired then return {expired, 1} end
+  steps_left = steps_left - 1
+  local head = redis.call('ZRANGEBYSCORE', KEYS[1], from, '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
+  if #head == 0 then return {expired, 0} end
+  local id, score = head[1], tonumber(head[2])
+  local task = ARGV[1] .. id
+  local f = redis.call('HMGET', task, 'status', 'pexp')
+  if not f[1] then
+    redis.call('ZREM', KEYS[1], id)  -- its hash is gone: nothing left to run
+  elseif not f[2] then
+    from = '(' .. int(score)  -- started once and handed back: no pending deadline any more
+  elseif tonumber(f[2]) <= now then
+    expire_pending(task, id, KEYS[1], KEYS[2], KEYS[3], now)
+    redis.call('PEXPIRE', task, ARGV[2])
+    expired = expired + 1
+  else
+    -- Not due: neither is anything after it in this band. Jump to the next lower priority.
+    if score > 0 then return {expired, 0} end  -- priority 0 is the last band
+    local priority = math.ceil(-score / BAND)
+    from = int(-(priority - 1) * BAND + 1)
+  end
+end
+return {expired, 1}

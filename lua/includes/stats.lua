@@ -1,0 +1,56 @@
+-- Per-endpoint counters, histograms and moving averages in the endpoint's stats hash, kept by
+-- the scripts that make each transition: exact, and shared by every API and dispatcher process.
+-- app/queue/stats.py reads them (one pipeline for every endpoint) for /metrics and the admin view.
+--
+-- Fields: counters `submitted admitted completed failed retried expired cancelled limited`;
+-- histograms `<name>:<bound ms>` (one bucket per observation, not cumulative: the reader adds
+-- them up) + `<name>:inf` + `<name>:sum`; moving averages `exec_ms` (upstream call) and
+-- `slot_ms` (claim to finish: how long a task holds a concurrency slot); 10-second rings
+-- `<ring>:<i>` + `<ring>:t<i>` for recent rates; `fail:<i>` the last FAIL_KEEP failures.
+
+-- Upper bounds (ms) of histogram buckets; app/queue/stats.py reads this line.
+local STATS_BOUNDS_MS = {5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 30000, 60000, 300000, 1800000}
+local RING_MS, RING_SLOTS, FAIL_KEEP = 10000, 8, 5
+
+-- A sibling key of `key` (any key of the same endpoint, '<prefix>:{e}:<name>'): same hash tag,
+-- same Cluster slot. Scripts whose callers do not pass the stats hash find it this way.
+local function sibling_key(key, name)
+  return (string.gsub(key, '}:[^}]*$', '}:' .. name))
+end
+
+local function stats_observe(stats, name, ms)
+  ms = math.max(0, math.floor(ms))
+  local bucket = 'inf'
+  for _, bound in ipairs(STATS_BOUNDS_MS) do
+    if ms <= bound then bucket = bound; break end
+  end
+  redis.call('HINCRBY', stats, name .. ':' .. bucket, 1)
+  redis.call('HINCRBY', stats, name .. ':sum', ms)
+end
+
+-- Count `n` events of `ring` in the 10-second slot of `now`; a slot left from an older lap is
+-- reset first, so a ring never holds more than RING_SLOTS * RING_MS of history.
+local function stats_tick(stats, ring, now, n)
+  local slot = math.floor(now / RING_MS)
+  local i = slot % RING_SLOTS
+  if tonumber(redis.call('HGET', stats, ring .. ':t' .. i)) ~= slot then
+    redis.call('HSET', stats, ring .. ':t' .. i, slot, ring .. ':' .. i, 0)
+  end
+  redis.call('HINCRBY', stats, ring .. ':' .. i, n)
+end
+
+-- Moving average of recent values (each new one weighs a tenth).
+local function stats_ema(stats, field, value)
+  local avg = tonumber(redis.call('HGET', stats, field) or value)
+  redis.call('HSET', stats, field, string.format('%.1f', avg * 0.9 + value * 0.1))
+end
+
+-- Remember a failure for the dashboard: the `n`th failure overwrites the one FAIL_KEEP before.
+local function stats_failure(stats, n, now, id, code, reason)
+  reason = reason or ''
+  if #reason > 200 then  -- cut on a character boundary: the reader decodes UTF-8
+    reason = string.gsub(string.sub(reason, 1, 200), '[\192-\255][\128-\191]*$', '')
+  end
+  redis.call('HSET', stats, 'fail:' .. (n % FAIL_KEEP),
+    cjson.encode({at = now, task_id = id, code = tonumber(code), reason = reason}))
+end

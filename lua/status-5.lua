@@ -1,0 +1,38 @@
+--[[ A task as its owner sees it, with its place in line. A finished task read by its owner
+has been delivered: it keeps only a short TTL, its outbox copy is dropped (no need to write a
+row now), and its id is scheduled for deletion from SQL once that TTL has run out.
+KEYS[1] task    KEYS[2] queue    KEYS[3] stats of the endpoint    KEYS[4] outbox
+KEYS[5] delivered (ZSet of ids whose SQL row may go; score = from when)
+ARGV[1] task id    ARGV[2] user id    ARGV[3] read TTL (ms)
+Returns {rank or false, measured, field, value, ...}, or {} when missing or not this user's;
+measured = {exec ms or false, slot ms or false, tasks in flight} of the endpoint, for the wait
+estimate (app/queue/tasks.py estimate_wait; in flight from the active set, found from KEYS[2]).
+]]
+--@include now.lua
+--@include stats.lua
+
+local fields = redis.call('HGETALL', KEYS[1])
+local owner
+for i = 1, #fields, 2 do
+  if fields[i] == 'user_id' then owner = fields[i + 1] end
+end
+if owner ~= ARGV[2] then return {} end
+local rank = redis.call('ZRANK', KEYS[2], ARGV[1])
+if not rank then
+  local status = redis.call('HGET', KEYS[1], 'status')
+  if status ~= 'pending' and status ~= 'processing' then
+    local ttl = tonumber(ARGV[3])
+    if redis.call('PTTL', KEYS[1]) > ttl then
+      redis.call('PEXPIRE', KEYS[1], ttl)
+      redis.call('HDEL', KEYS[4], ARGV[1])
+      -- Deleting the row only after the TTL also covers a writer that had already taken the
+      -- outbox copy and commits it just after this read.
+      redis.call('ZADD', KEYS[5], now_ms() + ttl, ARGV[1])
+    end
+  end
+end
+local measured = redis.call('HMGET', KEYS[3], 'exec_ms', 'slot_ms')
+if rank then measured[3] = redis.call('ZCARD', sibling_key(KEYS[2], 'active')) end
+table.insert(fields, 1, measured)
+table.insert(fields, 1, rank)
+return fields

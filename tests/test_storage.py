@@ -1,0 +1,399 @@
+"""The task lifecycle on Redis TTLs and SQL (app/lifecycle), run against SQLite and MariaDB with
+the same test code: results reach SQL through the outbox, reads deliver them, status falls back
+to SQL, pending tasks expire, nothing is lost while SQL is down, the janitor purges in batches."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import asynccontextmanager
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from sqlalchemy import func, inspect, select, text
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from app import migrate
+from app.db import TaskResultRow, make_engine, utcnow
+from app.lifecycle.expiry import ExpirySweep
+from app.lifecycle.janitor import Janitor
+from app.lifecycle.results import ResultStore
+from app.main import create_app
+from app.queue.keys import Keys
+from app.runtime import Runtime
+from app.settings import Settings
+from tests.conftest import Gateway
+from tests.servers import QGW, MariaDB
+
+T = TaskResultRow.__table__
+Start = Callable[[], Awaitable[Runtime]]
+
+
+@pytest.fixture
+def settings(settings: Settings, db_url: str) -> Settings:
+    """Short lifecycle times; the janitor runs only when a test calls it."""
+    return settings.model_copy(update={
+        "database_url": db_url, "read_ttl_s": 1, "outbox_interval_ms": 50,
+        "expiry_interval_ms": 100, "janitor_interval_s": 3600,
+    })
+
+
+async def eventually(check: Callable[[], Awaitable[Any]], timeout: float = 5.0) -> Any:
+    """Poll `check` until it returns something truthy; fail after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = await check()
+        if value:
+            return value
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.05)
+
+
+async def rows(engine: AsyncEngine) -> dict[str, Any]:
+    async with engine.connect() as conn:
+        return {r.task_id: r for r in await conn.execute(select(T))}
+
+
+async def finish(gw: Gateway, upstream: str, start: Start, path: str, n: int = 1
+                 ) -> tuple[dict[str, str], list[str]]:
+    """Submit n tasks and let a dispatcher run them; waits on Redis, not on the status route
+    (a read by the owner delivers a task)."""
+    await gw.add_endpoint(path, f"{upstream}/{path}")
+    auth = await gw.new_key(user_id=7)
+    ids = [(await gw.submit(auth, f"{upstream}/{path}", body=f"#{i}"))["task_id"]
+           for i in range(n)]
+    await start()
+    redis, keys = gw.rt.redis, gw.rt.keys
+
+    async def done() -> bool:
+        states = [await redis.hget(keys.task(t), "status") for t in ids]
+        return all(s == "completed" for s in states)
+
+    await eventually(done)
+    return auth, ids
+
+
+def test_lua_builds_the_outbox_key_keys_py_names() -> None:
+    """Scripts the dispatcher calls build the outbox key from the task prefix
+    (lua/includes/lifecycle.lua): the two must agree."""
+    k = Keys("p")
+    assert k.task_prefix("gen")[:-2] + "outbox" == k.outbox("gen")
+    assert k.task_prefix("gen")[:-2] + "stats" == k.stats("gen")
+
+
+async def test_migration_creates_task_results_with_created_at_index(db_url: str) -> None:
+    await asyncio.to_thread(migrate.upgrade, db_url)
+    await asyncio.to_thread(migrate.upgrade, db_url)  # at head: a no-op
+    engine = make_engine(db_url)
+    try:
+        async with engine.connect() as conn:
+            def shape(sync_conn: Any) -> tuple[set[str], list[Any]]:
+                insp = inspect(sync_conn)
+                return ({c["name"] for c in insp.get_columns("task_results")},
+                        insp.get_indexes("task_results"))
+            columns, indexes = await conn.run_sync(shape)
+    finally:
+        await engine.dispose()
+    assert columns == {c.name for c in T.columns}
+    assert any(ix["column_names"] == ["created_at"] for ix in indexes)
+
+
+async def test_finished_task_gets_a_row_and_a_one_hour_ttl(
+    gateway: Gateway, upstream: str, start_dispatcher: Start
+) -> None:
+    _, (tid,) = await finish(gateway, upstream, start_dispatcher, "row")
+    ttl = await gateway.rt.redis.pttl(gateway.rt.keys.task(tid))
+    assert 0 < ttl <= gateway.rt.settings.done_ttl_s * 1000
+    got = await eventually(lambda: rows(gateway.rt.engine))
+    row = got[tid]
+    assert (row.user_id, row.endpoint, row.type, row.status) == (7, "row", "offline", "completed")
+    assert row.result_status_code == 200 and row.attempts == 1 and '"#0"' in row.result
+    assert row.created_at <= row.started_at <= row.ended_at
+    assert not await gateway.rt.redis.hlen(gateway.rt.keys.outbox("row"))  # moved, not copied
+
+
+async def test_read_by_owner_cuts_ttl_and_removes_the_row(
+    gateway: Gateway, upstream: str, start_dispatcher: Start
+) -> None:
+    auth, ids = await finish(gateway, upstream, start_dispatcher, "read", n=3)
+    await eventually(lambda: _has(gateway.rt.engine, ids))
+    s = await gateway.status(auth, ids[0])
+    assert s["task_status"] == "completed"
+    assert 0 < await gateway.rt.redis.pttl(gateway.rt.keys.task(ids[0])) <= 1000
+    # Still served during the read TTL (a retry of the same GET), then gone from both stores.
+    assert (await gateway.status(auth, ids[0]))["task_result"] == s["task_result"]
+
+    async def only_unread_left() -> bool:
+        return set(await rows(gateway.rt.engine)) == set(ids[1:])
+
+    await eventually(only_unread_left)
+    await eventually(lambda: _gone(gateway, auth, ids[0]))
+
+
+async def _has(engine: AsyncEngine, ids: list[str]) -> bool:
+    return set(ids) <= set(await rows(engine))
+
+
+async def _gone(gw: Gateway, auth: dict[str, str], tid: str) -> bool:
+    r = await gw.http.get(f"/api/v1/tasks/{tid}", headers=auth)
+    return r.status_code == 404
+
+
+async def test_status_falls_back_to_sql_with_the_same_fields(
+    gateway: Gateway, upstream: str, start_dispatcher: Start
+) -> None:
+    auth, (tid,) = await finish(gateway, upstream, start_dispatcher, "fallback")
+    await eventually(lambda: _has(gateway.rt.engine, [tid]))
+    redis, keys = gateway.rt.redis, gateway.rt.keys
+    fields = await redis.hgetall(keys.task(tid))
+    from_redis = gateway.rt.queue._view(tid, fields, None, None, None).model_dump(mode="json")
+    await redis.delete(keys.task(tid))  # as if its done TTL ran out
+
+    from_sql = await gateway.status(auth, tid)
+    assert from_sql == from_redis
+    other = await gateway.new_key(user_id=8)
+    assert (await gateway.http.get(f"/api/v1/tasks/{tid}", headers=other)).status_code == 404
+    r = await gateway.http.post(f"/api/v1/tasks/{tid}/cancel", headers=auth)
+    assert r.status_code == 409 and r.json()["error"]["task_status"] == "completed"
+    # Read from SQL by its owner, the row is delivered too: gone after the read TTL.
+    await eventually(lambda: _gone(gateway, auth, tid))
+    assert tid not in await rows(gateway.rt.engine)
+
+
+async def test_pending_tasks_expire_across_priority_bands(
+    settings: Settings, upstream: str
+) -> None:
+    """The sweep walks each priority band from its head and stops at the first task not due."""
+    settings = settings.model_copy(update={"pending_ttl_s": 1})
+    async with open_gateway(settings) as gw:
+        rt = gw.rt
+        await gw.add_endpoint("exp", f"{upstream}/exp")
+        auth = await gw.new_key(user_id=7)
+        url = f"{upstream}/exp"
+        old = [(await gw.submit(auth, url, priority=p))["task_id"] for p in (0, 3, 3)]
+        await asyncio.sleep(1.05)
+        new = [(await gw.submit(auth, url, priority=p))["task_id"] for p in (0, 3, 1)]
+        sweep = ExpirySweep(rt.redis, rt.queue.scripts, rt.keys, rt.registry, rt.queue.ttls)
+        assert await sweep.sweep() == 3
+        assert set(await rt.redis.zrange(rt.keys.queue("exp"), 0, -1)) == set(new)
+        assert await rt.redis.hget(rt.keys.stats("exp"), "expired") == "3"
+        states = {t: (await gw.status(auth, t))["task_status"] for t in old + new}
+        assert [states[t] for t in old] == ["expired"] * 3
+        assert [states[t] for t in new] == ["pending"] * 3
+        assert 0 < await rt.redis.pttl(rt.keys.task(old[0])) <= settings.read_ttl_s * 1000
+        assert await sweep.sweep() == 0
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+async def test_expired_task_never_runs_even_before_the_sweep(
+    settings: Settings, upstream: str
+) -> None:
+    settings = settings.model_copy(update={"pending_ttl_s": 1, "expiry_interval_ms": 600_000})
+    async with open_gateway(settings) as gw:
+        await gw.add_endpoint("never", f"{upstream}/never")
+        auth = await gw.new_key(user_id=7)
+        tid = (await gw.submit(auth, f"{upstream}/never"))["task_id"]
+        await asyncio.sleep(1.05)
+        rt = Runtime(settings, with_dispatcher=True)
+        await rt.start()
+        try:
+            async def expired() -> bool:
+                return await gw.rt.redis.hget(gw.rt.keys.task(tid), "status") == "expired"
+            await eventually(expired)  # the claim expired it: the sweep is 10 minutes away
+            await eventually(lambda: _has(gw.rt.engine, [tid]))
+        finally:
+            await rt.stop(grace_s=1)
+        assert not [e for e in httpx.get(f"{upstream}/_mock/log").json()
+                    if e["path"] == "/never"]
+        assert (await rows(gw.rt.engine))[tid].status == "expired"
+        assert await gw.rt.redis.zcard(gw.rt.keys.queue("never")) == 0
+
+
+@asynccontextmanager
+async def open_gateway(settings: Settings) -> AsyncIterator[Gateway]:
+    """The `gateway` fixture, for settings a test makes itself."""
+    await asyncio.to_thread(migrate.upgrade, settings.db_url)
+    rt = Runtime(settings)
+    await rt.start()
+    app = create_app(rt, manage=False)
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app),
+                                     base_url="http://gateway") as client:
+            yield Gateway(rt, client)
+    finally:
+        await rt.stop()
+
+
+class Outage:
+    """Takes the test's database away and brings it back: MariaDB is stopped and restarted;
+    SQLite's directory is moved away (with the pools emptied, no connection can open it)."""
+
+    def __init__(self, kind: str, tmp_path: Path) -> None:
+        self.kind, self.tmp = kind, tmp_path
+        self.server = MariaDB(tmp_path / "mdb") if kind == "mariadb" else None
+        self.engines: list[AsyncEngine] = []
+
+    def url(self) -> str:
+        if self.server:
+            self.server.start()
+            return self.server.create_database("qgw")
+        (self.tmp / "sql").mkdir()
+        return f"sqlite+aiosqlite:///{self.tmp}/sql/qgw.db"
+
+    async def down(self) -> None:
+        if self.server:
+            await asyncio.to_thread(self.server.stop)
+        else:
+            (self.tmp / "sql").rename(self.tmp / "away")
+        for engine in self.engines:
+            await engine.dispose()
+
+    async def up(self) -> None:
+        if self.server:
+            await asyncio.to_thread(self.server.start)
+        else:
+            (self.tmp / "away").rename(self.tmp / "sql")
+
+    def close(self) -> None:
+        if self.server:
+            self.server.stop()
+
+
+@pytest.fixture
+def outage(db_url: str, tmp_path: Path) -> Iterator[Outage]:
+    o = Outage("sqlite" if db_url.startswith("sqlite") else "mariadb", tmp_path)
+    yield o
+    o.close()
+
+
+async def test_sql_down_results_wait_in_redis_and_nothing_is_lost(
+    settings: Settings, upstream: str, outage: Outage
+) -> None:
+    settings = settings.model_copy(update={"database_url": outage.url()})
+    async with open_gateway(settings) as gw:
+        await gw.add_endpoint("out", f"{upstream}/out", max_concurrency=4)
+        auth = await gw.new_key(user_id=7)
+        dispatchers = [Runtime(settings, with_dispatcher=True) for _ in range(2)]
+        for rt in dispatchers:
+            await rt.start()
+        outage.engines = [gw.rt.engine, *(rt.engine for rt in dispatchers)]
+        try:
+            before = [(await gw.submit(auth, f"{upstream}/out"))["task_id"] for _ in range(3)]
+            await eventually(lambda: _has(gw.rt.engine, before))
+            await outage.down()
+            # Redis alone: submit, run, finish and status all work.
+            during = [(await gw.submit(auth, f"{upstream}/out", body=f"#{i}"))["task_id"]
+                      for i in range(20)]
+
+            async def all_done() -> bool:
+                got = [await gw.rt.redis.hget(gw.rt.keys.task(t), "status") for t in during]
+                return all(s == "completed" for s in got)
+            await eventually(all_done)
+            outbox = gw.rt.keys.outbox("out")
+            assert await gw.rt.redis.hlen(outbox) == 20
+            # A status read from SQL cannot be served: 503 with Retry-After, not a hang or 500.
+            r = await gw.http.get(f"/api/v1/tasks/{uuid.uuid4().hex}.out", headers=auth)
+            assert r.status_code == 503 and r.headers["Retry-After"]
+            # The outage outlasts the tasks' own TTL: the outbox keeps the records anyway.
+            await gw.rt.redis.delete(*(gw.rt.keys.task(t) for t in during[:10]))
+            await outage.up()
+
+            async def all_written() -> bool:
+                return await _has(gw.rt.engine, before + during)
+            await eventually(all_written, timeout=15)
+            assert await gw.rt.redis.hlen(outbox) == 0
+            got = await rows(gw.rt.engine)
+            assert all(got[t].status == "completed" and f'"#{i}"' in got[t].result
+                       for i, t in enumerate(during))
+            # And status of a task Redis forgot is served from SQL again.
+            assert (await gw.status(auth, during[0]))["task_status"] == "completed"
+        finally:
+            for rt in dispatchers:
+                await rt.stop(grace_s=1)
+
+
+async def _load_rows(store: ResultStore, old: int, new: int, retention_s: int) -> None:
+    now = utcnow()
+    batch = []
+    for i in range(old + new):
+        age = timedelta(seconds=retention_s + 60 + i) if i < old else timedelta(seconds=i % 60)
+        created = now - age
+        batch.append({
+            "task_id": f"{i:032x}.jan", "user_id": 1, "endpoint": "jan", "type": "offline",
+            "status": "completed", "result": "x", "result_status_code": 200, "attempts": 1,
+            "created_at": created, "started_at": created, "ended_at": created,
+        })
+    for i in range(0, len(batch), 1000):
+        await store.upsert(batch[i:i + 1000])
+
+
+async def test_janitor_deletes_only_old_rows_in_batches_of_at_most_1000(db_url: str) -> None:
+    await asyncio.to_thread(migrate.upgrade, db_url)
+    engines = [make_engine(db_url), make_engine(db_url)]
+    try:
+        await _load_rows(ResultStore(engines[0]), old=2500, new=300, retention_s=3600)
+        janitor = Janitor(engines[0], retention_s=3600, batch=1000)
+        stats = await janitor.purge()
+        assert stats.rows == 2500 and stats.batches == [1000, 1000, 500]
+        async with engines[0].connect() as conn:
+            left = await conn.scalar(select(func.count()).select_from(T))
+            oldest = await conn.scalar(select(func.min(T.c.created_at)))
+        assert left == 300 and oldest > utcnow() - timedelta(seconds=3600)
+
+        # Two janitors at once (two replicas without the lock): the same end state, no error.
+        await _load_rows(ResultStore(engines[0]), old=2500, new=300, retention_s=3600)
+        both = await asyncio.gather(*(Janitor(e, 3600, 1000).purge() for e in engines))
+        assert all(max(s.batches) <= 1000 for s in both if s.batches)
+        async with engines[0].connect() as conn:
+            assert await conn.scalar(select(func.count()).select_from(T)) == 300
+        assert await _uses_created_at_index(engines[0])
+    finally:
+        for e in engines:
+            await e.dispose()
+
+
+async def _uses_created_at_index(engine: AsyncEngine) -> bool:
+    query = ("SELECT task_id FROM task_results WHERE created_at < '2030-01-01' "
+             "ORDER BY created_at LIMIT 1000")
+    async with engine.connect() as conn:
+        if engine.dialect.name == "sqlite":
+            plan = [str(r[-1]) for r in await conn.execute(text("EXPLAIN QUERY PLAN " + query))]
+        else:
+            plan = [str(r._mapping["key"]) for r in await conn.execute(text("EXPLAIN " + query))]
+    return any("ix_task_results_created_at" in p for p in plan)
+
+
+async def test_janitor_lock_lets_one_replica_work(gateway: Gateway) -> None:
+    rt = gateway.rt
+    janitor = Janitor(rt.engine, 3600, 1000, rt.redis, rt.keys)
+    assert await janitor.run_once() is not None  # free: it runs
+    lock = rt.redis.lock(rt.keys.lock("janitor"), timeout=10)
+    assert await lock.acquire(blocking=False)
+    try:
+        assert await janitor.run_once() is None  # another replica holds it
+    finally:
+        await lock.release()
+
+
+@pytest.mark.parametrize("db_url", ["mariadb"], indirect=True)
+def test_qgw_migrate_on_mariadb(db_url: str) -> None:
+    proc = subprocess.run([*QGW, "migrate"], env={**os.environ, "QGW_DATABASE_URL": db_url},
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "database at head" in proc.stdout
+
+
+def test_serve_refuses_an_unmigrated_database_when_auto_migrate_is_off(tmp_path: Path) -> None:
+    env = {**os.environ, "QGW_AUTO_MIGRATE": "false", "QGW_DATA_DIR": str(tmp_path),
+           "QGW_DATABASE_URL": f"sqlite+aiosqlite:///{tmp_path}/empty.db"}
+    proc = subprocess.run([*QGW, "serve", "--port", "1"], env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 1
+    assert "run `qgw migrate`" in proc.stderr and "needs 0002" in proc.stderr
