@@ -34,6 +34,8 @@ bench: $(STAMP)
 	$(BIN)/python bench/upstream_client.py
 	$(BIN)/python bench/ratelimit.py
 	$(BIN)/python bench/chaos.py
+	$(BIN)/python bench/eta.py
+	$(BIN)/python bench/purge.py
 
 clean:
 	rm -rf $(VENV) .qgw .pytest_cache .mypy_cache .ruff_cache

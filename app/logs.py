@@ -1,37 +1,78 @@
-"""Logs: one JSON object a line when not on a terminal, readable lines on one."""
+"""Logs: one JSON object a line when not on a terminal, readable lines on one; never a secret.
+
+Lines about a task carry `task_id` and `endpoint` (passed with `extra=`).  Every finished line,
+JSON or text, goes through `scrub`: API keys, permits, bearer tokens, credential-like
+`name=value` pairs, URL query strings (they may carry a caller's key) and the values registered
+with `redact` (the admin token, the permit secret) are replaced before the line is written.
+"""
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 import sys
 import time
 
 # Attributes every LogRecord has; anything else came in through `extra=` and is printed.
 _STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {
-    "message", "asctime", "color_message"}
+    "message", "asctime", "color_message", "taskName"}
+
+REDACTED = "[redacted]"
+_PATTERNS = [
+    (re.compile(r"qgw_[A-Za-z0-9_-]{16,}"), "qgw_" + REDACTED),  # API keys (app/store.py)
+    (re.compile(r"\b\d{13}\.[A-Za-z0-9_-]{43}\b"), REDACTED),  # permits (app/permits.py)
+    (re.compile(r"(?i)\b(bearer|basic)\s+[^\s\"',;]+"), r"\1 " + REDACTED),
+    (re.compile(r"(?i)((?:authorization|x-api-key|x-queue-permit|api[_-]?key|access[_-]?token"
+                r"|token|secret|password|permit)[\"']?\s*[:=]\s*[\"']?)[^\s\"'&,;}]+"),
+     r"\1" + REDACTED),
+    (re.compile(r"(?i)\b(https?://[^\s?#\"'<>]+)\?[^\s#\"'<>]*"), r"\1?" + REDACTED),
+    (re.compile(r"(?i)(redis|rediss|mysql\+aiomysql)://([^:/@\s]*):[^@\s]*@"),
+     r"\1://\2:" + REDACTED + "@"),
+]
+_values: set[str] = set()
+
+
+def redact(*values: str) -> None:
+    """Never print these (secrets without a recognisable shape)."""
+    _values.update(v for v in values if v and len(v) >= 8)
+
+
+def scrub(line: str) -> str:
+    for value in _values:
+        if value in line:
+            line = line.replace(value, REDACTED)
+    for pattern, repl in _PATTERNS:
+        line = pattern.sub(repl, line)
+    return line
+
+
+def _extra(record: logging.LogRecord) -> dict[str, object]:
+    return {k: v for k, v in vars(record).items() if k not in _STANDARD}
 
 
 class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
-        out = {
+        out: dict[str, object] = {
             "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
             + f".{int(record.msecs):03d}Z",
             "level": record.levelname.lower(),
             "logger": record.name,
             "msg": record.getMessage(),
         }
-        out.update({k: v for k, v in vars(record).items() if k not in _STANDARD})
+        out.update(_extra(record))
         if record.exc_info:
             out["exc"] = self.formatException(record.exc_info)
-        return json.dumps(out, default=str)
+        return scrub(json.dumps(out, default=str))
 
 
 class TextFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         line = super().format(record)
-        extra = {k: v for k, v in vars(record).items() if k not in _STANDARD}
-        return line + ("  " + " ".join(f"{k}={v}" for k, v in extra.items()) if extra else "")
+        extra = _extra(record)
+        if extra:
+            line += "  " + " ".join(f"{k}={v}" for k, v in extra.items())
+        return scrub(line)
 
 
 def setup(level: str = "info") -> None:

@@ -1,44 +1,180 @@
-"""Exact queue counts for the admin view: one pipeline for all endpoints, no key scans."""
+"""Per-endpoint numbers for /metrics, the admin view and the dashboard: one pipeline for every
+endpoint, no key scans.
+
+The counters, histograms and moving averages live in each endpoint's stats hash, kept by the
+Lua scripts that make the transitions (lua/includes/stats.lua), so they are exact and shared by
+every API and dispatcher process.  Depth and in flight are the queue's and active set's ZCARD.
+"""
 
 from __future__ import annotations
 
+import json
+import re
+import time
+from dataclasses import dataclass, field
 from typing import Any
 
 from redis.asyncio import Redis
 
 from app.endpoints import EndpointConfig
 from app.queue.keys import Keys
+from app.queue.scripts import LUA_DIR
+from app.queue.tasks import estimate_wait
+
+COUNTERS = ("submitted", "admitted", "completed", "failed", "retried", "expired", "cancelled",
+            "limited")
+HISTOGRAMS = ("queue_wait_ms", "upstream_ms")
+AVERAGES = ("exec_ms", "slot_ms")
 
 
-async def queue_stats(redis: Redis, keys: Keys, endpoints: list[EndpointConfig]) -> list[Any]:
-    now_s, now_us = await redis.time()
-    now = now_s * 1000 + now_us // 1000
+def _lua_constants() -> tuple[tuple[int, ...], int, int, int]:
+    """Bucket bounds and ring sizes, read from the script include so the two never disagree."""
+    text = (LUA_DIR / "includes" / "stats.lua").read_text()
+    bounds = re.search(r"STATS_BOUNDS_MS = \{([\d, ]+)\}", text)
+    sizes = re.search(r"RING_MS, RING_SLOTS, FAIL_KEEP = (\d+), (\d+), (\d+)", text)
+    assert bounds and sizes, "lua/includes/stats.lua lost its constants"
+    ring_ms, slots, keep = (int(g) for g in sizes.groups())
+    return tuple(int(b) for b in bounds.group(1).split(",")), ring_ms, slots, keep
+
+
+BOUNDS_MS, RING_MS, RING_SLOTS, FAIL_KEEP = _lua_constants()
+_BUCKETS = [*(str(b) for b in BOUNDS_MS), "inf"]
+
+
+@dataclass
+class Histogram:
+    cumulative: list[int]  # per bound in BOUNDS_MS, then +Inf (= count)
+    sum_ms: int
+
+    @property
+    def count(self) -> int:
+        return self.cumulative[-1]
+
+
+@dataclass
+class EndpointStats:
+    endpoint: EndpointConfig
+    pending: int
+    in_flight: int
+    counters: dict[str, int]
+    exec_ms: float | None
+    slot_ms: float | None
+    histograms: dict[str, Histogram]
+    oldest_pending_ms: int | None = None  # creation time of the longest-waiting task, if known
+    raw: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def id(self) -> str:
+        return self.endpoint.id
+
+    def wait_for_new_s(self) -> float:
+        """The estimate a task submitted now would get (app/queue/tasks.py estimate_wait)."""
+        return estimate_wait(self.endpoint, self.pending, [self.exec_ms, self.slot_ms,
+                                                           self.in_flight])
+
+
+def _parse(ep: EndpointConfig, pending: int, in_flight: int, raw: dict[str, str]
+           ) -> EndpointStats:
+    histograms = {}
+    for h in HISTOGRAMS:
+        running, cumulative = 0, []
+        for b in _BUCKETS:
+            running += int(raw.get(f"{h}:{b}", 0))
+            cumulative.append(running)
+        histograms[h] = Histogram(cumulative, int(raw.get(f"{h}:sum", 0)))
+    avg = {a: float(v) if (v := raw.get(a)) else None for a in AVERAGES}
+    return EndpointStats(ep, pending, in_flight, {c: int(raw.get(c, 0)) for c in COUNTERS},
+                         avg["exec_ms"], avg["slot_ms"], histograms, raw=raw)
+
+
+async def read_metrics(redis: Redis, keys: Keys, endpoints: list[EndpointConfig]
+                       ) -> list[EndpointStats]:
+    """What /metrics shows, for every endpoint in one round trip (3 commands an endpoint)."""
     async with redis.pipeline(transaction=False) as pipe:
         for ep in endpoints:
             pipe.zcard(keys.queue(ep.id))
             pipe.zcard(keys.active(ep.id))
-            pipe.zrange(keys.queue(ep.id), 0, 0)
+            # HGETALL, not HMGET of the fields: naming 44 fields per endpoint made encoding
+            # the pipeline most of a scrape's cost; absent buckets are simply not sent.
             pipe.hgetall(keys.stats(ep.id))
-            if ep.limiter == "sliding_window":
-                pipe.zcount(keys.ratelimit(ep.id, ep.limiter), f"({now - ep.interval_ms}", "+inf")
-            else:
-                pipe.exists(keys.ratelimit(ep.id, ep.limiter))  # placeholder keeps the stride
         raw = await pipe.execute()
-    heads = [r[0] for r in raw[2::5] if r]
+    return [_parse(ep, raw[i * 3], raw[i * 3 + 1], raw[i * 3 + 2])
+            for i, ep in enumerate(endpoints)]
+
+
+def _id_ms(task_id: str) -> int:
+    """Creation time of a task id (UUIDv7: the first 48 bits are unix ms, app/queue/ids.py)."""
+    return int(task_id[:12], 16)
+
+
+async def queue_stats(redis: Redis, keys: Keys, endpoints: list[EndpointConfig]) -> list[Any]:
+    """The admin view (and the dashboard's data): exact counts, recent rates, the estimate for
+    a new task, the oldest pending age and the last failures, in one round trip."""
     async with redis.pipeline(transaction=False) as pipe:
-        for head in heads:
-            pipe.hget(keys.task(head), "created_at")
-        created_at = dict(zip(heads, await pipe.execute(), strict=True))
+        pipe.time()
+        for ep in endpoints:
+            e = ep.id
+            pipe.zcard(keys.queue(e))
+            pipe.zcard(keys.active(e))
+            pipe.hgetall(keys.stats(e))
+            # With strict priority the task waiting longest is the head of the queue or the
+            # first of the priority-0 band (scores above 0, lua/submit-6.lua), nearly always.
+            pipe.zrange(keys.queue(e), 0, 0)
+            pipe.zrangebyscore(keys.queue(e), "(0", "+inf", start=0, num=1)
+            if ep.limiter == "sliding_window":
+                since = int(time.time() * 1000) - ep.interval_ms  # this clock: same trip
+                pipe.zcount(keys.ratelimit(e, ep.limiter), f"({since}", "+inf")
+            else:
+                pipe.exists(keys.ratelimit(e, ep.limiter))  # keeps the stride
+        raw = await pipe.execute()
+    now_s, now_us = raw[0]
+    now = int(now_s) * 1000 + int(now_us) // 1000
     out = []
     for i, ep in enumerate(endpoints):
-        pending, inflight, head, stats, admitted = raw[i * 5:i * 5 + 5]
-        oldest = created_at.get(head[0]) if head else None
-        out.append({
-            "id": ep.id, "pending": pending, "in_flight": inflight,
-            "admitted_last_window": admitted if ep.limiter == "sliding_window" else None,
-            "completed": int(stats.get("completed", 0)), "failed": int(stats.get("failed", 0)),
-            "retried": int(stats.get("retried", 0)),
-            "exec_ms": float(stats["exec_ms"]) if "exec_ms" in stats else None,
-            "oldest_pending_age_s": round((now - int(oldest)) / 1000, 3) if oldest else None,
-        })
+        pending, in_flight, values, head, band0, admitted = raw[1 + i * 6:7 + i * 6]
+        s = _parse(ep, pending, in_flight, values)
+        oldest = min((_id_ms(t[0]) for t in (head, band0) if t), default=None)
+        out.append(_view(s, now, oldest, admitted if ep.limiter == "sliding_window" else None))
     return out
+
+
+def _rate(raw: dict[str, str], ring: str, now: int) -> float:
+    """Events a second over the last minute, from the 10-second ring (stats.lua stats_tick)."""
+    current = now // RING_MS
+    window_slots = 60_000 // RING_MS
+    total = 0
+    for i in range(RING_SLOTS):
+        t = raw.get(f"{ring}:t{i}")
+        if t is not None and current - window_slots <= int(t) <= current:
+            total += int(raw.get(f"{ring}:{i}", 0))
+    span_ms = window_slots * RING_MS + now % RING_MS
+    return round(total / (span_ms / 1000), 3)
+
+
+def _failures(raw: dict[str, str]) -> list[dict[str, Any]]:
+    items = [json.loads(v) for i in range(FAIL_KEEP) if (v := raw.get(f"fail:{i}"))]
+    return sorted(items, key=lambda f: -int(f["at"]))
+
+
+def _view(s: EndpointStats, now: int, oldest: int | None, admitted: int | None
+          ) -> dict[str, Any]:
+    ep = s.endpoint
+    qw = s.histograms["queue_wait_ms"]
+    return {
+        "id": ep.id, "pending": s.pending, "in_flight": s.in_flight,
+        "max_concurrency": ep.max_concurrency, "rate": ep.rate, "interval_ms": ep.interval_ms,
+        "admitted_last_window": admitted,
+        **{c: s.counters[c] for c in COUNTERS},
+        "admitted_per_s": _rate(s.raw, "admitted", now),
+        "throughput_per_s": _rate(s.raw, "done", now),
+        "rate_limit_per_s": round(ep.rate * 1000 / ep.interval_ms, 3) if ep.rate else None,
+        "exec_ms": s.exec_ms, "slot_ms": s.slot_ms,
+        "avg_queue_wait_s": round(qw.sum_ms / qw.count / 1000, 3) if qw.count else None,
+        "wait_time_new_s": s.wait_for_new_s(),
+        "oldest_pending_age_s": round(max(0, now - oldest) / 1000, 3) if oldest else None,
+        "recent_failures": [
+            {"task_id": f["task_id"], "at_s_ago": round((now - int(f["at"])) / 1000, 1),
+             "code": f.get("code"), "reason": f.get("reason", "")}
+            for f in _failures(s.raw)],
+        "enabled": ep.enabled,
+    }

@@ -109,5 +109,7 @@ async def revoke_api_key(key_id: str, rt: Rt) -> Response:
 
 @router.get("/queues")
 async def queues(rt: Rt) -> dict[str, Any]:
-    """Per endpoint: pending, in flight, admitted in the last window, throughput, exec time."""
+    """Per endpoint: exact pending and in flight, counters, admitted and finished a second
+    (last minute) against the rate limit, exec and slot time, the estimated wait of a new task,
+    oldest pending age and the last failures (one Redis round trip)."""
     return {"endpoints": await queue_stats(rt.redis, rt.keys, rt.registry.all())}

@@ -1,14 +1,17 @@
-"""Operations: liveness and readiness."""
+"""Operations: liveness, readiness and Prometheus metrics (API.md, Operations)."""
 
 from __future__ import annotations
 
 from typing import Annotated
 
 from fastapi import APIRouter, Depends
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from sqlalchemy import text
 
+from app import metrics
 from app.auth import runtime
+from app.queue.stats import read_metrics
 from app.runtime import Runtime
 
 router = APIRouter(tags=["ops"])
@@ -38,3 +41,13 @@ async def readyz(rt: Annotated[Runtime, Depends(runtime)]) -> JSONResponse:
     ready = all(v == "ok" for v in checks.values())
     return JSONResponse({"status": "ok" if ready else "unavailable", "checks": checks},
                         200 if ready else 503)
+
+
+# The classic text format (0.0.4): what the output is, and what every Prometheus reads.
+@router.get("/metrics", response_class=Response,
+            responses={200: {"content": {CONTENT_TYPE_PLAIN_0_0_4: {}}}})
+async def prometheus(rt: Annotated[Runtime, Depends(runtime)]) -> Response:
+    """Prometheus exposition: per endpoint depth, in flight, counters and histograms (one
+    Redis round trip for all endpoints), and this process's submit latency."""
+    snapshot = await read_metrics(rt.redis, rt.keys, rt.registry.all())
+    return Response(metrics.render(snapshot), media_type=CONTENT_TYPE_PLAIN_0_0_4)

@@ -1,0 +1,113 @@
+"""Prometheus metrics: per-endpoint numbers from Redis, submit latency from this process.
+
+Counters and the queue-wait and upstream-latency histograms are kept in Redis by the scripts
+(app/queue/stats.py), so they are exact across every API and dispatcher process; a scrape reads
+them for all endpoints in one pipeline and writes them out as one snapshot.  Submit latency is
+this API process's own: a prometheus-client Histogram, with the default process metrics.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable
+from typing import Any
+
+from prometheus_client import REGISTRY, Histogram, generate_latest
+
+from app.queue.stats import BOUNDS_MS, COUNTERS, EndpointStats
+
+SUBMIT_LATENCY = Histogram(
+    "qgw_submit_latency_seconds", "Time to accept a task (POST /api/v1/tasks answered 202), "
+    "in this API process", ["endpoint"],
+    buckets=(.0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5))
+_LE = [*(f"{b / 1000:g}" for b in BOUNDS_MS), "+Inf"]
+_HELP = {
+    "submitted": "Tasks accepted into the queue", "admitted": "Tasks claimed (started)",
+    "completed": "Tasks completed", "failed": "Tasks failed for good",
+    "retried": "Attempts made again (upstream error or an expired lease)",
+    "expired": "Tasks that expired (pending past their TTL, or an unused online permit)",
+    "cancelled": "Tasks cancelled by their owner",
+    "limited": "Claim attempts the rate limiter deferred",
+}
+
+
+def _family(out: list[str], name: str, kind: str, help_text: str) -> None:
+    out.append(f"# HELP {name} {help_text}\n# TYPE {name} {kind}\n")
+
+
+def _num(v: float) -> str:
+    return str(int(v)) if float(v).is_integer() else repr(float(v))
+
+
+def render_snapshot(snapshot: list[EndpointStats]) -> str:
+    """The exposition text of one scrape's snapshot, written directly: prometheus-client's
+    generic collector path took 350 ms for 1,000 endpoints (48,000 samples), this about a
+    tenth.  Endpoint ids need no escaping in a label value (app/models.py ENDPOINT_ID)."""
+    out: list[str] = []
+    gauges: tuple[tuple[str, str, Callable[[EndpointStats], float | None]], ...] = (
+        ("qgw_queue_pending", "Tasks waiting in line", lambda s: s.pending),
+        ("qgw_queue_in_flight", "Tasks admitted and not finished", lambda s: s.in_flight),
+        ("qgw_estimated_wait_seconds", "Estimated wait of a task submitted now",
+         lambda s: s.wait_for_new_s()),
+        ("qgw_slot_seconds", "Moving average of how long a task holds a concurrency slot",
+         lambda s: None if s.slot_ms is None else s.slot_ms / 1000),
+    )
+    for name, help_text, get in gauges:
+        _family(out, name, "gauge", help_text)
+        for s in snapshot:
+            if (v := get(s)) is not None:
+                out.append(f'{name}{{endpoint="{s.id}"}} {_num(v)}\n')
+    for c in COUNTERS:
+        name = f"qgw_tasks_{c}_total"
+        _family(out, name, "counter", _HELP[c])
+        out.extend(f'{name}{{endpoint="{s.id}"}} {s.counters[c]}\n' for s in snapshot)
+    for key, name, help_text in (
+        ("queue_wait_ms", "qgw_queue_wait_seconds", "Time from submit to first start"),
+        ("upstream_ms", "qgw_upstream_latency_seconds", "Duration of successful upstream calls"),
+    ):
+        _family(out, name, "histogram", help_text)
+        for s in snapshot:
+            h = s.histograms[key]
+            out.extend(f'{name}_bucket{{endpoint="{s.id}",le="{le}"}} {v}\n'
+                       for le, v in zip(_LE, h.cumulative, strict=True))
+            out.append(f'{name}_count{{endpoint="{s.id}"}} {h.count}\n')
+            out.append(f'{name}_sum{{endpoint="{s.id}"}} {_num(h.sum_ms / 1000)}\n')
+    return "".join(out)
+
+
+def render(snapshot: list[EndpointStats]) -> bytes:
+    """The exposition text: this process's metrics (prometheus-client), then the queues."""
+    return generate_latest(REGISTRY) + render_snapshot(snapshot).encode()
+
+
+_SUBMIT_PATH = "/api/v1/tasks"
+_TASK_ID = re.compile(rb'"task_id":\s*"[0-9a-f]{32}\.([a-z0-9][a-z0-9_-]{0,63})"')
+
+
+class SubmitLatency:
+    """ASGI middleware timing accepted submits, labelled with the endpoint named by the task id
+    in the answer (the route need not know about metrics; other paths pass straight through)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["path"] != _SUBMIT_PATH or scope["method"] != "POST":
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        accepted = False
+
+        async def timed_send(message: Any) -> None:
+            nonlocal accepted
+            if message["type"] == "http.response.start":
+                accepted = message["status"] == 202
+            elif accepted and message["type"] == "http.response.body":
+                m = _TASK_ID.search(message.get("body", b""))
+                if m:
+                    SUBMIT_LATENCY.labels(m.group(1).decode()).observe(
+                        time.perf_counter() - started)
+            await send(message)
+
+        await self.app(scope, receive, timed_send)

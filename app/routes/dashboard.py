@@ -1,0 +1,54 @@
+"""`GET /dashboard`: one page, no build step, that shows every queue live.
+
+The page and its script hold no data, so they are served to anyone; the numbers come from the
+admin-protected `GET /admin/v1/queues`, which the script polls with `Authorization: Bearer`.
+The script takes the admin token from a prompt or from the URL fragment (`#token=...`, which
+browsers never send to a server, so it stays out of access logs), keeps it in sessionStorage
+(gone with the tab) and removes it from the address bar.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from pathlib import Path
+
+from fastapi import APIRouter
+from fastapi.responses import Response
+
+router = APIRouter(tags=["ops"])
+STATIC = Path(__file__).resolve().parent.parent / "static"
+_HEADERS = {
+    # Only our own script and styles; the page cannot be framed (clickjacking) and sends no
+    # referrer.
+    "Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; "
+                               "connect-src 'self'; img-src 'self' data:; "
+                               "frame-ancestors 'none'; base-uri 'none'; form-action 'none'",
+    "Referrer-Policy": "no-referrer",
+    "X-Content-Type-Options": "nosniff",
+    "Cache-Control": "no-cache",
+}
+
+
+@cache
+def _file(name: str) -> bytes:
+    return (STATIC / name).read_bytes()
+
+
+@router.get("/dashboard", response_class=Response,
+            responses={200: {"content": {"text/html": {}}}})
+async def dashboard() -> Response:
+    """The queue dashboard (asks for the admin token; its data needs it)."""
+    return Response(_file("dashboard.html"), media_type="text/html; charset=utf-8",
+                    headers=_HEADERS)
+
+
+@router.get("/dashboard/app.js", response_class=Response, include_in_schema=False)
+async def dashboard_js() -> Response:
+    return Response(_file("dashboard.js"), media_type="text/javascript; charset=utf-8",
+                    headers=_HEADERS)
+
+
+@router.get("/dashboard/style.css", response_class=Response, include_in_schema=False)
+async def dashboard_css() -> Response:
+    return Response(_file("dashboard.css"), media_type="text/css; charset=utf-8",
+                    headers=_HEADERS)

@@ -1,0 +1,119 @@
+"""Logs of a real `qgw serve`: JSON lines, task id and endpoint on task lines, never a secret."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from app import logs
+from tests.conftest import ADMIN, Gateway
+from tests.servers import QGW, free_port, stop, wait_port
+
+PERMIT_SECRET = "test-permit-secret"
+
+
+async def _flow(base: str, gateway: Gateway, upstream: str) -> list[str]:
+    """Offline success, an immediate failure, retries, an unreachable upstream and an online
+    task through its permit; returns the secrets the gateway saw."""
+    await gateway.add_endpoint("logged", f"{upstream}/logged", max_retries=1,
+                               retry_backoff_ms=0)
+    await gateway.add_endpoint("dead", "http://127.0.0.1:9/dead", max_retries=1,
+                               retry_backoff_ms=0, timeout_ms=2000)
+    await gateway.add_endpoint("live", f"{upstream}/live", max_concurrency=1)
+    auth = await gateway.new_key()
+    key = auth["Authorization"].removeprefix("Bearer ")
+    secrets = [key, ADMIN, PERMIT_SECRET, "querysecret-4711", "bodysecret-0815"]
+    async with httpx.AsyncClient(base_url=base, headers=auth) as http:
+        async def submit(url: str, **fields: Any) -> str:
+            r = await http.post("/api/v1/tasks", json={"target_url": url, **fields})
+            assert r.status_code == 202, r.text
+            return str(r.json()["task_id"])
+
+        ids = [
+            await submit(f"{upstream}/logged?api_key=querysecret-4711",
+                         body="bodysecret-0815", headers={"X-Api-Key": [key]}),
+            await submit(f"{upstream}/logged", headers={"X-Mock-Status": ["400"]}),
+            await submit(f"{upstream}/logged", headers={"X-Mock-Status": ["503"]}),
+            await submit("http://127.0.0.1:9/dead?token=querysecret-4711"),
+        ]
+        online = await submit(f"{upstream}/live", task_type="online")
+        for _ in range(200):
+            s = (await http.get(f"/api/v1/tasks/{online}")).json()
+            if s["permit"]:
+                break
+            await asyncio.sleep(0.05)
+        permit = s["permit"]["token"]
+        secrets.append(permit)
+        check = await http.get("/auth/check", headers={
+            "X-Queue-Task-Id": online, "X-Queue-Permit": permit,
+            "X-Original-URI": "/live?api_key=querysecret-4711", "X-Original-Method": "POST"})
+        assert check.status_code == 200
+        assert (await http.post(f"/api/v1/tasks/{online}/complete")).status_code == 200
+        assert (await http.get("/admin/v1/queues", headers={
+            "Authorization": f"Bearer {ADMIN}"})).status_code == 200
+        bad = await http.get("/api/v1/tasks/nope", headers={"Authorization": "Bearer qgw_wrong"})
+        assert bad.status_code == 401
+        for tid in ids:
+            for _ in range(300):
+                s = (await http.get(f"/api/v1/tasks/{tid}")).json()
+                if s["task_status"] not in ("pending", "processing"):
+                    break
+                await asyncio.sleep(0.05)
+            assert s["task_status"] in ("completed", "failed"), s
+    return secrets
+
+
+async def test_logs_are_json_with_task_fields_and_no_secrets(
+    gateway: Gateway, env: dict[str, str], upstream: str, tmp_path: Path
+) -> None:
+    port = free_port()
+    log_path = tmp_path / "stderr.log"
+    with log_path.open("wb") as stderr:
+        proc = subprocess.Popen([*QGW, "serve", "--port", str(port)],
+                                env={**env, "QGW_LOG_LEVEL": "debug"}, cwd=tmp_path,
+                                stdout=subprocess.DEVNULL, stderr=stderr)
+        try:
+            await asyncio.to_thread(wait_port, port, 30, proc)
+            secrets = await _flow(f"http://127.0.0.1:{port}", gateway, upstream)
+        finally:
+            stop(proc)
+    text = log_path.read_text()
+    lines = [json.loads(line) for line in text.splitlines() if line.strip()]  # all JSON
+    assert lines and all({"ts", "level", "logger", "msg"} <= set(line) for line in lines)
+    for secret in secrets:
+        assert secret not in text, f"a secret reached the logs: {secret[:6]}..."
+    about_tasks = [line for line in lines if "task_id" in line]
+    assert about_tasks and all(line.get("endpoint") for line in about_tasks)
+    messages = {(line["endpoint"], line["msg"].split(" ")[0]) for line in about_tasks}
+    # A completion and a failure (debug), and retries (info), each named by task and endpoint.
+    assert {("logged", "task"), ("logged", "retrying"), ("dead", "retrying")} <= messages
+
+
+def _record(msg: str, *args: object, **extra: object) -> logging.LogRecord:
+    record = logging.LogRecord("qgw.test", logging.INFO, __file__, 1, msg, args, None)
+    record.__dict__.update(extra)
+    return record
+
+
+def test_formatters_scrub_what_looks_like_a_secret() -> None:
+    logs.redact("an-admin-token-value")
+    record = _record(
+        "call %s with Authorization: Bearer %s failed; admin=%s permit=%s",
+        "http://svc:9000/api?api_key=abc&x=1", "qgw_" + "k" * 43, "an-admin-token-value",
+        "1763779200000." + "p" * 43, task_id="0193.e", endpoint="e",
+        url="redis://user:pw-secret@redis:6379/0")
+    line = json.loads(logs.JsonFormatter().format(record))
+    for leak in ("api_key=abc", "k" * 43, "an-admin-token-value", "p" * 43, "pw-secret"):
+        assert leak not in json.dumps(line)
+    assert line["msg"].startswith("call http://svc:9000/api?[redacted] with Authorization:")
+    assert line["task_id"] == "0193.e" and line["endpoint"] == "e"
+
+    text = logs.TextFormatter("%(levelname)s %(name)s: %(message)s").format(record)
+    assert text.startswith("INFO qgw.test: call http://svc:9000/api?[redacted]")
+    assert "task_id=0193.e endpoint=e" in text and "k" * 43 not in text

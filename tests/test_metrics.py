@@ -1,0 +1,174 @@
+"""GET /metrics and GET /admin/v1/queues: counters kept by the scripts, one round trip a scrape."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from redis.asyncio.client import Pipeline, Redis
+
+from app.runtime import Runtime
+from tests.conftest import Gateway
+
+
+def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def value(metrics: dict[Any, float], name: str, endpoint: str, **labels: str) -> float:
+    return metrics[(name, tuple(sorted({"endpoint": endpoint, **labels}.items())))]
+
+
+async def scrape(gateway: Gateway) -> dict[Any, float]:
+    r = await gateway.http.get("/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    return samples(r.text)
+
+
+async def wait_until(check: Callable[[], Awaitable[bool]], timeout: float = 20) -> None:
+    for _ in range(int(timeout / 0.05)):
+        if await check():
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("condition not met in time")
+
+
+async def test_counters_and_histograms_follow_the_tasks(
+    gateway: Gateway, upstream: str, start_dispatcher: Callable[[], Awaitable[Runtime]]
+) -> None:
+    url = f"{upstream}/metered"
+    await gateway.add_endpoint("metered", url, max_retries=1, retry_backoff_ms=0)
+    auth = await gateway.new_key()
+    ok = [await gateway.submit(auth, url, headers={"X-Mock-Latency-Ms": ["30"]})
+          for _ in range(3)]
+    bad = await gateway.submit(auth, url, headers={"X-Mock-Status": ["400"]})
+    flaky = await gateway.submit(auth, url, headers={"X-Mock-Status": ["503"]})
+    gone = await gateway.submit(auth, url)
+    r = await gateway.http.post(f"/api/v1/tasks/{gone['task_id']}/cancel", headers=auth)
+    assert r.status_code == 200
+
+    m = await scrape(gateway)
+    assert value(m, "qgw_tasks_submitted_total", "metered") == 6
+    assert value(m, "qgw_tasks_cancelled_total", "metered") == 1
+    assert value(m, "qgw_queue_pending", "metered") == 5
+    assert value(m, "qgw_queue_wait_seconds_count", "metered") == 0
+
+    await start_dispatcher()
+    done = await gateway.wait_finished(auth, [t["task_id"] for t in [*ok, bad, flaky]])
+    assert [d["task_status"] for d in done] == ["completed"] * 3 + ["failed"] * 2
+
+    m = await scrape(gateway)
+    counts = {c: value(m, f"qgw_tasks_{c}_total", "metered")
+              for c in ("submitted", "admitted", "completed", "failed", "retried", "cancelled")}
+    assert counts == {"submitted": 6, "admitted": 5, "completed": 3, "failed": 2, "retried": 1,
+                      "cancelled": 1}
+    assert value(m, "qgw_queue_pending", "metered") == 0
+    assert value(m, "qgw_queue_in_flight", "metered") == 0
+    # Every first start is one queue-wait observation; only successful calls time the upstream.
+    assert value(m, "qgw_queue_wait_seconds_count", "metered") == 5
+    assert value(m, "qgw_queue_wait_seconds_bucket", "metered", le="+Inf") == 5
+    assert value(m, "qgw_upstream_latency_seconds_count", "metered") == 3
+    assert value(m, "qgw_upstream_latency_seconds_bucket", "metered", le="0.025") == 0
+    assert value(m, "qgw_upstream_latency_seconds_bucket", "metered", le="0.05") == 3
+    assert value(m, "qgw_upstream_latency_seconds_sum", "metered") >= 0.09
+    assert value(m, "qgw_submit_latency_seconds_count", "metered") >= 6  # this process's
+
+
+async def test_a_rate_limited_claim_is_counted(
+    gateway: Gateway, upstream: str, start_dispatcher: Callable[[], Awaitable[Runtime]]
+) -> None:
+    url = f"{upstream}/slowrate"
+    await gateway.add_endpoint("slowrate", url, rate=1, interval_ms=60_000)
+    auth = await gateway.new_key()
+    first, _second = [await gateway.submit(auth, url) for _ in range(2)]
+    await start_dispatcher()
+    await gateway.wait_finished(auth, [first["task_id"]])
+
+    async def limited() -> bool:
+        return value(await scrape(gateway), "qgw_tasks_limited_total", "slowrate") >= 1
+
+    await wait_until(limited)
+    m = await scrape(gateway)
+    assert value(m, "qgw_tasks_admitted_total", "slowrate") == 1
+    assert value(m, "qgw_queue_pending", "slowrate") == 1
+    assert value(m, "qgw_estimated_wait_seconds", "slowrate") == 60  # one ahead, 1 a minute
+
+
+async def test_admin_queues_has_what_the_dashboard_shows(
+    gateway: Gateway, upstream: str, start_dispatcher: Callable[[], Awaitable[Runtime]]
+) -> None:
+    url = f"{upstream}/viewed"
+    await gateway.add_endpoint("viewed", url, max_concurrency=2, rate=100, avg_exec_ms=400)
+    auth = await gateway.new_key()
+    fine = [await gateway.submit(auth, url, headers={"X-Mock-Latency-Ms": ["20"]})
+            for _ in range(4)]
+    bad = await gateway.submit(auth, url, headers={"X-Mock-Status": ["404"]},
+                               body="secret-free body")
+    before = (await gateway.http.get("/admin/v1/queues", headers=gateway.admin)).json()
+    (q,) = [e for e in before["endpoints"] if e["id"] == "viewed"]
+    assert q["pending"] == 5 and q["in_flight"] == 0 and q["submitted"] == 5
+    assert q["oldest_pending_age_s"] is not None and q["oldest_pending_age_s"] >= 0
+    # Nothing measured yet: 5 ahead, 2 slots of avg_exec_ms 400 ms, the first half a gap away.
+    assert q["wait_time_new_s"] == pytest.approx((6 - 2 - 0.5) * 0.4 / 2)
+    assert q["max_concurrency"] == 2 and q["rate_limit_per_s"] == 100
+
+    await start_dispatcher()
+    await gateway.wait_finished(auth, [t["task_id"] for t in [*fine, bad]])
+    after = (await gateway.http.get("/admin/v1/queues", headers=gateway.admin)).json()
+    (q,) = [e for e in after["endpoints"] if e["id"] == "viewed"]
+    assert q["pending"] == 0 and q["oldest_pending_age_s"] is None and q["wait_time_new_s"] == 0
+    assert q["completed"] == 4 and q["failed"] == 1 and q["admitted"] == 5
+    assert q["throughput_per_s"] > 0 and q["admitted_per_s"] > 0
+    assert q["exec_ms"] >= 20 and q["slot_ms"] >= q["exec_ms"] * 0.5
+    assert q["admitted_last_window"] is not None
+    (failure,) = q["recent_failures"]
+    assert failure["task_id"] == bad["task_id"] and failure["code"] == 404
+    r = await gateway.http.get("/admin/v1/queues")
+    assert r.status_code == 401
+
+
+async def test_a_scrape_of_1000_endpoints_is_one_round_trip(
+    gateway: Gateway, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rt = gateway.rt
+    mirror = rt.registry.mirror
+    rows = {f"ep{i:04d}": json.dumps({"id": f"ep{i:04d}",
+                                      "target_url": f"http://127.0.0.1:9/ep{i}",
+                                      "max_concurrency": 4})
+            for i in range(1000)}
+    await rt.redis.hset(mirror.hash_key, mapping=rows)  # type: ignore[arg-type]
+    await rt.redis.incr(mirror.version_key)
+    await rt.redis.hincrby(rt.keys.stats("ep0999"), "completed", 7)
+    await mirror.refresh()
+    assert len(rt.registry.all()) == 1000
+
+    pipelines: list[int] = []
+    commands: list[tuple[Any, ...]] = []
+    real_execute, real_command = Pipeline.execute, Redis.execute_command
+
+    async def counted_execute(self: Pipeline, raise_on_error: bool = True) -> Any:
+        pipelines.append(len(self.command_stack))
+        return await real_execute(self, raise_on_error)
+
+    async def counted_command(self: Redis, *args: Any, **options: Any) -> Any:
+        if self is rt.redis:
+            commands.append(args)
+        return await real_command(self, *args, **options)
+
+    monkeypatch.setattr(Pipeline, "execute", counted_execute)
+    monkeypatch.setattr(Redis, "execute_command", counted_command)
+    m = await scrape(gateway)
+    monkeypatch.undo()
+
+    assert pipelines == [3000]  # ZCARD, ZCARD, HMGET per endpoint, sent together
+    # The only other commands may be the registry's own polling (GET of its version).
+    assert [c for c in commands if c[:1] != ("GET",)] == []
+    labels = {lab[0][1] for (name, lab) in m if name == "qgw_queue_pending"}
+    assert len(labels) == 1000
+    assert value(m, "qgw_tasks_completed_total", "ep0999") == 7
+    assert value(m, "qgw_tasks_completed_total", "ep0000") == 0

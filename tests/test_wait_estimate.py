@@ -1,0 +1,61 @@
+"""`wait_time`: the estimate behind it, and what status reports while tasks hold every slot."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+import pytest
+
+from app.endpoints import EndpointConfig
+from app.queue.tasks import estimate_wait
+from app.runtime import Runtime
+from tests.conftest import Gateway
+
+
+def endpoint(**fields: object) -> EndpointConfig:
+    return EndpointConfig.model_validate({"id": "e", "target_url": "http://a/b", **fields})
+
+
+def test_concurrency_bound_counts_free_slots_and_half_a_gap() -> None:
+    ep = endpoint(max_concurrency=4, avg_exec_ms=1000)
+    # Measured slot time (800 ms) wins over the configured hint; every slot busy: the task at
+    # the head waits for one slot, half a gap (800 / 4 / 2 ms) on average.
+    assert estimate_wait(ep, 0, ["500", "800", 4]) == 0.1
+    assert estimate_wait(ep, 7, ["500", "800", 4]) == pytest.approx(7.5 * 0.2)
+    # Two slots free: the first two in line start at once, the third waits for one.
+    assert estimate_wait(ep, 1, [None, "800", 2]) == 0
+    assert estimate_wait(ep, 2, [None, "800", 2]) == 0.1
+    # Nothing measured yet: avg_exec_ms; a bare exec time (older callers) counts as measured.
+    assert estimate_wait(ep, 3, [None, None, 4]) == pytest.approx(3.5 * 0.25)
+    assert estimate_wait(ep, 3, "400") == pytest.approx(3.5 * 0.1)
+
+
+def test_rate_bound_and_the_slower_of_two_limits() -> None:
+    assert estimate_wait(endpoint(rate=2, interval_ms=1000), 5, None) == 2.5
+    both = endpoint(rate=10, interval_ms=1000, max_concurrency=100)
+    assert estimate_wait(both, 50, [None, "1000", 100]) == 5.0  # the rate binds
+    assert estimate_wait(endpoint(), 50, [None, None, 0]) == 0  # no limit: starts at once
+    assert estimate_wait(None, 5, None) == 0
+
+
+async def test_status_reports_the_wait_behind_busy_slots(
+    gateway: Gateway, upstream: str, start_dispatcher: Callable[[], Awaitable[Runtime]]
+) -> None:
+    url = f"{upstream}/busy"
+    await gateway.add_endpoint("busy", url, max_concurrency=2, avg_exec_ms=3000)
+    auth = await gateway.new_key()
+    slow = {"X-Mock-Latency-Ms": ["1500"]}
+    tasks = [await gateway.submit(auth, url, headers=slow) for _ in range(4)]
+    before = await gateway.status(auth, tasks[3]["task_id"])
+    # Nothing in flight yet: two slots free, so the 4th waits for 2 of them: 1.5 gaps of 1.5 s.
+    assert before["wait_num"] == 3 and before["wait_time"] == pytest.approx(1.5 * 3 / 2)
+    await start_dispatcher()
+    for _ in range(100):
+        s = await gateway.status(auth, tasks[3]["task_id"])
+        if s["wait_num"] == 1:
+            break
+        await asyncio.sleep(0.02)
+    # Both slots busy, one task ahead: two slots must come back first.
+    assert s["wait_num"] == 1 and s["wait_time"] == pytest.approx(1.5 * 3 / 2)
+    await gateway.wait_finished(auth, [t["task_id"] for t in tasks])
