@@ -82,6 +82,7 @@ class Dispatcher:
     _claimers: list[asyncio.Task[None]] = field(default_factory=list)
     _heartbeat: list[asyncio.Task[None]] = field(default_factory=list)
     _background: set[asyncio.Task[None]] = field(default_factory=set)
+    _retries: dict[str, asyncio.TimerHandle] = field(default_factory=dict)
     _limiters: dict[Limit, Limiter] = field(default_factory=dict)
     _in_claim: bool = False
     _ident: str = field(init=False)
@@ -134,6 +135,8 @@ class Dispatcher:
     async def _stop_claiming(self) -> None:
         """Stop the wake loop and the reaper.  A claim whose reply is on its way is waited for:
         cancelling it would leave its tasks leased to nobody until the lease runs out."""
+        for timer in self._retries.values():
+            timer.cancel()
         if not self._in_claim:  # blocked in BZPOPMIN or backing off: nothing to lose but a
             self._claimers[0].cancel()  # marker, which the reapers' nudge restores
         pending = [*self._claimers[:1], *self._background]
@@ -196,7 +199,7 @@ class Dispatcher:
         except (RedisError, OSError) as exc:
             # Its wake marker is spent: try again rather than wait for somebody to re-add it.
             log.warning("claim failed: %s", exc, extra={"endpoint": e})
-            asyncio.get_running_loop().call_later(CLAIM_RETRY_S, self._retry_claim, e)
+            self._claim_later(e, CLAIM_RETRY_S)
             return
         state, wait_ms = res[0], int(res[1])
         for i in range(3, len(res), CLAIM_FIELDS):
@@ -204,9 +207,23 @@ class Dispatcher:
             if ttype == "offline":
                 self._start(Claim(endpoint, tid, token, int(attempts), ttype, Request(*req)))
         if state == "limited":
-            asyncio.get_running_loop().call_later(wait_ms / 1000, self._retry_claim, e)
+            self._claim_later(e, wait_ms / 1000)
+
+    def _claim_later(self, endpoint_id: str, delay_s: float) -> None:
+        """Claim again after `delay_s`, keeping one timer per endpoint: every ack of a limited
+        endpoint wakes it, and if each limited claim added a timer of its own, the timers (and
+        the claims) would multiply until they took the whole event loop."""
+        loop = asyncio.get_running_loop()
+        when = loop.time() + delay_s
+        pending = self._retries.get(endpoint_id)
+        if pending is not None:
+            if pending.when() <= when:
+                return
+            pending.cancel()
+        self._retries[endpoint_id] = loop.call_at(when, self._retry_claim, endpoint_id)
 
     def _retry_claim(self, endpoint_id: str) -> None:
+        self._retries.pop(endpoint_id, None)
         if not self.stopping.is_set():
             self._spawn(self.claim(endpoint_id))
 
@@ -242,9 +259,6 @@ class Dispatcher:
                 if claim.attempts > ep.max_retries + 1:  # max_retries lowered since queued
                     await self._finish(claim, Outcome(None, "no attempts left"), -1)
                     return
-                if not await self._pass_limiter(claim):
-                    await self.release([claim])  # stopping: another dispatcher sends it
-                    return
                 started = time.monotonic()
                 outcome = await call(self.http, tid, claim.request, ep.timeout_ms / 1000)
                 exec_ms = (time.monotonic() - started) * 1000
@@ -269,16 +283,6 @@ class Dispatcher:
             log.exception("executor error", extra=extra)
         finally:
             self._done(claim)
-
-    async def _pass_limiter(self, claim: Claim) -> bool:
-        """The second check of the rate limit, right before the call (see app/ratelimit):
-        the claim admitted it, this makes the limit hold where the upstream sees it."""
-        limiter, e = self._limiter(claim.endpoint), claim.endpoint.id
-        if limiter.limit.rate <= 0:
-            return True
-        passed = await self._persist("limiter", lambda: limiter.wait(
-            e, sent=True, sleep=self._stopping_within))
-        return bool(passed)
 
     async def _stopping_within(self, delay_s: float) -> bool:
         """Sleep `delay_s`, or less when the dispatcher starts stopping; True if it did."""

@@ -22,16 +22,10 @@ class Keys:
         """ZSet of claimed task ids; score is the lease deadline (ms, Redis clock)."""
         return f"{self.prefix}:{{{endpoint}}}:active"
 
-    def ratelimit(self, endpoint: str, limiter: str, sent: bool = False) -> str:
+    def ratelimit(self, endpoint: str, limiter: str) -> str:
         """Limiter state; one key per kind, so switching kinds never meets a stale type.
-
-        `sent` is the second limiter the dispatcher passes right before each call, so the
-        upstream, not only the claim, sees the limit (app/ratelimit)."""
-        return f"{self.prefix}:{{{endpoint}}}:rl:{limiter}{':sent' if sent else ''}"
-
-    def pace(self, endpoint: str) -> str:
-        """When the next call of a rate-limited endpoint may leave (GCRA, see ratelimit.lua)."""
-        return f"{self.prefix}:{{{endpoint}}}:rl:pace"
+        The scripts keep the pacing state beside it, `<this key>:pace:<rate>/<interval>`."""
+        return f"{self.prefix}:{{{endpoint}}}:rl:{limiter}"
 
     def task_prefix(self, endpoint: str) -> str:
         return f"{self.prefix}:{{{endpoint}}}:t:"

@@ -3,10 +3,9 @@
 -- nothing and returns the exact milliseconds until an admission could succeed.
 -- Include now.lua first (int).
 --
--- The guard is a margin for the jitter between an admission and the moment the upstream sees
--- the call: the dispatcher admits each call twice, at claim (pacing) and again right before
--- it sends (lua/ratelimit-1.lua on the `sent` key), and a call sent `guard` ms late must still
--- keep every window of the upstream within the limit.
+-- The guard is a margin for the jitter between an admission (in the claim script) and the
+-- moment the upstream sees the call: a call that arrives up to `guard` ms late must still keep
+-- every window of the upstream within the limit.
 
 -- A log of admissions, exact over any window of interval + guard. Members are unique per
 -- admission (the seed used the millisecond, which folds two admissions in one into one).
@@ -73,11 +72,12 @@ local limiters = {
   token_bucket = rl_token_bucket,
 }
 
--- Pacing, for the check right before a call is sent: at most one call per interval / rate, with
--- up to `guard` ms of catch-up.  A limiter may admit a whole window's calls at once, but a
--- process pushes such a burst out over tens or hundreds of ms, so the upstream would see the
--- late part of one window's burst together with the next window's: paced calls leave as they
--- are admitted.  Returns the wait (ms) and, when 0, the state to record on success.
+-- Pacing for the window limiters: at most one call per interval / rate, with up to `guard` ms
+-- of catch-up.  A window may admit all its calls at once, but one process pushes such a batch
+-- out over tens or hundreds of ms, so the upstream would see the late part of one window's
+-- batch together with the next window's; paced calls leave as they are admitted.  (A token
+-- bucket paces itself, and its bursts are its point.)  Returns the wait (ms), and when 0 the
+-- state to record if the limiter admits.
 local function rl_pace(key, rate, interval, guard, now)
   local emission = interval / rate
   local tat = tonumber(redis.call('GET', key) or '0')
@@ -86,8 +86,19 @@ local function rl_pace(key, rate, interval, guard, now)
   return 0, tat + emission
 end
 
--- rate <= 0 means the endpoint has no rate limit.
+-- rate <= 0 means the endpoint has no rate limit.  The pacing state lives beside the limiter's
+-- (same hash tag) and names the rate it paces, so a changed limit paces afresh at once.
 local function rl_acquire(kind, key, rate, interval, guard, now, member)
   if rate <= 0 then return 0 end
-  return limiters[kind](key, rate, interval, guard, now, member)
+  local pace_key, paced = key .. ':pace:' .. rate .. '/' .. interval, nil
+  if kind ~= 'token_bucket' then
+    local wait
+    wait, paced = rl_pace(pace_key, rate, interval, guard, now)
+    if wait > 0 then return wait end
+  end
+  local wait = limiters[kind](key, rate, interval, guard, now, member)
+  if wait == 0 and paced then
+    redis.call('SET', pace_key, string.format('%.3f', paced), 'PX', math.max(1, math.ceil(paced - now)))
+  end
+  return wait
 end
