@@ -17,7 +17,7 @@ redis.call('HSET', KEYS[2], 'status', ARGV[3], 'result', ARGV[4],
   'result_status_code', ARGV[5], 'ended_at', now)
 redis.call('HDEL', KEYS[2], 'lease', 'deadline')
 redis.call('PEXPIRE', KEYS[2], ARGV[6])
-to_outbox(endpoint_key(string.sub(KEYS[2], 1, -#ARGV[1] - 1), 'outbox'), KEYS[2], ARGV[1])
+to_outbox(sibling_key(KEYS[2], 'outbox'), KEYS[2], ARGV[1])
 
 local n = redis.call('HINCRBY', KEYS[5], ARGV[3], 1)
 local exec = tonumber(ARGV[8])

@@ -11,7 +11,7 @@ Returns {state, wait ms, now, then per claim: id, token, attempts, type, method,
 query, body}; state is
 'more' (N reached, work remains), 'empty', 'full' (concurrency cap) or 'limited' (retry in wait ms).
 Task ids whose hash has expired are dropped from the queue on the way; tasks past their
-pending deadline are expired (lifecycle.lua, which builds the stats and outbox keys from ARGV[8]).
+pending deadline are expired (lifecycle.lua; the stats and outbox keys are siblings of KEYS[1]).
 ]]
 --@include now.lua
 --@include ratelimit.lua
@@ -42,8 +42,7 @@ while true do
     redis.call('ZREM', KEYS[1], id)  -- its hash is gone: never runs
   elseif tf[2] and tonumber(tf[2]) <= now then
     -- Past its pending deadline: never runs, even if the sweep (expire-3.lua) is late.
-    expire_pending(task, id, KEYS[1], endpoint_key(prefix, 'stats'),
-      endpoint_key(prefix, 'outbox'), now)
+    expire_pending(task, id, KEYS[1], stats, sibling_key(KEYS[1], 'outbox'), now)
   else
     local token = token_prefix .. ':' .. claimed
     local wait = rl_acquire(kind, KEYS[3], rate, interval, guard, now, token)

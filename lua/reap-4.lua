@@ -13,7 +13,7 @@ is built from ARGV[2] (lifecycle.lua) since the dispatcher fixes KEYS.
 local now = now_ms()
 local ids = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, tonumber(ARGV[5]))
 local requeued, failed, ended = 0, 0, 0
-local outbox = endpoint_key(ARGV[2], 'outbox')
+local outbox = sibling_key(KEYS[1], 'outbox')
 for _, id in ipairs(ids) do
   redis.call('ZREM', KEYS[1], id)
   local task = ARGV[2] .. id

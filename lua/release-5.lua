@@ -23,7 +23,7 @@ if tonumber(f[1]) >= tonumber(ARGV[4]) then
   redis.call('PEXPIRE', KEYS[2], ARGV[5])
   local n = redis.call('HINCRBY', KEYS[5], 'failed', 1)
   stats_failure(KEYS[5], n, now, ARGV[1], '', 'interrupted on attempt ' .. f[1])
-  to_outbox(endpoint_key(string.sub(KEYS[2], 1, -#ARGV[1] - 1), 'outbox'), KEYS[2], ARGV[1])
+  to_outbox(sibling_key(KEYS[2], 'outbox'), KEYS[2], ARGV[1])
   return 2
 end
 redis.call('HSET', KEYS[2], 'status', 'pending')

@@ -27,6 +27,7 @@ from app.lifecycle.janitor import Janitor
 from app.lifecycle.results import ResultStore
 from app.main import create_app
 from app.queue.keys import Keys
+from app.queue.scripts import LUA_DIR
 from app.runtime import Runtime
 from app.settings import Settings
 from tests.conftest import Gateway
@@ -80,12 +81,16 @@ async def finish(gw: Gateway, upstream: str, start: Start, path: str, n: int = 1
     return auth, ids
 
 
-def test_lua_builds_the_outbox_key_keys_py_names() -> None:
-    """Scripts the dispatcher calls build the outbox key from the task prefix
-    (lua/includes/lifecycle.lua): the two must agree."""
+async def test_lua_finds_the_keys_keys_py_names(gateway: Gateway) -> None:
+    """Scripts whose KEYS their callers fix find an endpoint's other keys as siblings of one
+    they were given (sibling_key, lua/includes/stats.lua): the names must agree."""
     k = Keys("p")
-    assert k.task_prefix("gen")[:-2] + "outbox" == k.outbox("gen")
-    assert k.task_prefix("gen")[:-2] + "stats" == k.stats("gen")
+    script = (LUA_DIR / "includes" / "stats.lua").read_text() + (
+        "return {sibling_key(KEYS[1], 'outbox'), sibling_key(KEYS[2], 'stats'),"
+        " sibling_key(KEYS[3], 'active')}")
+    found = await gateway.rt.redis.eval(
+        script, 3, k.task("0193abc.gen.v2"), k.queue("gen.v2"), k.ratelimit("gen.v2", "x"))
+    assert found == [k.outbox("gen.v2"), k.stats("gen.v2"), k.active("gen.v2")]
 
 
 async def test_migration_creates_task_results_with_created_at_index(db_url: str) -> None:

@@ -41,8 +41,8 @@ class Keys:
     def outbox(self, endpoint: str) -> str:
         """Hash task id -> JSON of a finished task not yet written to SQL (app/lifecycle).
 
-        Scripts the dispatcher calls build it from the task prefix (lua/includes/lifecycle.lua):
-        it must stay `<task prefix without "t:">outbox`."""
+        Scripts whose KEYS their callers fix find it as a sibling of a key they were given
+        (sibling_key, lua/includes/stats.lua), so it must stay `<prefix>:{e}:outbox`."""
         return f"{self.prefix}:{{{endpoint}}}:outbox"
 
     def delivered(self, endpoint: str) -> str:

@@ -6,13 +6,6 @@
 local OUTBOX_FIELDS = {'user_id', 'type', 'status', 'result', 'result_status_code', 'attempts',
   'created_at', 'started_at', 'ended_at'}
 
--- A key of the same endpoint built from its task key prefix `<p>:{e}:t:` (same hash tag, so
--- the same Cluster slot), for scripts whose KEYS the dispatcher fixes (ack, reap, release,
--- claim). app/queue/keys.py names the same keys.
-local function endpoint_key(task_prefix, name)
-  return string.sub(task_prefix, 1, -3) .. name
-end
-
 local function to_outbox(outbox, task, id)
   local v = redis.call('HMGET', task, unpack(OUTBOX_FIELDS))
   local rec = {id = id}
