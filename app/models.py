@@ -80,6 +80,7 @@ class SubmitResponse(BaseModel):
     task_status: TaskStatus
     created_at: str | None
     wait_num: int
+    wait_time: float = 0.0  # estimated seconds until it starts (added to the go-zero fields)
 
 
 class Permit(BaseModel):

@@ -4,9 +4,9 @@ Starts its own Redis, the mock upstream at a known latency, `qgw api` and one
 `qgw dispatcher`, and registers an endpoint with a concurrency cap and no hint of its exec
 time (avg_exec_ms left at its default of 1 s, four times too slow): a short warm-up lets the
 scripts measure it.  Then 1,000 tasks arrive in bursts faster than the endpoint drains them,
-so the line grows to hundreds and shrinks again.  Each task's estimate is read right after its
-submit (status `wait_time`, API.md; submit answers `wait_num` only); its actual wait is
-started_at minus the moment of that status call, once it ran.
+so the line grows to hundreds and shrinks again.  Each task's estimate is the `wait_time` its
+submit answered, made by the submit script at `created_at`; its actual wait is started_at minus
+created_at (both on the Redis clock), once it ran.
 Prints the ratio estimated / actual: median, 10th and 90th percentile and the share within
 +-20%, over tasks that had to wait (tasks that found a free slot start within milliseconds;
 they are counted apart).  A second, smaller run does the same for a rate-limited endpoint.
@@ -60,15 +60,13 @@ async def run_case(http: httpx.AsyncClient, auth: dict[str, str], upstream: str,
     await asyncio.sleep(1.2)  # every process sees a new endpoint within a second
 
     async def submit() -> tuple[str, tuple[float, float]]:
-        """The task id, its estimate and when it was made (mid-way through the status call;
-        same host, so the same clock as the gateway's started_at)."""
+        """The task id, its estimate and when it was made (created_at: the Redis clock, as
+        started_at)."""
         async with sem:
             r = await http.post("/api/v1/tasks", headers=auth, json={"target_url": url})
             r.raise_for_status()
-            tid = r.json()["task_id"]
-            asked = time.time()
-            s = (await http.get(f"/api/v1/tasks/{tid}", headers=auth)).json()
-            return tid, (float(s["wait_time"]), (asked + time.time()) / 2)
+            task = r.json()
+            return task["task_id"], (float(task["wait_time"]), _seconds(task["created_at"]))
 
     async def finish(ids: list[str]) -> list[dict[str, object]]:
         out = []

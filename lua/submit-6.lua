@@ -49,4 +49,8 @@ end
 if quota > 0 and redis.call('INCR', KEYS[6]) == 1 then
   redis.call('PEXPIREAT', KEYS[6], ARGV[9])
 end
-return {'ok', ARGV[1], redis.call('ZRANK', KEYS[1], ARGV[1]), now}
+-- What the wait estimate needs (app/queue/tasks.py estimate_wait), in the same round trip.
+local stats = sibling_key(KEYS[1], 'stats')
+local measured = redis.call('HMGET', stats, 'exec_ms', 'slot_ms')
+measured[3] = redis.call('ZCARD', sibling_key(KEYS[1], 'active'))
+return {'ok', ARGV[1], redis.call('ZRANK', KEYS[1], ARGV[1]), now, measured}

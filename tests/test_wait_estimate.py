@@ -50,6 +50,8 @@ async def test_status_reports_the_wait_behind_busy_slots(
     before = await gateway.status(auth, tasks[3]["task_id"])
     # Nothing in flight yet: two slots free, so the 4th waits for 2 of them: 1.5 gaps of 1.5 s.
     assert before["wait_num"] == 3 and before["wait_time"] == pytest.approx(1.5 * 3 / 2)
+    # Submit answers with the same estimate (the first two start at once).
+    assert [t["wait_time"] for t in tasks] == pytest.approx([0, 0, 0.75, 2.25])
     await start_dispatcher()
     for _ in range(100):
         s = await gateway.status(auth, tasks[3]["task_id"])

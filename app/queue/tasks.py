@@ -74,8 +74,10 @@ class TaskQueue:
         if res[0] == "full":
             raise ApiError(503, "queue_full", f"the queue of {e!r} is full",
                            {"Retry-After": "5"})
+        ahead = int(res[2])
         return SubmitResponse(task_id=task_id, task_status=TaskStatus.PENDING,
-                              created_at=rfc3339(res[3]), wait_num=int(res[2]))
+                              created_at=rfc3339(res[3]), wait_num=ahead,
+                              wait_time=estimate_wait(endpoint, ahead, res[4]))
 
     async def status(self, user_id: int, task_id: str, endpoint: EndpointConfig | None) -> TaskView:
         k, e = self.keys, endpoint_of(task_id)

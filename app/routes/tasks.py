@@ -69,9 +69,11 @@ async def submit(request: Request) -> JSONResponse:
     if isinstance(result, str):  # a repeat: answer with the first task
         view = await rt.queue.status(caller.user_id, result, rt.registry.get(endpoint.id))
         result = SubmitResponse(task_id=view.task_id, task_status=view.task_status,
-                                created_at=view.created_at, wait_num=view.wait_num)
+                                created_at=view.created_at, wait_num=view.wait_num,
+                                wait_time=view.wait_time)
     return JSONResponse({"task_id": result.task_id, "task_status": result.task_status.value,
-                         "created_at": result.created_at, "wait_num": result.wait_num}, 202)
+                         "created_at": result.created_at, "wait_num": result.wait_num,
+                         "wait_time": result.wait_time}, 202)
 
 
 def _checked(task_id: str) -> str:
