@@ -8,7 +8,6 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from app import __version__, errors, logs
-from app.metrics import SubmitLatency
 from app.routes import admin, auth_check, dashboard, ops, tasks
 from app.runtime import Runtime
 
@@ -35,7 +34,6 @@ def create_app(
     errors.install(app)
     for router in (tasks.router, auth_check.router, admin.router, ops.router, dashboard.router):
         app.include_router(router)
-    app.add_middleware(SubmitLatency)
     # Patterns catch keys and permits; these two have no recognisable shape.
     logs.redact(runtime.settings.admin_secret, runtime.settings.permit_key.decode())
     return app

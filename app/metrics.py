@@ -8,10 +8,7 @@ this API process's own: a prometheus-client Histogram, with the default process 
 
 from __future__ import annotations
 
-import re
-import time
 from collections.abc import Callable
-from typing import Any
 
 from prometheus_client import REGISTRY, Histogram, generate_latest
 
@@ -79,35 +76,3 @@ def render_snapshot(snapshot: list[EndpointStats]) -> str:
 def render(snapshot: list[EndpointStats]) -> bytes:
     """The exposition text: this process's metrics (prometheus-client), then the queues."""
     return generate_latest(REGISTRY) + render_snapshot(snapshot).encode()
-
-
-_SUBMIT_PATH = "/api/v1/tasks"
-_TASK_ID = re.compile(rb'"task_id":\s*"[0-9a-f]{32}\.([a-z0-9][a-z0-9_-]{0,63})"')
-
-
-class SubmitLatency:
-    """ASGI middleware timing accepted submits, labelled with the endpoint named by the task id
-    in the answer (the route need not know about metrics; other paths pass straight through)."""
-
-    def __init__(self, app: Any) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or scope["path"] != _SUBMIT_PATH or scope["method"] != "POST":
-            await self.app(scope, receive, send)
-            return
-        started = time.perf_counter()
-        accepted = False
-
-        async def timed_send(message: Any) -> None:
-            nonlocal accepted
-            if message["type"] == "http.response.start":
-                accepted = message["status"] == 202
-            elif accepted and message["type"] == "http.response.body":
-                m = _TASK_ID.search(message.get("body", b""))
-                if m:
-                    SUBMIT_LATENCY.labels(m.group(1).decode()).observe(
-                        time.perf_counter() - started)
-            await send(message)
-
-        await self.app(scope, receive, timed_send)

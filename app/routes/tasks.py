@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse
 
 from app.auth import api_key, runtime, runtime_of
 from app.errors import ApiError
+from app.metrics import SUBMIT_LATENCY
 from app.models import (
     CancelResponse,
     CompleteRequest,
@@ -48,6 +49,7 @@ _IDEM = {"name": "Idempotency-Key", "in": "header", "required": False,
                             "parameters": [*_HOT["parameters"], _IDEM]})
 async def submit(request: Request) -> JSONResponse:
     """Queue a request for a registered endpoint."""
+    started = time.perf_counter()
     caller, rt = api_key(request), runtime_of(request)
     idempotency_key = request.headers.get("idempotency-key")
     req = parse(SubmitRequest, await read_limited(request, rt.settings.max_body_bytes))
@@ -71,6 +73,7 @@ async def submit(request: Request) -> JSONResponse:
         result = SubmitResponse(task_id=view.task_id, task_status=view.task_status,
                                 created_at=view.created_at, wait_num=view.wait_num,
                                 wait_time=view.wait_time)
+    SUBMIT_LATENCY.labels(endpoint.id).observe(time.perf_counter() - started)
     return JSONResponse({"task_id": result.task_id, "task_status": result.task_status.value,
                          "created_at": result.created_at, "wait_num": result.wait_num,
                          "wait_time": result.wait_time}, 202)
