@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import re
 import signal
 import sys
 from typing import Any
@@ -83,13 +84,22 @@ def _serve(settings: Settings, args: Any, dispatcher: bool = True) -> None:
     runtime = Runtime(settings, with_dispatcher=dispatcher)
 
     def banner() -> None:
+        # The generated token is shown so a fresh install can be used at once; one the
+        # operator set is theirs already and stays out of stdout, as do URL passwords.
+        token = "(QGW_ADMIN_TOKEN)" if settings.admin_token else settings.admin_secret
         print(f"queue-gateway listening on http://{settings.host}:{settings.port}\n"
-              f"  admin token: {settings.admin_secret}\n"
-              f"  redis: {runtime.redis_url}\n  database: {settings.db_url}", flush=True)
+              f"  admin token: {token}\n"
+              f"  redis: {_hide_password(runtime.redis_url)}\n"
+              f"  database: {_hide_password(settings.db_url)}", flush=True)
 
     app = create_app(runtime, on_started=banner)
     uvicorn.run(app, host=settings.host, port=settings.port, log_config=None,
                 access_log=False, timeout_graceful_shutdown=5)
+
+
+def _hide_password(url: str) -> str:
+    """`scheme://user:***@host/...`: the URL as an operator needs to see it, minus the secret."""
+    return re.sub(r"^([a-z0-9+.-]+://[^:/@]*):[^/]*@", r"\1:***@", url)
 
 
 def _api(settings: Settings, args: Any) -> None:

@@ -12,6 +12,7 @@ from typing import Any
 import httpx
 
 from app import logs
+from app.cli import _hide_password
 from tests.conftest import ADMIN, Gateway
 from tests.servers import QGW, free_port, stop, wait_port
 
@@ -117,3 +118,10 @@ def test_formatters_scrub_what_looks_like_a_secret() -> None:
     text = logs.TextFormatter("%(levelname)s %(name)s: %(message)s").format(record)
     assert text.startswith("INFO qgw.test: call http://svc:9000/api?[redacted]")
     assert "task_id=0193.e endpoint=e" in text and "k" * 43 not in text
+
+
+def test_the_start_banner_hides_url_passwords() -> None:
+    assert _hide_password("mysql+aiomysql://qgw:pw@db:3306/qgw") == (
+        "mysql+aiomysql://qgw:***@db:3306/qgw")
+    assert _hide_password("redis://:p@ss@cache:6379/0") == "redis://:***@cache:6379/0"
+    assert _hide_password("redis://127.0.0.1:6379/0") == "redis://127.0.0.1:6379/0"
