@@ -2,7 +2,8 @@
 
 Any path answers `{"ok": true, "n": <request number>, ...}` after `latency_ms`; more than
 `concurrency` requests in flight get 429; `fail_rate` of requests get 503.  A request may ask
-for a status or latency with `X-Mock-Status` / `X-Mock-Latency-Ms`.  It records every request:
+for a status, a latency or a cookie with `X-Mock-Status` / `X-Mock-Latency-Ms` /
+`X-Mock-Set-Cookie`.  It records every request:
 `GET /_mock/stats` gives counts, `GET /_mock/log` the requests in arrival order (time in ms,
 method, path, query, Idempotency-Key, body, status), `POST /_mock/reset` clears both.
 """
@@ -71,7 +72,9 @@ class MockUpstream:
                 await asyncio.sleep(latency / 1000)
             reply = {"ok": 200 <= status < 300, "n": len(self.log), "path": scope["path"],
                      "echo": entry["body"]}
-            await _send_json(send, status, reply)
+            cookie = headers.get("x-mock-set-cookie")
+            extra = [(b"set-cookie", f"{cookie}; Path=/".encode())] if cookie else []
+            await _send_json(send, status, reply, extra)
         finally:
             self.in_flight -= 1
 
@@ -91,9 +94,10 @@ class MockUpstream:
             })
 
 
-async def _send_json(send: Any, status: int, payload: Any) -> None:
+async def _send_json(send: Any, status: int, payload: Any,
+                     headers: list[tuple[bytes, bytes]] | None = None) -> None:
     data = json.dumps(payload).encode()
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"),
-                            (b"content-length", str(len(data)).encode())]})
+                            (b"content-length", str(len(data)).encode()), *(headers or [])]})
     await send({"type": "http.response.body", "body": data})

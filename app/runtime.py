@@ -7,7 +7,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
+import aiohttp
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
@@ -58,7 +58,7 @@ class Runtime:
     queue: TaskQueue = field(init=False)
     dispatcher: Dispatcher | None = field(default=None, init=False)
     lifecycle: LifecycleJobs | None = field(default=None, init=False)
-    http: httpx.AsyncClient | None = field(default=None, init=False)
+    http: aiohttp.ClientSession | None = field(default=None, init=False)
     _blocking: Redis | None = field(default=None, init=False)
     _embedded: EmbeddedRedis | None = field(default=None, init=False)
     _watchers: list[asyncio.Task[Any]] = field(default_factory=list, init=False)
@@ -106,7 +106,7 @@ class Runtime:
             await self.lifecycle.stop()
         await cancel_all(self._watchers)
         if self.http:
-            await self.http.aclose()
+            await self.http.close()
         for client in (self._blocking, self.redis):
             if client is not None:
                 await client.aclose()

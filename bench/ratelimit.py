@@ -199,9 +199,10 @@ async def seed_loop(redis_url: str, name: str, rate: int, interval_ms: int) -> N
         return bool(await limit(keys=[window], args=[now, interval_ms, rate]))
 
     async def execute(task_id: str, task: dict[str, str], admitted: int) -> None:
-        resp = await http.post(task["url"], content=task["body"],
-                               headers={"Idempotency-Key": task_id})
-        await redis.set(f"seed:{name}:result:{task_id}", resp.text, ex=3600)
+        async with http.post(task["url"], data=task["body"],
+                             headers={"Idempotency-Key": task_id}) as resp:
+            text = await resp.text()
+        await redis.set(f"seed:{name}:result:{task_id}", text, ex=3600)
         await redis.hset(f"seed:{name}:admitted", task_id, admitted)
 
     while True:
@@ -262,7 +263,8 @@ def table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
-async def main() -> None:
+async def main(rates: tuple[int, ...], impls: tuple[str, ...], procs_list: tuple[int, ...]
+               ) -> None:
     began = STARTED
     tmp = Path(tempfile.mkdtemp(prefix="qgw-bench-rl-"))
     redis_server = RedisServer(tmp / "redis")
@@ -285,9 +287,9 @@ async def main() -> None:
                                  base_url="http://gateway")
         api = Api(rt, http)
         mock = f"http://127.0.0.1:{mock_port}"
-        for rate in RATES:
-            for impl in ("ours", "seed"):
-                for procs in (1, 2):
+        for rate in rates:
+            for impl in impls:
+                for procs in procs_list:
                     if time.monotonic() - began > BUDGET_S:
                         print(f"skipped {impl} x{procs} at {rate}/s: time budget spent")
                         continue
@@ -314,8 +316,17 @@ def seed_main(argv: list[str]) -> None:
     asyncio.run(seed_loop(args.redis_url, args.name, args.rate, INTERVAL_MS))
 
 
+def ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(","))
+
+
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--seed"]:
         seed_main(sys.argv[2:])
     else:
-        asyncio.run(main())
+        cli = argparse.ArgumentParser(description="rate limits: ours vs the seed's loop")
+        cli.add_argument("--rates", type=ints, default=RATES, help="e.g. 50,200,1000")
+        cli.add_argument("--impls", type=lambda s: tuple(s.split(",")), default=("ours", "seed"))
+        cli.add_argument("--procs", type=ints, default=(1, 2), help="dispatcher processes")
+        a = cli.parse_args()
+        asyncio.run(main(a.rates, a.impls, a.procs))

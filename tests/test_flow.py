@@ -199,3 +199,20 @@ async def test_only_allowed_headers_reach_the_upstream_and_redirects_are_not_fol
         assert name not in got  # type: ignore[operator]
     assert got["host"] != "evil.example"  # type: ignore[index]
     assert second["status"] == 302 and len(_log(upstream, "/hdr")) == 2
+
+
+async def test_a_cookie_set_for_one_caller_never_reaches_the_upstream_for_another(
+    gateway: Gateway, upstream: str, start_dispatcher: Callable[[], Awaitable[Runtime]]
+) -> None:
+    """One client serves every caller: it must keep no cookie jar."""
+    await gateway.add_endpoint("jar", f"{upstream}/jar", max_concurrency=1)
+    alice, bob = await gateway.new_key(1), await gateway.new_key(2)
+    first = await gateway.submit(alice, f"{upstream}/jar",
+                                 headers={"X-Mock-Set-Cookie": ["session=alice"]})
+    second = await gateway.submit(bob, f"{upstream}/jar")
+    await start_dispatcher()
+    await gateway.wait_finished(alice, [first["task_id"]])
+    await gateway.wait_finished(bob, [second["task_id"]])
+    calls = _log(upstream, "/jar")
+    assert [c["idempotency_key"] for c in calls] == [first["task_id"], second["task_id"]]
+    assert "cookie" not in calls[1]["headers"]  # type: ignore[operator]

@@ -28,7 +28,7 @@ from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-import httpx
+import aiohttp
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
@@ -72,7 +72,7 @@ class Dispatcher:
     scripts: Scripts
     registry: EndpointRegistry
     settings: Settings
-    http: httpx.AsyncClient
+    http: aiohttp.ClientSession
     inflight: dict[str, asyncio.Task[None]] = field(default_factory=dict)
     leases: dict[str, Claim] = field(default_factory=dict)
     per_endpoint: Counter[str] = field(default_factory=Counter)

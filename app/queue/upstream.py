@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import email.utils
 import json
 import random
@@ -11,8 +10,6 @@ import time
 from dataclasses import dataclass
 
 import aiohttp
-import httpx
-from httpx_aiohttp import AiohttpTransport
 
 # Only these go to the business API, plus custom `x-` headers that are not ours or a proxy's:
 # never hop-by-hop headers, Host, or credentials meant for a gateway.
@@ -36,17 +33,18 @@ def forwardable(headers: dict[str, list[str]]) -> list[tuple[str, str]]:
     return out
 
 
-def upstream_client(max_connections: int) -> httpx.AsyncClient:
-    """The one client for business APIs: httpx's interface over aiohttp's connection pool.
+def upstream_client(max_connections: int) -> aiohttp.ClientSession:
+    """The one client for business APIs: aiohttp's session, used directly.
 
-    httpcore's own pool slows down as connections are added (bench/upstream_client.py: about
-    630 calls/s over one connection, 140 over 64, against a mock that serves 7,700 a second);
-    aiohttp's keeps 1,100 to 1,900. Redirects are not followed: the gateway calls only URLs
-    somebody registered.
+    Neither httpx's own pool (it slows as connections are added) nor httpx over aiohttp's pool:
+    at 1,000 calls a second httpx's request and response models took a third of a dispatcher's
+    CPU (bench/upstream_client.py compares the three). No cookie jar: one session serves every
+    caller, and a cookie set by a call for one user must never ride along on another's.
+    Redirects are not followed (per call): the gateway calls only URLs somebody registered.
     """
-    transport = AiohttpTransport(client=lambda: aiohttp.ClientSession(
-        connector=aiohttp.TCPConnector(limit=max_connections, ttl_dns_cache=60)))
-    return httpx.AsyncClient(transport=transport, follow_redirects=False)
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=max_connections, ttl_dns_cache=60),
+        cookie_jar=aiohttp.DummyCookieJar(), raise_for_status=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,26 +73,33 @@ class Outcome:
 
 
 async def call(
-    client: httpx.AsyncClient, task_id: str, req: Request, timeout_s: float
+    client: aiohttp.ClientSession, task_id: str, req: Request, timeout_s: float
 ) -> Outcome:
     headers = forwardable(json.loads(req.headers or "{}"))
     headers.append(("Idempotency-Key", task_id))
-    params = httpx.QueryParams(httpx.URL(req.url).params)
-    for name, values in json.loads(req.query or "{}").items():
-        for value in values:
-            params = params.add(name, value)
+    # Stored query parameters come on top of those in the URL (aiohttp merges the two).
+    params = [(name, value) for name, values in json.loads(req.query or "{}").items()
+              for value in values]
     try:
-        async with asyncio.timeout(timeout_s):  # a deadline for the whole call, not per read
-            resp = await client.request(
-                req.method, req.url, params=params, headers=headers,
-                content=req.body.encode() if req.body else None, timeout=timeout_s,
-            )
-            text = resp.text
-    except (TimeoutError, httpx.TimeoutException):
+        async with client.request(
+            req.method, req.url, params=params or None, headers=headers,
+            data=req.body.encode() if req.body else None, allow_redirects=False,
+            timeout=aiohttp.ClientTimeout(total=timeout_s),  # the whole call, not per read
+        ) as resp:
+            text = _decode(await resp.read(), resp.charset)
+            return Outcome(resp.status, text, retry_after(resp.headers.get("retry-after")))
+    except TimeoutError:
         return Outcome(None, f"upstream timed out after {timeout_s:g} s")
-    except (httpx.HTTPError, aiohttp.ClientError, OSError) as exc:
+    except (aiohttp.ClientError, ValueError, OSError) as exc:
         return Outcome(None, f"upstream unreachable: {type(exc).__name__}: {exc}")
-    return Outcome(resp.status_code, text, retry_after(resp.headers.get("retry-after")))
+
+
+def _decode(body: bytes, charset: str | None) -> str:
+    """The body as text: its declared charset, else UTF-8; undecodable bytes replaced."""
+    try:
+        return body.decode(charset or "utf-8", errors="replace")
+    except LookupError:  # a charset Python does not know
+        return body.decode("utf-8", errors="replace")
 
 
 def retry_after(value: str | None) -> float | None:
