@@ -44,21 +44,26 @@ class ResultStore:
     def __init__(self, engine: AsyncEngine) -> None:
         self.engine = engine
 
-    def _upsert(self, rows: list[dict[str, Any]]) -> Any:
+    @property
+    def _upsert(self) -> Any:
+        """One statement for every batch: executed with a list of rows, SQLAlchemy renders them
+        as multi-row VALUES from a cached compilation (insertmanyvalues), where a statement
+        built with .values(rows) was compiled afresh each time, a tenth of a dispatcher's CPU."""
         if self.engine.dialect.name == "sqlite":
-            lite = sqlite_insert(T).values(rows)
+            lite = sqlite_insert(T)
             return lite.on_conflict_do_update(
                 index_elements=[T.c.task_id], set_={c: lite.excluded[c] for c in _UPDATED})
-        my = mysql_insert(T).values(rows)
+        my = mysql_insert(T)
         return my.on_duplicate_key_update({c: my.inserted[c] for c in _UPDATED})
 
     async def upsert(self, rows: list[dict[str, Any]]) -> None:
         """Write rows in one transaction; a repeat of the same row changes nothing."""
         if not rows:
             return
+        stmt = self._upsert
         async with self.engine.begin() as conn:
             for chunk in _chunks(rows):
-                await conn.execute(self._upsert(chunk))
+                await conn.execute(stmt, chunk)
 
     async def delete(self, task_ids: list[str]) -> int:
         if not task_ids:
