@@ -10,6 +10,7 @@ deleted once).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -22,7 +23,7 @@ from redis.exceptions import RedisError
 from sqlalchemy import Table, delete, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from app.db import TaskResultRow, utcnow
+from app.db import SQL_JOB_TIMEOUT_S, TaskResultRow, utcnow
 from app.queue.keys import Keys
 
 log = logging.getLogger(__name__)
@@ -73,7 +74,7 @@ class Janitor:
         stats, started = PurgeStats(), time.monotonic()
         batch = min(self.batch, 1000)
         while True:
-            async with self.engine.begin() as conn:
+            async with asyncio.timeout(SQL_JOB_TIMEOUT_S), self.engine.begin() as conn:
                 ids = (await conn.scalars(
                     select(T.c.task_id).where(T.c.created_at < cutoff)
                     .order_by(T.c.created_at).limit(batch))).all()

@@ -13,6 +13,7 @@ deletes those rows too, in batches.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ from sqlalchemy.dialects.mysql import insert as mysql_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from app.db import TaskResultRow
+from app.db import SQL_JOB_TIMEOUT_S, SQL_REQUEST_TIMEOUT_S, TaskResultRow
 from app.lifecycle.records import row_of
 from app.queue.keys import Keys
 from app.queue.registry import EndpointRegistry
@@ -61,20 +62,20 @@ class ResultStore:
         if not rows:
             return
         stmt = self._upsert
-        async with self.engine.begin() as conn:
+        async with asyncio.timeout(SQL_JOB_TIMEOUT_S), self.engine.begin() as conn:
             for chunk in _chunks(rows):
                 await conn.execute(stmt, chunk)
 
     async def delete(self, task_ids: list[str]) -> int:
         if not task_ids:
             return 0
-        async with self.engine.begin() as conn:
+        async with asyncio.timeout(SQL_JOB_TIMEOUT_S), self.engine.begin() as conn:
             res = await conn.execute(delete(T).where(T.c.task_id.in_(task_ids)))
         return int(getattr(res, "rowcount", 0) or 0)
 
     async def get(self, task_id: str, user_id: int) -> Any | None:
         """The row of this user's task, or None (unknown, or somebody else's)."""
-        async with self.engine.connect() as conn:
+        async with asyncio.timeout(SQL_REQUEST_TIMEOUT_S), self.engine.connect() as conn:
             res = await conn.execute(
                 select(T).where(T.c.task_id == task_id, T.c.user_id == user_id))
             return res.first()

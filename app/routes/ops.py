@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Annotated
 
 from fastapi import APIRouter, Depends
@@ -11,6 +12,7 @@ from sqlalchemy import text
 
 from app import metrics
 from app.auth import runtime
+from app.db import SQL_REQUEST_TIMEOUT_S
 from app.queue.stats import read_metrics
 from app.runtime import Runtime
 
@@ -33,7 +35,7 @@ async def readyz(rt: Annotated[Runtime, Depends(runtime)]) -> JSONResponse:
     except Exception as exc:  # any failure means not ready; say which
         checks["redis"] = f"error: {type(exc).__name__}"
     try:
-        async with rt.engine.connect() as conn:
+        async with asyncio.timeout(SQL_REQUEST_TIMEOUT_S), rt.engine.connect() as conn:
             await conn.execute(text("SELECT 1"))
         checks["database"] = "ok"
     except Exception as exc:
