@@ -3,7 +3,7 @@ has been delivered: it keeps only a short TTL, its outbox copy is dropped (no ne
 row now), and its id is scheduled for deletion from SQL once that TTL has run out.
 KEYS[1] task    KEYS[2] queue    KEYS[3] stats of the endpoint    KEYS[4] outbox
 KEYS[5] delivered (ZSet of ids whose SQL row may go; score = from when)
-ARGV[1] task id    ARGV[2] user id    ARGV[3] read TTL (ms)
+ARGV[1] task id    ARGV[2] user id    ARGV[3] read TTL (ms); 0 = a peek that delivers nothing
 Returns {rank or false, measured, field, value, ...}, or {} when missing or not this user's;
 measured = {exec ms or false, slot ms or false, tasks in flight} of the endpoint, for the wait
 estimate (app/queue/tasks.py estimate_wait; in flight from the active set, found from KEYS[2]).
@@ -22,7 +22,7 @@ if not rank then
   local status = redis.call('HGET', KEYS[1], 'status')
   if status ~= 'pending' and status ~= 'processing' then
     local ttl = tonumber(ARGV[3])
-    if redis.call('PTTL', KEYS[1]) > ttl then
+    if ttl > 0 and redis.call('PTTL', KEYS[1]) > ttl then
       redis.call('PEXPIRE', KEYS[1], ttl)
       redis.call('HDEL', KEYS[4], ARGV[1])
       -- Deleting the row only after the TTL also covers a writer that had already taken the

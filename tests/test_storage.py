@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import subprocess
 import time
 import uuid
@@ -21,7 +22,7 @@ from sqlalchemy import func, inspect, select, text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app import migrate
-from app.db import TaskResultRow, make_engine, utcnow
+from app.db import SQL_REQUEST_TIMEOUT_S, TaskResultRow, make_engine, utcnow
 from app.lifecycle.expiry import ExpirySweep
 from app.lifecycle.janitor import Janitor
 from app.lifecycle.results import ResultStore
@@ -140,6 +141,33 @@ async def test_read_by_owner_cuts_ttl_and_removes_the_row(
 
     await eventually(only_unread_left)
     await eventually(lambda: _gone(gateway, auth, ids[0]))
+
+
+async def test_a_repeated_submit_does_not_deliver_the_first_task(
+    gateway: Gateway, upstream: str, start_dispatcher: Start
+) -> None:
+    """The repeat's answer carries no result: only the owner's read delivers it. Once it has
+    been delivered and let go, the repeat names the first task in a 409."""
+    await gateway.add_endpoint("again", f"{upstream}/again")
+    auth = await gateway.new_key(user_id=7)
+    headers = {**auth, "Idempotency-Key": "order-7"}
+
+    async def repeat() -> httpx.Response:
+        return await gateway.http.post("/api/v1/tasks", headers=headers,
+                                       json={"target_url": f"{upstream}/again", "body": "x"})
+
+    tid = (await repeat()).json()["task_id"]
+    await start_dispatcher()
+    await eventually(lambda: _has(gateway.rt.engine, [tid]))
+    r = await repeat()
+    assert r.status_code == 202 and r.json()["task_id"] == tid
+    assert r.json()["task_status"] == "completed"
+    assert await gateway.rt.redis.pttl(gateway.rt.keys.task(tid)) > 2000  # not cut to read TTL
+    await asyncio.sleep(1.2)  # past the read TTL: still there for its owner
+    assert (await gateway.status(auth, tid))["task_result"]
+    await eventually(lambda: _gone(gateway, auth, tid))  # that read delivered it
+    r = await repeat()
+    assert r.status_code == 409 and r.json()["error"]["task_id"] == tid
 
 
 async def _has(engine: AsyncEngine, ids: list[str]) -> bool:
@@ -322,6 +350,49 @@ async def test_sql_down_results_wait_in_redis_and_nothing_is_lost(
         finally:
             for rt in dispatchers:
                 await rt.stop(grace_s=1)
+
+
+@pytest.mark.parametrize("db_url", ["mariadb"], indirect=True)
+async def test_a_database_that_stops_answering_costs_a_503_not_a_hang(
+    settings: Settings, upstream: str, tmp_path: Path
+) -> None:
+    """A paused server accepts connections and never answers: only the caller's own bound on
+    each statement keeps status and /readyz from waiting until TCP gives up."""
+    server = MariaDB(tmp_path / "mdb")
+    server.start()
+    try:
+        settings = settings.model_copy(update={"database_url": server.create_database("qgw")})
+        async with open_gateway(settings) as gw:
+            await gw.add_endpoint("hang", f"{upstream}/hang")
+            auth = await gw.new_key(user_id=7)
+            tid = (await gw.submit(auth, f"{upstream}/hang"))["task_id"]
+            async with run_dispatcher(settings):
+                await eventually(lambda: _has(gw.rt.engine, [tid]))
+            await gw.rt.redis.delete(gw.rt.keys.task(tid))  # only SQL holds it now
+            assert server.proc is not None
+            server.proc.send_signal(signal.SIGSTOP)
+            try:
+                began = time.monotonic()
+                r = await gw.http.get(f"/api/v1/tasks/{tid}", headers=auth)
+                assert r.status_code == 503 and r.headers["Retry-After"]
+                ready = await gw.http.get("/readyz")
+                assert ready.status_code == 503
+                assert time.monotonic() - began < 2 * SQL_REQUEST_TIMEOUT_S + 2
+            finally:
+                server.proc.send_signal(signal.SIGCONT)
+            assert (await gw.status(auth, tid))["task_status"] == "completed"
+    finally:
+        server.stop()
+
+
+@asynccontextmanager
+async def run_dispatcher(settings: Settings) -> AsyncIterator[Runtime]:
+    rt = Runtime(settings, with_dispatcher=True)
+    await rt.start()
+    try:
+        yield rt
+    finally:
+        await rt.stop(grace_s=1)
 
 
 async def _load_rows(store: ResultStore, old: int, new: int, retention_s: int) -> None:

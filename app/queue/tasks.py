@@ -79,14 +79,17 @@ class TaskQueue:
                               created_at=rfc3339(res[3]), wait_num=ahead,
                               wait_time=estimate_wait(endpoint, ahead, res[4]))
 
-    async def status(self, user_id: int, task_id: str, endpoint: EndpointConfig | None) -> TaskView:
+    async def status(self, user_id: int, task_id: str, endpoint: EndpointConfig | None,
+                     deliver: bool = True) -> TaskView:
+        """The task as its owner sees it. A finished task read with `deliver` has reached its
+        owner (its copies go soon); a repeated submit only peeks: it carries no result."""
         k, e = self.keys, endpoint_of(task_id)
         res = await self.scripts.status(
             keys=[k.task(task_id), k.queue(e), k.stats(e), k.outbox(e), k.delivered(e)],
-            args=[task_id, user_id, self.ttls.read_ms],
+            args=[task_id, user_id, self.ttls.read_ms if deliver else 0],
         )
         if not res:
-            return await self._finished_view(user_id, task_id, endpoint)
+            return await self._finished_view(user_id, task_id, endpoint, deliver)
         rank, exec_ms = res[0], res[1]
         fields = dict(zip(res[2::2], res[3::2], strict=True))
         return self._view(task_id, fields, rank, exec_ms, endpoint)
@@ -161,13 +164,15 @@ class TaskQueue:
         return str((await self._finished_row(user_id, task_id)).status)
 
     async def _finished_view(
-        self, user_id: int, task_id: str, endpoint: EndpointConfig | None
+        self, user_id: int, task_id: str, endpoint: EndpointConfig | None, deliver: bool
     ) -> TaskView:
         """Status from SQL. Read by its owner, the row is delivered like a Redis copy: it
         goes once the read TTL has passed (NX: reading again does not postpone that)."""
         row = await self._finished_row(user_id, task_id)
-        due = int(time.time() * 1000) + self.ttls.read_ms  # seconds of skew do not matter here
-        await self.redis.zadd(self.keys.delivered(endpoint_of(task_id)), {task_id: due}, nx=True)
+        if deliver:
+            due = int(time.time() * 1000) + self.ttls.read_ms  # seconds of skew do not matter
+            await self.redis.zadd(self.keys.delivered(endpoint_of(task_id)), {task_id: due},
+                                  nx=True)
         return self._view(task_id, fields_of(row), None, None, endpoint)
 
 

@@ -21,6 +21,7 @@ from app.models import (
     SubmitResponse,
     TaskView,
 )
+from app.queue.keys import endpoint_of
 from app.routes.body import body_schema, parse, read_limited
 from app.runtime import Runtime
 from app.store import ApiKey
@@ -69,7 +70,7 @@ async def submit(request: Request) -> JSONResponse:
                        "Idempotency-Key must be 1-128 visible ASCII characters")
     result = await rt.queue.submit(caller, endpoint, req, idempotency_key)
     if isinstance(result, str):  # a repeat: answer with the first task
-        view = await rt.queue.status(caller.user_id, result, rt.registry.get(endpoint.id))
+        view = await _first_task(rt, caller.user_id, result)
         result = SubmitResponse(task_id=view.task_id, task_status=view.task_status,
                                 created_at=view.created_at, wait_num=view.wait_num,
                                 wait_time=view.wait_time)
@@ -77,6 +78,20 @@ async def submit(request: Request) -> JSONResponse:
     return JSONResponse({"task_id": result.task_id, "task_status": result.task_status.value,
                          "created_at": result.created_at, "wait_num": result.wait_num,
                          "wait_time": result.wait_time}, 202)
+
+
+async def _first_task(rt: Runtime, user_id: int, task_id: str) -> TaskView:
+    """The task a repeated Idempotency-Key made, without delivering it (the answer carries no
+    result); 409 naming it if it has finished, been read and let go since."""
+    try:
+        return await rt.queue.status(user_id, task_id, rt.registry.get(endpoint_of(task_id)),
+                                     deliver=False)
+    except ApiError as exc:
+        if exc.status != 404:
+            raise
+        raise ApiError(409, "duplicate_request",
+                       f"this Idempotency-Key made task {task_id!r}, which has finished and "
+                       "was delivered", task_id=task_id) from None
 
 
 def _checked(task_id: str) -> str:
