@@ -5,6 +5,7 @@ to SQL, pending tasks expire, nothing is lost while SQL is down, the janitor pur
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -25,7 +26,7 @@ from app import migrate
 from app.db import SQL_REQUEST_TIMEOUT_S, TaskResultRow, make_engine, utcnow
 from app.lifecycle.expiry import ExpirySweep
 from app.lifecycle.janitor import Janitor
-from app.lifecycle.results import ResultStore
+from app.lifecycle.results import OutboxWriter, ResultStore
 from app.main import create_app
 from app.queue.keys import Keys
 from app.queue.scripts import LUA_DIR
@@ -395,6 +396,53 @@ async def run_dispatcher(settings: Settings) -> AsyncIterator[Runtime]:
         await rt.stop(grace_s=1)
 
 
+@pytest.mark.parametrize("db_url", ["mariadb"], indirect=True)
+async def test_a_row_the_database_refuses_holds_back_no_other(gateway: Gateway) -> None:
+    """Out of range for its column: written without its result, the batch around it intact,
+    and the outbox emptied (a refused row used to stay and block every later batch)."""
+    await gateway.add_endpoint("poison", "http://127.0.0.1:9/poison")
+    await eventually(lambda: _as_future(gateway.rt.registry.get("poison")))
+    now = int(time.time() * 1000)
+    good, bad = f"{uuid.uuid4().hex}.poison", f"{uuid.uuid4().hex}.poison"
+
+    def record(code: int) -> str:
+        return json.dumps({"user_id": "7", "type": "offline", "status": "completed",
+                           "result": "猫", "result_status_code": str(code), "attempts": "1",
+                           "created_at": str(now), "ended_at": str(now)})
+
+    outbox = gateway.rt.keys.outbox("poison")
+    await gateway.rt.redis.hset(outbox, mapping={good: record(200), bad: record(70_000)})
+    writer = OutboxWriter(gateway.rt.redis, gateway.rt.keys, gateway.rt.registry,
+                          ResultStore(gateway.rt.engine))
+    assert await writer.flush() == 2
+    got = await rows(gateway.rt.engine)
+    assert (got[good].result, got[good].result_status_code) == ("猫", 200)
+    assert got[bad].status == "completed" and got[bad].result_status_code is None
+    assert got[bad].result.startswith("[result not stored")
+    assert await gateway.rt.redis.hlen(outbox) == 0
+
+
+async def test_text_outside_latin1_is_kept_in_a_latin1_database(mariadb: MariaDB) -> None:
+    """Many servers default to latin1; the migrations convert our tables to utf8mb4."""
+    mariadb.execute("CREATE DATABASE latin CHARACTER SET latin1")
+    url = mariadb.url("latin")
+    await asyncio.to_thread(migrate.upgrade, url)
+    engine = make_engine(url)
+    try:
+        store, now = ResultStore(engine), utcnow()
+        await store.upsert([{
+            "task_id": "cat.latin", "user_id": 1, "endpoint": "latin", "type": "offline",
+            "status": "completed", "result": "猫 🐱", "result_status_code": 200, "attempts": 1,
+            "created_at": now, "started_at": now, "ended_at": now}])
+        assert (await store.get("cat.latin", 1)).result == "猫 🐱"
+    finally:
+        await engine.dispose()
+
+
+async def _as_future(value: Any) -> Any:
+    return value
+
+
 async def _load_rows(store: ResultStore, old: int, new: int, retention_s: int) -> None:
     now = utcnow()
     batch = []
@@ -472,4 +520,4 @@ def test_serve_refuses_an_unmigrated_database_when_auto_migrate_is_off(tmp_path:
     proc = subprocess.run([*QGW, "serve", "--port", "1"], env=env, capture_output=True,
                           text=True, timeout=60)
     assert proc.returncode == 1
-    assert "run `qgw migrate`" in proc.stderr and "needs 0002" in proc.stderr
+    assert "run `qgw migrate`" in proc.stderr and "needs 0003" in proc.stderr

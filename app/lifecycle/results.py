@@ -23,9 +23,11 @@ from redis.asyncio import Redis
 from sqlalchemy import Table, delete, select
 from sqlalchemy.dialects.mysql import insert as mysql_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlalchemy.exc import DataError, DBAPIError, IntegrityError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app.db import SQL_JOB_TIMEOUT_S, SQL_REQUEST_TIMEOUT_S, TaskResultRow
+from app.lifecycle.loop import STORE_ERRORS
 from app.lifecycle.records import row_of
 from app.queue.keys import Keys
 from app.queue.registry import EndpointRegistry
@@ -81,6 +83,19 @@ class ResultStore:
             return res.first()
 
 
+#: MySQL errors that are about the row, not the connection: Data too long (1406), Out of range
+#: (1264), Incorrect string value (1366), packet too large (1153, 1301).
+_ROW_ERRORS = frozenset({1153, 1264, 1301, 1366, 1406})
+
+
+def refused(exc: DBAPIError) -> bool:
+    """The database refused the data, rather than being unreachable."""
+    if isinstance(exc, (DataError, IntegrityError)):
+        return True
+    args: tuple[Any, ...] = getattr(exc.orig, "args", ())
+    return bool(args) and args[0] in _ROW_ERRORS
+
+
 def _chunks(rows: list[dict[str, Any]]) -> Iterator[list[dict[str, Any]]]:
     chunk: list[dict[str, Any]] = []
     size = 0
@@ -105,11 +120,17 @@ class OutboxWriter:
 
     async def flush(self) -> int:
         """Move every outbox record to SQL and delete delivered rows that are due; returns the
-        number of rows written. Raises when SQL or Redis fails: the caller retries."""
-        written = 0
+        number of rows written. Raises when SQL or Redis fails: the caller retries. One
+        endpoint's trouble does not keep the others' records out of SQL."""
+        written, failure = 0, None
         for endpoint in self.registry.all():
-            written += await self._write(endpoint.id)
-            await self._delete_delivered(endpoint.id)
+            try:
+                written += await self._write(endpoint.id)
+                await self._delete_delivered(endpoint.id)
+            except STORE_ERRORS as exc:
+                failure = failure or exc
+        if failure is not None:
+            raise failure
         return written
 
     async def _write(self, endpoint_id: str) -> int:
@@ -132,10 +153,32 @@ class OutboxWriter:
                 log.error("dropping a malformed outbox record: %s", exc,
                           extra={"task_id": task_id, "record": raw[:500]})
         for i in range(0, len(rows), self.batch):
-            await self.store.upsert(rows[i:i + self.batch])
+            chunk = rows[i:i + self.batch]
+            try:
+                await self.store.upsert(chunk)
+            except DBAPIError as exc:
+                if not refused(exc):
+                    raise
+                # A row the database refuses (out of range, too large) must not hold back
+                # the rest of the batch, nor every later one: one at a time, the refused ones
+                # without their result.
+                for row in chunk:
+                    await self._write_alone(row)
         # Only now, after the commit: a crash before this line only repeats the upserts.
         await self.redis.hdel(outbox, *records)
         return len(rows)
+
+    async def _write_alone(self, row: dict[str, Any]) -> None:
+        try:
+            await self.store.upsert([row])
+        except DBAPIError as exc:
+            if not refused(exc):
+                raise
+            log.error("the database refused a finished task (%s); its row is kept without "
+                      "the result", exc.orig, extra={"task_id": row["task_id"],
+                                                    "endpoint": row["endpoint"]})
+            await self.store.upsert([{**row, "result_status_code": None,
+                                      "result": f"[result not stored: {exc.orig}]"[:1000]}])
 
     async def _delete_delivered(self, endpoint_id: str) -> None:
         key = self.keys.delivered(endpoint_id)
