@@ -13,15 +13,34 @@ config = context.config
 target_metadata = Base.metadata
 
 
+#: How long a replica waits for another one's migration to finish.
+LOCK_WAIT_S = 300
+
+
 def _configure(connection: Connection) -> None:
-    # SQLite cannot ALTER most things in place: batch mode rebuilds tables instead.
-    context.configure(
-        connection=connection,
-        target_metadata=target_metadata,
-        render_as_batch=connection.dialect.name == "sqlite",
-    )
-    with context.begin_transaction():
-        context.run_migrations()
+    # MySQL runs DDL outside transactions: replicas migrating at once would both create the
+    # same table and one would fail. A named lock (held by the session, not a transaction)
+    # lines them up; the later one then finds the schema at head and does nothing.
+    mysql = connection.dialect.name in ("mysql", "mariadb")
+    if mysql:
+        got = connection.exec_driver_sql(
+            f"SELECT GET_LOCK('qgw_migrate', {LOCK_WAIT_S})").scalar()
+        connection.commit()
+        if got != 1:
+            raise TimeoutError(f"another migration held the lock for {LOCK_WAIT_S} s")
+    try:
+        # SQLite cannot ALTER most things in place: batch mode rebuilds tables instead.
+        context.configure(
+            connection=connection,
+            target_metadata=target_metadata,
+            render_as_batch=connection.dialect.name == "sqlite",
+        )
+        with context.begin_transaction():
+            context.run_migrations()
+    finally:
+        if mysql:
+            connection.exec_driver_sql("SELECT RELEASE_LOCK('qgw_migrate')")
+            connection.commit()
 
 
 async def _run() -> None:

@@ -69,9 +69,9 @@ def prepare_db(settings: Settings) -> None:
     try:
         behind = migrate.pending(settings.db_url)
     except Exception as exc:  # whatever the driver raises, the operator gets one line
-        behind = f"{type(exc).__name__}: {exc}"
+        behind = _one_line(exc)
     if behind:  # QGW_AUTO_MIGRATE=false: refuse rather than fail later on a missing table
-        print(f"qgw: {behind}; run `qgw migrate` (database {settings.db_url})",
+        print(f"qgw: {behind}; run `qgw migrate` (database {_hide_password(settings.db_url)})",
               file=sys.stderr)
         sys.exit(1)
 
@@ -163,11 +163,17 @@ def _migrate(settings: Settings, args: Any, quiet: bool = False) -> None:
     try:
         migrate.upgrade(settings.db_url)
     except Exception as exc:  # whatever the driver raises, the operator gets one line
-        print(f"qgw: cannot migrate {settings.db_url}: {type(exc).__name__}: {exc}",
+        print(f"qgw: cannot migrate {_hide_password(settings.db_url)}: {_one_line(exc)}",
               file=sys.stderr)
         sys.exit(1)
     if not quiet:
-        print(f"database at head: {settings.db_url}")
+        print(f"database at head: {_hide_password(settings.db_url)}")
+
+
+def _one_line(exc: BaseException) -> str:
+    """An error for a one-line message: drivers' messages run over several lines."""
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"{type(exc).__name__}: {first}"
 
 
 def _mock(settings: Settings, args: Any) -> None:

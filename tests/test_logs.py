@@ -125,3 +125,14 @@ def test_the_start_banner_hides_url_passwords() -> None:
         "mysql+aiomysql://qgw:***@db:3306/qgw")
     assert _hide_password("redis://:p@ss@cache:6379/0") == "redis://:***@cache:6379/0"
     assert _hide_password("redis://127.0.0.1:6379/0") == "redis://127.0.0.1:6379/0"
+
+
+def test_a_failed_migration_says_why_in_one_line_without_the_password(tmp_path: Path) -> None:
+    url = f"mysql+aiomysql://qgw:S3cretPw@127.0.0.1:{free_port()}/qgw"
+    env = {"QGW_DATABASE_URL": url, "QGW_DATA_DIR": str(tmp_path), "PATH": "/usr/bin:/bin"}
+    proc = subprocess.run([*QGW, "migrate"], env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 1
+    assert "S3cretPw" not in proc.stdout + proc.stderr
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith("qgw: cannot migrate mysql+aiomysql://qgw:***@127.0.0.1")
