@@ -84,4 +84,7 @@ def setup(level: str = "info") -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
-    logging.getLogger("httpx").setLevel(logging.WARNING)
+    # Debug means ours: the drivers' debug lines carry SQL parameters (key hashes, results)
+    # and no task id, and outnumber ours many times over.
+    for noisy in ("httpx", "aiosqlite", "asyncio", "sqlalchemy", "aiomysql", "aiohttp"):
+        logging.getLogger(noisy).setLevel(max(logging.WARNING, root.level))

@@ -8,9 +8,11 @@ this API process's own: a prometheus-client Histogram, with the default process 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import asyncio
+from collections.abc import Awaitable, Callable
 
 from prometheus_client import REGISTRY, Histogram, generate_latest
+from redis.exceptions import RedisError
 
 from app.queue.stats import BOUNDS_MS, COUNTERS, EndpointStats
 
@@ -73,6 +75,36 @@ def render_snapshot(snapshot: list[EndpointStats]) -> str:
     return "".join(out)
 
 
-def render(snapshot: list[EndpointStats]) -> bytes:
-    """The exposition text: this process's metrics (prometheus-client), then the queues."""
-    return generate_latest(REGISTRY) + render_snapshot(snapshot).encode()
+def render(snapshot: list[EndpointStats] | None) -> bytes:
+    """The exposition text: this process's metrics (prometheus-client), then the queues, or
+    with Redis unreachable (None) only this process's and `qgw_redis_up 0`: a scrape that
+    failed would lose this process's own numbers just when they matter."""
+    up = ("# HELP qgw_redis_up Whether this process could read the queues from Redis\n"
+          f"# TYPE qgw_redis_up gauge\nqgw_redis_up {0 if snapshot is None else 1}\n")
+    queues = render_snapshot(snapshot) if snapshot is not None else ""
+    return generate_latest(REGISTRY) + (up + queues).encode()
+
+
+class SharedScrape:
+    """Scrapes that arrive while one is reading Redis share its answer: n scrapers (several
+    Prometheus servers, an impatient loop) cost one read of every endpoint, not n."""
+
+    def __init__(self) -> None:
+        self._running: asyncio.Future[bytes] | None = None
+
+    async def text(self, read: Callable[[], Awaitable[list[EndpointStats]]]) -> bytes:
+        if self._running is None:
+            self._running = asyncio.ensure_future(self._read(read))
+            self._running.add_done_callback(self._forget)
+        return await asyncio.shield(self._running)
+
+    def _forget(self, _: asyncio.Future[bytes]) -> None:
+        self._running = None
+
+    @staticmethod
+    async def _read(read: Callable[[], Awaitable[list[EndpointStats]]]) -> bytes:
+        try:
+            snapshot: list[EndpointStats] | None = await read()
+        except (RedisError, OSError):
+            snapshot = None
+        return render(snapshot)

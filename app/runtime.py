@@ -18,6 +18,7 @@ from app.embedded import EmbeddedRedis
 from app.endpoints import EndpointConfig
 from app.lifecycle.jobs import LifecycleJobs
 from app.lifecycle.results import ResultStore
+from app.metrics import SharedScrape
 from app.queue.dispatcher import Dispatcher
 from app.queue.keys import Keys
 from app.queue.registry import EndpointRegistry, Mirror, cancel_all
@@ -59,6 +60,7 @@ class Runtime:
     dispatcher: Dispatcher | None = field(default=None, init=False)
     lifecycle: LifecycleJobs | None = field(default=None, init=False)
     http: aiohttp.ClientSession | None = field(default=None, init=False)
+    scrapes: SharedScrape = field(default_factory=SharedScrape, init=False)  # GET /metrics
     _blocking: Redis | None = field(default=None, init=False)
     _embedded: EmbeddedRedis | None = field(default=None, init=False)
     _watchers: list[asyncio.Task[Any]] = field(default_factory=list, init=False)

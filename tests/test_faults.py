@@ -265,6 +265,9 @@ class TestRedisOutage:
             assert took < 1.2, f"{method} {path} took {took:.2f} s"
         assert (await gateway.http.get("/readyz")).status_code == 503
         assert (await gateway.http.get("/healthz")).status_code == 200
+        scraped = await gateway.http.get("/metrics")  # this process's own, and that it is cut off
+        assert scraped.status_code == 200 and "\nqgw_redis_up 0\n" in scraped.text
+        assert "qgw_submit_latency_seconds" in scraped.text
         own_redis.start()  # same port, same append-only file
         await eventually(lambda: _answers(gateway), 5, "redis to load its data")
         assert (await gateway.status(auth, tid))["task_status"] == "pending"

@@ -301,8 +301,10 @@ class Dispatcher:
         ))
         extra = {"task_id": claim.task_id, "endpoint": e, "status": status,
                  "code": outcome.status_code, "attempts": claim.attempts}
-        if acked:
+        if acked and outcome.ok:
             log.debug("task %s", status, extra=extra)
+        elif acked:  # for good: an operator wants to see these without debug on
+            log.warning("task failed: %s", outcome.text[:200], extra=extra)
         else:
             log.warning("lease lost before ack; the newer attempt wins", extra=extra)
 

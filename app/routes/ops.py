@@ -10,7 +10,6 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from sqlalchemy import text
 
-from app import metrics
 from app.auth import runtime
 from app.db import SQL_REQUEST_TIMEOUT_S
 from app.queue.stats import read_metrics
@@ -51,5 +50,5 @@ async def readyz(rt: Annotated[Runtime, Depends(runtime)]) -> JSONResponse:
 async def prometheus(rt: Annotated[Runtime, Depends(runtime)]) -> Response:
     """Prometheus exposition: per endpoint depth, in flight, counters and histograms (one
     Redis round trip for all endpoints), and this process's submit latency."""
-    snapshot = await read_metrics(rt.redis, rt.keys, rt.registry.all())
-    return Response(metrics.render(snapshot), media_type=CONTENT_TYPE_PLAIN_0_0_4)
+    text = await rt.scrapes.text(lambda: read_metrics(rt.redis, rt.keys, rt.registry.all()))
+    return Response(text, media_type=CONTENT_TYPE_PLAIN_0_0_4)
