@@ -132,6 +132,23 @@ async def test_admin_queues_has_what_the_dashboard_shows(
     assert r.status_code == 401
 
 
+async def test_oldest_pending_age_sees_a_band_starved_behind_newer_higher_ones(
+    gateway: Gateway, upstream: str
+) -> None:
+    """Strict priority: the task waiting longest may sit in a middle band, behind newer VIP
+    tasks and ahead of newer priority-0 ones."""
+    url = f"{upstream}/starved"
+    await gateway.add_endpoint("starved", url)
+    auth = await gateway.new_key()
+    await gateway.submit(auth, url, priority=1)
+    await asyncio.sleep(0.6)
+    for priority in (3, 2, 0):
+        await gateway.submit(auth, url, priority=priority)
+    view = (await gateway.http.get("/admin/v1/queues", headers=gateway.admin)).json()
+    (q,) = [e for e in view["endpoints"] if e["id"] == "starved"]
+    assert q["pending"] == 4 and q["oldest_pending_age_s"] >= 0.6
+
+
 async def test_a_scrape_of_1000_endpoints_is_one_round_trip(
     gateway: Gateway, monkeypatch: pytest.MonkeyPatch
 ) -> None:

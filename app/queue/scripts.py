@@ -71,6 +71,7 @@ class Scripts:
     release: Lua
     nudge: Lua
     expire: Lua
+    oldest: Lua
 
     @classmethod
     def register(cls, redis: Redis) -> Scripts:

@@ -18,13 +18,14 @@ from redis.asyncio import Redis
 
 from app.endpoints import EndpointConfig
 from app.queue.keys import Keys
-from app.queue.scripts import LUA_DIR
+from app.queue.scripts import LUA_DIR, Scripts
 from app.queue.tasks import estimate_wait
 
 COUNTERS = ("submitted", "admitted", "completed", "failed", "retried", "expired", "cancelled",
             "limited")
 HISTOGRAMS = ("queue_wait_ms", "upstream_ms")
 AVERAGES = ("exec_ms", "slot_ms")
+OLDEST_BANDS = 64  # priority bands the oldest-pending lookup visits (lua/oldest-1.lua)
 
 
 def _lua_constants() -> tuple[tuple[int, ...], int, int, int]:
@@ -107,7 +108,8 @@ def _id_ms(task_id: str) -> int:
     return int(task_id[:12], 16)
 
 
-async def queue_stats(redis: Redis, keys: Keys, endpoints: list[EndpointConfig]) -> list[Any]:
+async def queue_stats(redis: Redis, keys: Keys, scripts: Scripts,
+                      endpoints: list[EndpointConfig]) -> list[Any]:
     """The admin view (and the dashboard's data): exact counts, recent rates, the estimate for
     a new task, the oldest pending age and the last failures, in one round trip."""
     async with redis.pipeline(transaction=False) as pipe:
@@ -117,10 +119,7 @@ async def queue_stats(redis: Redis, keys: Keys, endpoints: list[EndpointConfig])
             pipe.zcard(keys.queue(e))
             pipe.zcard(keys.active(e))
             pipe.hgetall(keys.stats(e))
-            # With strict priority the task waiting longest is the head of the queue or the
-            # first of the priority-0 band (scores above 0, lua/submit-6.lua), nearly always.
-            pipe.zrange(keys.queue(e), 0, 0)
-            pipe.zrangebyscore(keys.queue(e), "(0", "+inf", start=0, num=1)
+            await scripts.oldest(keys=[keys.queue(e)], args=[OLDEST_BANDS], client=pipe)
             if ep.limiter == "sliding_window":
                 since = int(time.time() * 1000) - ep.interval_ms  # this clock: same trip
                 pipe.zcount(keys.ratelimit(e, ep.limiter), f"({since}", "+inf")
@@ -131,9 +130,9 @@ async def queue_stats(redis: Redis, keys: Keys, endpoints: list[EndpointConfig])
     now = int(now_s) * 1000 + int(now_us) // 1000
     out = []
     for i, ep in enumerate(endpoints):
-        pending, in_flight, values, head, band0, admitted = raw[1 + i * 6:7 + i * 6]
+        pending, in_flight, values, oldest_id, admitted = raw[1 + i * 5:6 + i * 5]
         s = _parse(ep, pending, in_flight, values)
-        oldest = min((_id_ms(t[0]) for t in (head, band0) if t), default=None)
+        oldest = _id_ms(oldest_id) if oldest_id else None
         out.append(_view(s, now, oldest, admitted if ep.limiter == "sliding_window" else None))
     return out
 

@@ -112,4 +112,5 @@ async def queues(rt: Rt) -> dict[str, Any]:
     """Per endpoint: exact pending and in flight, counters, admitted and finished a second
     (last minute) against the rate limit, exec and slot time, the estimated wait of a new task,
     oldest pending age and the last failures (one Redis round trip)."""
-    return {"endpoints": await queue_stats(rt.redis, rt.keys, rt.registry.all())}
+    return {"endpoints": await queue_stats(rt.redis, rt.keys, rt.queue.scripts,
+                                           rt.registry.all())}
