@@ -55,6 +55,9 @@ while true do
     redis.call('HSET', task, 'status', 'processing', 'lease', token, 'started_at', now,
       'deadline', deadline)
     redis.call('HDEL', task, 'pexp')  -- it has started: handed back later, it still runs
+    -- A started task lives until it ends, and every ending sets its TTL: a call made near the
+    -- pending deadline that outlasts the rest of it must not lose its task mid-call.
+    redis.call('PERSIST', task)
     claimed = claimed + 1
     if attempts == 1 then  -- time in line before its first start (not after a hand-back)
       local created = tonumber(redis.call('HGET', task, 'created_at')) or now
