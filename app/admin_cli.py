@@ -102,7 +102,7 @@ async def _endpoint_show(rt: Runtime, args: argparse.Namespace) -> Any:
 
 
 async def _endpoint_rm(rt: Runtime, args: argparse.Namespace) -> None:
-    await rt.endpoints.delete(args.id)
+    await rt.retire_endpoint(args.id)
 
 
 async def _key_create(rt: Runtime, args: argparse.Namespace) -> Any:

@@ -11,6 +11,8 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
+from sqlalchemy.exc import InterfaceError as SQLInterfaceError
+from sqlalchemy.exc import OperationalError as SQLOperationalError
 from starlette.exceptions import HTTPException
 from starlette.routing import Match
 
@@ -77,6 +79,15 @@ def install(app: FastAPI) -> None:
             # Starlette names only the first route that matched the path; list them all.
             headers = {"Allow": ", ".join(sorted(_allowed(app, request)))}
         return error_response(exc.status_code, code, str(exc.detail), headers)
+
+    @app.exception_handler(SQLOperationalError)
+    @app.exception_handler(SQLInterfaceError)
+    async def _sql_down(_: Request, exc: Exception) -> JSONResponse:
+        log.warning("database unavailable: %s", str(exc).splitlines()[0][:300])
+        return error_response(
+            503, "database_unavailable", "the database is unavailable; retry shortly",
+            {"Retry-After": "5"},
+        )
 
     @app.exception_handler(RedisConnectionError)
     @app.exception_handler(RedisTimeoutError)

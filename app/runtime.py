@@ -17,7 +17,7 @@ from app.db import make_engine
 from app.embedded import EmbeddedRedis
 from app.endpoints import EndpointConfig
 from app.lifecycle.jobs import LifecycleJobs
-from app.lifecycle.results import ResultStore
+from app.lifecycle.results import OutboxWriter, ResultStore
 from app.metrics import SharedScrape
 from app.queue.dispatcher import Dispatcher
 from app.queue.keys import Keys
@@ -99,6 +99,14 @@ class Runtime:
             self.lifecycle = LifecycleJobs.build(s, self.redis, self.keys, scripts,
                                                  self.registry, self.engine)
             self.lifecycle.start()
+
+    async def retire_endpoint(self, endpoint_id: str) -> None:
+        """Delete an endpoint: only an idle one (409 otherwise), and its finished tasks reach
+        SQL first, since the outbox writer serves the endpoints that exist."""
+        await self.queue.ensure_idle(endpoint_id)
+        store = self.queue.results or ResultStore(self.engine)
+        await OutboxWriter(self.redis, self.keys, self.registry, store).write(endpoint_id)
+        await self.endpoints.delete(endpoint_id)
 
     async def stop(self, grace_s: float | None = None) -> None:
         """Stop; in-flight calls get `grace_s` (default QGW_SHUTDOWN_GRACE_S) to finish."""

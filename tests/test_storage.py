@@ -307,6 +307,25 @@ def outage(db_url: str, tmp_path: Path) -> Iterator[Outage]:
     o.close()
 
 
+async def test_an_endpoint_goes_only_when_idle_and_its_results_reach_sql_first(
+    gateway: Gateway, upstream: str
+) -> None:
+    """Deleted with tasks waiting, they would never run nor expire; deleted with records in
+    its outbox, they would never reach SQL (the writer serves endpoints that exist)."""
+    await gateway.add_endpoint("bye", f"{upstream}/bye")
+    auth = await gateway.new_key(user_id=7)
+    tid = (await gateway.submit(auth, f"{upstream}/bye"))["task_id"]
+    r = await gateway.http.delete("/admin/v1/endpoints/bye", headers=gateway.admin)
+    assert r.status_code == 409 and r.json()["error"]["code"] == "endpoint_busy"
+    assert r.json()["error"]["pending"] == 1
+    r = await gateway.http.post(f"/api/v1/tasks/{tid}/cancel", headers=auth)
+    assert r.status_code == 200
+    r = await gateway.http.delete("/admin/v1/endpoints/bye", headers=gateway.admin)
+    assert r.status_code == 204
+    assert (await rows(gateway.rt.engine))[tid].status == "cancelled"
+    assert not await gateway.rt.redis.hlen(gateway.rt.keys.outbox("bye"))
+
+
 async def test_a_call_that_outlasts_the_pending_ttl_keeps_its_task(
     settings: Settings, upstream: str
 ) -> None:

@@ -125,7 +125,7 @@ class OutboxWriter:
         written, failure = 0, None
         for endpoint in self.registry.all():
             try:
-                written += await self._write(endpoint.id)
+                written += await self.write(endpoint.id)
                 await self._delete_delivered(endpoint.id)
             except STORE_ERRORS as exc:
                 failure = failure or exc
@@ -133,7 +133,8 @@ class OutboxWriter:
             raise failure
         return written
 
-    async def _write(self, endpoint_id: str) -> int:
+    async def write(self, endpoint_id: str) -> int:
+        """Move one endpoint's outbox to SQL; the number of rows written."""
         outbox, cursor, written = self.keys.outbox(endpoint_id), 0, 0
         while True:
             cursor, found = await self.redis.hscan(outbox, cursor, count=self.batch)

@@ -146,6 +146,20 @@ class TaskQueue:
                            "completed", task_status=res[1])
         return TaskStatus.COMPLETED
 
+    async def ensure_idle(self, endpoint_id: str) -> None:
+        """409 while an endpoint has tasks waiting or running: deleting it would strand them
+        (nobody claims, reaps or expires the tasks of an endpoint that is gone)."""
+        k = self.keys
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.zcard(k.queue(endpoint_id))
+            pipe.zcard(k.active(endpoint_id))
+            pending, in_flight = await pipe.execute()
+        if pending or in_flight:
+            raise ApiError(409, "endpoint_busy",
+                           f"{endpoint_id!r} has {pending} tasks waiting and {in_flight} "
+                           "running; disable it and let them finish (or cancel them) first",
+                           pending=pending, in_flight=in_flight)
+
     async def _finished_row(self, user_id: int, task_id: str) -> Any:
         """The SQL row of a task Redis has let go; 404 without one, 503 when SQL is down."""
         row = None

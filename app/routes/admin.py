@@ -83,7 +83,8 @@ async def patch_endpoint(endpoint_id: str, request: Request, rt: Rt) -> Endpoint
 
 @router.delete("/endpoints/{endpoint_id}", status_code=204)
 async def delete_endpoint(endpoint_id: str, rt: Rt) -> Response:
-    await rt.endpoints.delete(endpoint_id)
+    """Only an idle endpoint goes (409 otherwise; disable it and let it drain)."""
+    await rt.retire_endpoint(endpoint_id)
     return Response(status_code=204)
 
 
