@@ -35,7 +35,9 @@ def test_rate_bound_and_the_slower_of_two_limits() -> None:
     assert estimate_wait(endpoint(rate=2, interval_ms=1000), 5, None) == 2.5
     both = endpoint(rate=10, interval_ms=1000, max_concurrency=100)
     assert estimate_wait(both, 50, [None, "1000", 100]) == 5.0  # the rate binds
-    assert estimate_wait(endpoint(), 50, [None, None, 0]) == 0  # no limit: starts at once
+    assert estimate_wait(endpoint(), 50, [None, None, 0]) == 0  # no limit, idle: at once
+    # No limit of its own, but 10 running: the dispatchers' capacity sets the pace.
+    assert estimate_wait(endpoint(), 50, [None, "1000", 10]) == pytest.approx(50.5 * 0.1)
     assert estimate_wait(None, 5, None) == 0
 
 

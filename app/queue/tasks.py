@@ -202,6 +202,7 @@ def estimate_wait(endpoint: EndpointConfig | None, ahead: int, measured: Any) ->
       the n-th after (n - 1/2) gaps; counting from "now" rather than "a full gap" is what
       keeps the estimate unbiased for the first tasks in line.
     - the rate limit: the `ahead` admissions before it, at rate / interval.
+    With neither, the tasks in flight stand for the cap (the dispatchers' capacity).
     `measured` is status-5.lua's {exec ms, slot ms, in flight}; a bare exec time (in flight
     unknown: taken as a full endpoint) is accepted too.
     """
@@ -214,6 +215,10 @@ def estimate_wait(endpoint: EndpointConfig | None, ahead: int, measured: Any) ->
         exec_ms, slot_ms, in_flight = measured, None, None
     wait = 0.0
     cap = endpoint.max_concurrency
+    if cap == 0 and endpoint.rate == 0 and in_flight:
+        # No limit of its own: with tasks in line, what runs now is all the dispatchers give
+        # it (their capacity), and that observed parallelism sets the pace.
+        cap = in_flight
     if cap > 0:
         slot_s = float(slot_ms or exec_ms or endpoint.avg_exec_ms) / 1000
         free = cap - in_flight if in_flight is not None else 0
