@@ -2,8 +2,8 @@
 
 Any path answers `{"ok": true, "n": <request number>, ...}` after `latency_ms`; more than
 `concurrency` requests in flight get 429; `fail_rate` of requests get 503.  A request may ask
-for a status, a latency or a cookie with `X-Mock-Status` / `X-Mock-Latency-Ms` /
-`X-Mock-Set-Cookie`.  It records every request:
+for a status, a latency, a cookie or a body of N bytes with `X-Mock-Status` /
+`X-Mock-Latency-Ms` / `X-Mock-Set-Cookie` / `X-Mock-Body-Bytes`.  It records every request:
 `GET /_mock/stats` gives counts, `GET /_mock/log` the requests in arrival order (time in ms,
 method, path, query, Idempotency-Key, body, status), `POST /_mock/reset` clears both.
 """
@@ -70,8 +70,10 @@ class MockUpstream:
             latency = float(headers.get("x-mock-latency-ms", self.latency_ms))
             if latency and status != 429:
                 await asyncio.sleep(latency / 1000)
-            reply = {"ok": 200 <= status < 300, "n": len(self.log), "path": scope["path"],
-                     "echo": entry["body"]}
+            reply: Any = {"ok": 200 <= status < 300, "n": len(self.log), "path": scope["path"],
+                          "echo": entry["body"]}
+            if size := int(headers.get("x-mock-body-bytes", 0)):
+                reply = "x" * max(0, size - 2)  # a JSON string of `size` bytes
             cookie = headers.get("x-mock-set-cookie")
             extra = [(b"set-cookie", f"{cookie}; Path=/".encode())] if cookie else []
             await _send_json(send, status, reply, extra)

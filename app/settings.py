@@ -37,6 +37,9 @@ class Settings(BaseSettings):
     janitor_batch: int = Field(1000, ge=1, le=1000)
 
     max_body_bytes: int = Field(1_048_576, ge=1024)
+    #: The largest upstream answer kept as a task's result (Redis, then a MEDIUMTEXT of at
+    #: most 16 MB in MySQL); a larger one fails the task rather than the process's memory.
+    max_result_bytes: int = Field(8 << 20, ge=1024, le=12 << 20)
     #: Upstream calls one dispatcher process keeps in flight, over all endpoints.
     dispatch_concurrency: int = Field(256, ge=1, le=100_000)
     #: How long a claim stays valid without a heartbeat; the executor renews it every third.

@@ -11,6 +11,7 @@ from datetime import datetime
 import httpx
 
 from app.runtime import Runtime
+from app.settings import Settings
 from tests.conftest import Gateway
 
 
@@ -216,3 +217,25 @@ async def test_a_cookie_set_for_one_caller_never_reaches_the_upstream_for_anothe
     calls = _log(upstream, "/jar")
     assert [c["idempotency_key"] for c in calls] == [first["task_id"], second["task_id"]]
     assert "cookie" not in calls[1]["headers"]  # type: ignore[operator]
+
+
+async def test_an_answer_over_the_result_limit_fails_its_task_once(
+    gateway: Gateway, upstream: str, settings: Settings
+) -> None:
+    """Kept whole it would weigh on Redis, then not fit its SQL column; tried again it would
+    be as large again."""
+    await gateway.add_endpoint("big", f"{upstream}/big", max_retries=3)
+    auth = await gateway.new_key()
+    small, large = [await gateway.submit(auth, f"{upstream}/big",
+                                         headers={"X-Mock-Body-Bytes": [str(n)]})
+                    for n in (4000, 5000)]
+    rt = Runtime(settings.model_copy(update={"max_result_bytes": 4096}), with_dispatcher=True)
+    await rt.start()
+    try:
+        fits, over = await gateway.wait_finished(auth, [small["task_id"], large["task_id"]])
+    finally:
+        await rt.stop(grace_s=1)
+    assert fits["task_status"] == "completed" and len(fits["task_result"]) == 4000
+    assert over["task_status"] == "failed" and over["attempts"] == 1
+    assert over["task_result"] == "upstream answer over 4096 bytes: not kept"
+    assert len(_log(upstream, "/big")) == 2

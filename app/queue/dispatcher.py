@@ -260,7 +260,8 @@ class Dispatcher:
                     await self._finish(claim, Outcome(None, "no attempts left"), -1)
                     return
                 started = time.monotonic()
-                outcome = await call(self.http, tid, claim.request, ep.timeout_ms / 1000)
+                outcome = await call(self.http, tid, claim.request, ep.timeout_ms / 1000,
+                                     self.settings.max_result_bytes)
                 exec_ms = (time.monotonic() - started) * 1000
                 if outcome.ok or not outcome.retryable or claim.attempts > ep.max_retries:
                     await self._finish(claim, outcome, exec_ms)

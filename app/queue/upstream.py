@@ -61,19 +61,21 @@ class Outcome:
     status_code: int | None  # None: no response (timeout, connection error)
     text: str
     retry_after_s: float | None = None
+    refused: bool = False  # an answer we will not keep (too large): failed, not retried
 
     @property
     def ok(self) -> bool:
-        return self.status_code is not None and 200 <= self.status_code < 300
+        return not self.refused and self.status_code is not None and 200 <= self.status_code < 300
 
     @property
     def retryable(self) -> bool:
         code = self.status_code
-        return code is None or code == 429 or code >= 500
+        return not self.refused and (code is None or code == 429 or code >= 500)
 
 
 async def call(
-    client: aiohttp.ClientSession, task_id: str, req: Request, timeout_s: float
+    client: aiohttp.ClientSession, task_id: str, req: Request, timeout_s: float,
+    max_bytes: int = 8 << 20,
 ) -> Outcome:
     headers = forwardable(json.loads(req.headers or "{}"))
     headers.append(("Idempotency-Key", task_id))
@@ -86,12 +88,28 @@ async def call(
             data=req.body.encode() if req.body else None, allow_redirects=False,
             timeout=aiohttp.ClientTimeout(total=timeout_s),  # the whole call, not per read
         ) as resp:
-            text = _decode(await resp.read(), resp.charset)
-            return Outcome(resp.status, text, retry_after(resp.headers.get("retry-after")))
+            body = await _read(resp, max_bytes)
+            if body is None:
+                return Outcome(resp.status, f"upstream answer over {max_bytes} bytes: not kept",
+                               refused=True)
+            return Outcome(resp.status, _decode(body, resp.charset),
+                           retry_after(resp.headers.get("retry-after")))
     except TimeoutError:
         return Outcome(None, f"upstream timed out after {timeout_s:g} s")
     except (aiohttp.ClientError, ValueError, OSError) as exc:
         return Outcome(None, f"upstream unreachable: {type(exc).__name__}: {exc}")
+
+
+async def _read(resp: aiohttp.ClientResponse, max_bytes: int) -> bytes | None:
+    """The body, or None once it passes `max_bytes` (without reading the rest)."""
+    if (resp.content_length or 0) > max_bytes:
+        return None
+    body = bytearray()
+    async for chunk in resp.content.iter_chunked(1 << 16):
+        body += chunk
+        if len(body) > max_bytes:
+            return None
+    return bytes(body)
 
 
 def _decode(body: bytes, charset: str | None) -> str:
