@@ -53,8 +53,9 @@ async def direct_calls(upstream: str, n: int, concurrency: int = 64) -> float:
         sem = asyncio.Semaphore(concurrency)
 
         async def one(i: int) -> None:
-            async with sem:
-                (await http.post(f"{upstream}/direct", content=str(i))).raise_for_status()
+            async with sem, http.post(f"{upstream}/direct", data=str(i)) as resp:
+                resp.raise_for_status()
+                await resp.read()
 
         start = time.monotonic()
         await asyncio.gather(*(one(i) for i in range(n)))
