@@ -1,20 +1,24 @@
-"""GET /dashboard in headless Chromium against a real `qgw serve`: the page loads, shows an
-endpoint, and its numbers move while tasks are submitted. Saves a screenshot to .artifacts/."""
+"""GET /dashboard in headless Chromium against a real `qgw serve`: the page loads, lists the
+endpoints busiest first, its numbers and chart move while tasks are submitted, the filter narrows
+the rows, and failures are told apart. Saves screenshots to .artifacts/."""
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
 import pytest
 
 from app import ROOT
+from app.settings import Settings
 from tests.conftest import ADMIN, Gateway
-from tests.servers import QGW, free_port, stop, wait_port
+from tests.servers import QGW, RedisServer, free_port, stop, wait_port
 
 CHROMIUM = os.environ.get("QGW_TEST_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
 ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -27,17 +31,23 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-@pytest.fixture
-def served(env: dict[str, str], tmp_path: Path) -> Iterator[str]:
-    """`qgw serve` (API + dispatcher) on this test's Redis, key prefix and database."""
+@contextmanager
+def serving(env: dict[str, str], cwd: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """`qgw serve` (API + dispatcher) on the Redis, key prefix and database of `env`."""
     port = free_port()
-    proc = subprocess.Popen([*QGW, "serve", "--port", str(port)], env=env, cwd=tmp_path,
+    proc = subprocess.Popen([*QGW, "serve", "--port", str(port)], env=env, cwd=cwd,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_port(port, 30, proc)
-        yield f"http://127.0.0.1:{port}"
+        yield f"http://127.0.0.1:{port}", proc
     finally:
         stop(proc)
+
+
+@pytest.fixture
+def served(env: dict[str, str], tmp_path: Path) -> Iterator[str]:
+    with serving(env, tmp_path) as (url, _):
+        yield url
 
 
 @pytest.fixture
@@ -60,8 +70,10 @@ async def test_dashboard_shows_queues_moving(
     assert isinstance(browser, Browser)
     url = f"{upstream}/dash"
     await gateway.add_endpoint("dash", url, max_concurrency=2, rate=50, avg_exec_ms=200)
+    # Sorts before "dash" by id and stays idle: busiest first must list "dash" above it.
+    await gateway.add_endpoint("alpha-idle", f"{upstream}/alpha-idle")
     auth = await gateway.new_key()
-    page = await browser.new_page(viewport={"width": 1400, "height": 600})
+    page = await browser.new_page(viewport={"width": 1400, "height": 820})
     errors: list[str] = []
     page.on("pageerror", lambda exc: errors.append(str(exc)))
 
@@ -73,12 +85,14 @@ async def test_dashboard_shows_queues_moving(
     # With the token in the fragment (never sent to the server), it shows the endpoint.
     await page.goto(f"{served}/dashboard#token={ADMIN}")
     row = page.locator('tr[data-endpoint="dash"]')
+    rows = page.locator("#rows tr")
     await expect(row).to_be_visible(timeout=10_000)
     assert ADMIN not in page.url  # taken out of the address bar
     pending, done = row.locator('td[data-field="pending"]'), row.locator(
         'td[data-field="done_failed"]')
     await expect(pending).to_have_text("0")
     await expect(done).to_have_text("0 / 0")
+    await expect(rows).to_have_count(2)
 
     async with httpx.AsyncClient(base_url=served) as http:
         for i in range(24):
@@ -91,6 +105,8 @@ async def test_dashboard_shows_queues_moving(
 
     # Two slots of 250 ms for 25 tasks: the line is visible for about three seconds.
     await expect(pending).not_to_have_text("0", timeout=10_000)
+    await expect(rows.first).to_have_attribute("data-endpoint", "dash")  # the busiest on top
+    await expect(page.locator("#chart-title")).to_have_text("dash")  # and in the chart
     await expect(row.locator('td[data-field="in_flight"]')).to_contain_text("/ 2")
     await expect(row.locator('td[data-field="wait_new"]')).not_to_have_text(NO_VALUE)
     ARTIFACTS.mkdir(exist_ok=True)
@@ -100,14 +116,101 @@ async def test_dashboard_shows_queues_moving(
     await expect(pending).to_have_text("0")
     await expect(page.locator("#failures")).to_contain_text(fail.json()["task_id"])
     await expect(row.locator('td[data-field="throughput"]')).not_to_have_text("0")
-    # The chart has drawn points for depth and throughput.
-    points = await row.locator("svg.chart polyline.depth").get_attribute("points")
-    assert points and len(points.split()) >= 3
+    await row.locator("svg.chart path.depth").wait_for()  # the row's depth trend is drawn
+    await _assert_chart_shows_the_run(page)
     await page.screenshot(path=str(ARTIFACTS / "dashboard-after.png"), full_page=True)
     print(f"\ndashboard screenshots: {shot} and {ARTIFACTS / 'dashboard-after.png'}")
+
+    # The filter narrows the rows by endpoint id; a click charts that endpoint.
+    await page.fill("#filter", "ALPHA")
+    await expect(rows).to_have_count(1)
+    await expect(rows.first).to_have_attribute("data-endpoint", "alpha-idle")
+    await expect(page.locator("#shown")).to_have_text("1 of 2 endpoints")
+    await page.fill("#filter", "no-such-endpoint")
+    await expect(rows).to_have_count(0)
+    await expect(page.locator("#empty")).to_contain_text("No endpoint id contains")
+    await page.fill("#filter", "")
+    await expect(rows).to_have_count(2)
+    await page.locator('tr[data-endpoint="alpha-idle"]').click()
+    await expect(page.locator("#chart-title")).to_have_text("alpha-idle")
+    await expect(page.locator("#chart-mode")).to_have_text("(selected)")
+    await page.locator("#follow").click()  # all idle now: the busiest is the first by id
+    await expect(page.locator("#chart-mode")).to_have_text("(busiest)")
+    await expect(page.locator("#chart-title")).to_have_text(
+        await rows.first.get_attribute("data-endpoint") or "")
     assert errors == []
 
-    # A wrong token is dropped and the form comes back.
-    await page.goto(f"{served}/dashboard#token=wrong")
-    await expect(page.locator("#login")).to_be_visible()
-    await expect(page.locator("#status")).to_contain_text("not accepted")
+
+def _path_points(d: str | None) -> list[tuple[float, float]]:
+    return [(float(x), float(y)) for x, y in re.findall(r"[ML](-?[\d.]+),(-?[\d.]+)", d or "")]
+
+
+async def _assert_chart_shows_the_run(page: object) -> None:
+    """Both series are drawn with more than a flat line, and every axis is labelled."""
+    from playwright.async_api import Page, expect
+
+    assert isinstance(page, Page)
+    chart = page.locator("#chart")
+    for series in ("depth", "tput"):
+        points = _path_points(await chart.locator(f"path.{series}").get_attribute("d"))
+        assert len(points) >= 3, (series, points)
+        assert len({y for _, y in points}) > 1, (series, points)  # it rose and fell
+        top = chart.locator(f"text.{series}.max")
+        await expect(top).to_be_visible()
+        assert float(await top.text_content() or 0) > 0, series
+    # 25 tasks, two at a time: the depth axis reaches at least ten.
+    assert float(await chart.locator("text.depth.max").text_content() or 0) >= 10
+    times = await chart.locator("text.time").all_text_contents()
+    assert times[0] == "now" and len(times) >= 2 and all(t.startswith("-") for t in times[1:])
+    await expect(page.locator("#legend-depth")).to_have_text("0")
+
+
+class TestFailures:
+    """Against a Redis of their own, which the test stops and starts again."""
+
+    @pytest.fixture
+    def own_redis(self, tmp_path: Path) -> Iterator[RedisServer]:
+        server = RedisServer(tmp_path / "redis")  # append-only file on: a restart keeps data
+        server.start()
+        yield server
+        server.stop()
+
+    @pytest.fixture
+    def settings(self, settings: Settings, own_redis: RedisServer) -> Settings:
+        """Overrides conftest's (on this Redis): `gateway` and `env` use it too."""
+        return settings.model_copy(update={"redis_url": own_redis.url})
+
+    async def test_each_failure_has_its_own_message(
+        self, gateway: Gateway, env: dict[str, str], tmp_path: Path, own_redis: RedisServer,
+        browser: object
+    ) -> None:
+        """A bad token is asked for again; an outage is named and retried."""
+        from playwright.async_api import Browser, expect
+
+        assert isinstance(browser, Browser)
+        page = await browser.new_page()
+        errors: list[str] = []
+        page.on("pageerror", lambda exc: errors.append(str(exc)))
+        status, login = page.locator("#status"), page.locator("#login")
+        with serving(env, tmp_path) as (served, proc):
+            # A token a header cannot carry (the euro sign is not Latin-1): asked again at once.
+            await page.goto(f"{served}/dashboard#token=%E2%82%AC")
+            await expect(login).to_be_visible()
+            await expect(status).to_contain_text("cannot send in a header")
+
+            # A wrong token is dropped and the form comes back.
+            await page.goto(f"{served}/dashboard#token=wrong")
+            await expect(status).to_contain_text("token refused (HTTP 401)")
+            await expect(login).to_be_visible()
+
+            await page.goto(f"{served}/dashboard#token={ADMIN}")
+            await expect(page.locator("#queues")).to_be_visible(timeout=10_000)
+            own_redis.stop()
+            await expect(status).to_have_text("gateway up, Redis unavailable: retrying",
+                                              timeout=10_000)
+            own_redis.start()  # same port: the page picks up again by itself
+            await expect(status).to_contain_text("updated", timeout=10_000)
+            stop(proc)
+            await expect(status).to_have_text("cannot reach the gateway: retrying")
+            await expect(page.locator("#queues")).to_be_visible()  # the last numbers stay
+        assert errors == []

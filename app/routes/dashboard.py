@@ -15,6 +15,8 @@ from pathlib import Path
 from fastapi import APIRouter
 from fastapi.responses import Response
 
+from app.errors import ApiError
+
 router = APIRouter(tags=["ops"])
 STATIC = Path(__file__).resolve().parent.parent / "static"
 _HEADERS = {
@@ -42,13 +44,17 @@ async def dashboard() -> Response:
                     headers=_HEADERS)
 
 
-@router.get("/dashboard/app.js", response_class=Response, include_in_schema=False)
-async def dashboard_js() -> Response:
-    return Response(_file("dashboard.js"), media_type="text/javascript; charset=utf-8",
-                    headers=_HEADERS)
+#: What the page loads beside itself: name in its URL -> file in app/static, media type.
+_ASSETS = {
+    "chart.js": ("chart.js", "text/javascript"),
+    "app.js": ("dashboard.js", "text/javascript"),
+    "style.css": ("dashboard.css", "text/css"),
+}
 
 
-@router.get("/dashboard/style.css", response_class=Response, include_in_schema=False)
-async def dashboard_css() -> Response:
-    return Response(_file("dashboard.css"), media_type="text/css; charset=utf-8",
-                    headers=_HEADERS)
+@router.get("/dashboard/{asset}", response_class=Response, include_in_schema=False)
+async def dashboard_asset(asset: str) -> Response:
+    if asset not in _ASSETS:
+        raise ApiError(404, "not_found", f"no dashboard file {asset!r}")
+    name, media = _ASSETS[asset]
+    return Response(_file(name), media_type=f"{media}; charset=utf-8", headers=_HEADERS)
