@@ -49,9 +49,10 @@ class ResultStore:
 
     @property
     def _upsert(self) -> Any:
-        """One statement for every batch: executed with a list of rows, SQLAlchemy renders them
-        as multi-row VALUES from a cached compilation (insertmanyvalues), where a statement
-        built with .values(rows) was compiled afresh each time, a tenth of a dispatcher's CPU."""
+        """One statement for every batch, executed with the list of rows (executemany: the
+        driver sends them together; pymysql as multi-row VALUES). Its compilation is cached,
+        where a statement built with .values(rows) was compiled afresh for every batch: a
+        tenth of a dispatcher's CPU at 1,000 tasks a second."""
         if self.engine.dialect.name == "sqlite":
             lite = sqlite_insert(T)
             return lite.on_conflict_do_update(
