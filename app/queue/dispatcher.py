@@ -39,6 +39,7 @@ from app.queue.registry import EndpointRegistry, cancel_all
 from app.queue.scripts import Scripts
 from app.queue.upstream import Outcome, Request, backoff_s, call
 from app.ratelimit import Limit, Limiter
+from app.ratelimit.sent import SendTimes
 from app.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -62,6 +63,15 @@ class Claim:
     attempts: int
     ttype: str
     request: Request
+    claimed_at: float = 0.0  # loop time the claim was asked for (its admissions came after)
+
+    def on_sent(self, send_times: SendTimes) -> Callable[[], None] | None:
+        """For the call right after the claim, under a sliding window: keep its log entry
+        (named by the lease token) to when the call really leaves."""
+        ep = self.endpoint
+        if ep.limiter != "sliding_window" or ep.rate <= 0:
+            return None
+        return lambda: send_times.sent(ep.id, self.token, self.claimed_at)
 
 
 @dataclass
@@ -89,6 +99,7 @@ class Dispatcher:
 
     def __post_init__(self) -> None:
         self.ttls = Ttls.of(self.settings)
+        self.send_times = SendTimes(self.redis, self.keys, self.scripts.sent)
         # Lease tokens name their holder, so an operator can tell who holds a task.
         self._ident = f"{os.getpid()}@{socket.gethostname()}"
 
@@ -125,6 +136,7 @@ class Dispatcher:
         held = list(self.leases.values())
         await cancel_all([*self.inflight.values(), *self._background])
         released = await self.release(held)
+        await self.send_times.close()
         await cancel_all(self._heartbeat)
         log.info("dispatcher stopped", extra={"interrupted": len(held), "requeued": released})
 
@@ -187,6 +199,8 @@ class Dispatcher:
         if room <= 0:
             return  # its acks, or the reaper's nudge, re-add its marker
         k, e = self.keys, endpoint_id
+        # Asked for now: the admissions happen after this, however late the answer is read.
+        asked = asyncio.get_running_loop().time()
         try:
             res = await self.scripts.claim(
                 keys=[k.queue(e), k.active(e), k.ratelimit(e, endpoint.limiter), k.wake,
@@ -205,7 +219,8 @@ class Dispatcher:
         for i in range(3, len(res), CLAIM_FIELDS):
             tid, token, attempts, ttype, *req = res[i:i + CLAIM_FIELDS]
             if ttype == "offline":
-                self._start(Claim(endpoint, tid, token, int(attempts), ttype, Request(*req)))
+                self._start(Claim(endpoint, tid, token, int(attempts), ttype, Request(*req),
+                                  asked))
         if state == "limited":
             self._claim_later(e, wait_ms / 1000)
 
@@ -254,6 +269,7 @@ class Dispatcher:
     async def _run(self, claim: Claim) -> None:
         ep, tid = claim.endpoint, claim.task_id
         extra = {"task_id": tid, "endpoint": ep.id}
+        on_sent = claim.on_sent(self.send_times)  # a retry is admitted anew (Limiter.wait)
         try:
             while True:
                 if claim.attempts > ep.max_retries + 1:  # max_retries lowered since queued
@@ -261,7 +277,8 @@ class Dispatcher:
                     return
                 started = time.monotonic()
                 outcome = await call(self.http, tid, claim.request, ep.timeout_ms / 1000,
-                                     self.settings.max_result_bytes)
+                                     self.settings.max_result_bytes, on_sent)
+                on_sent = None
                 exec_ms = (time.monotonic() - started) * 1000
                 if outcome.ok or not outcome.retryable or claim.attempts > ep.max_retries:
                     await self._finish(claim, outcome, exec_ms)

@@ -72,6 +72,7 @@ class Scripts:
     nudge: Lua
     expire: Lua
     oldest: Lua
+    sent: Lua
 
     @classmethod
     def register(cls, redis: Redis) -> Scripts:

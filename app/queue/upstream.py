@@ -7,7 +7,9 @@ import json
 import random
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import aiohttp
 
@@ -42,9 +44,18 @@ def upstream_client(max_connections: int) -> aiohttp.ClientSession:
     caller, and a cookie set by a call for one user must never ride along on another's.
     Redirects are not followed (per call): the gateway calls only URLs somebody registered.
     """
+    trace = aiohttp.TraceConfig()
+    trace.on_request_headers_sent.append(_headers_sent)
     return aiohttp.ClientSession(
         connector=aiohttp.TCPConnector(limit=max_connections, ttl_dns_cache=60),
-        cookie_jar=aiohttp.DummyCookieJar(), raise_for_status=False)
+        cookie_jar=aiohttp.DummyCookieJar(), raise_for_status=False, trace_configs=[trace])
+
+
+async def _headers_sent(_: aiohttp.ClientSession, ctx: Any, __: Any) -> None:
+    """The moment a call leaves (its request headers are written): the rate limiter's
+    sliding window is kept to it (app/ratelimit/sent.py)."""
+    if ctx.trace_request_ctx is not None:
+        ctx.trace_request_ctx()
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,8 +86,10 @@ class Outcome:
 
 async def call(
     client: aiohttp.ClientSession, task_id: str, req: Request, timeout_s: float,
-    max_bytes: int = 8 << 20,
+    max_bytes: int = 8 << 20, on_sent: Callable[[], None] | None = None,
 ) -> Outcome:
+    """Make one call; `on_sent` runs once its request has left (a client made by
+    upstream_client reports that)."""
     headers = forwardable(json.loads(req.headers or "{}"))
     headers.append(("Idempotency-Key", task_id))
     # Stored query parameters come on top of those in the URL (aiohttp merges the two).
@@ -87,6 +100,7 @@ async def call(
             req.method, req.url, params=params or None, headers=headers,
             data=req.body.encode() if req.body else None, allow_redirects=False,
             timeout=aiohttp.ClientTimeout(total=timeout_s),  # the whole call, not per read
+            trace_request_ctx=on_sent,
         ) as resp:
             body = await _read(resp, max_bytes)
             if body is None:

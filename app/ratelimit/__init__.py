@@ -11,7 +11,8 @@ tens or hundreds of ms: checked only at admission, the upstream saw up to twice 
 window (bench/ratelimit.py).  So the window limiters also pace (one call per interval / rate,
 with `guard_ms` of catch-up), and `guard_ms` is a margin for the jitter left between the check
 and the upstream: it widens a sliding window, closes a fixed window's last ms and comes off a
-token bucket's burst tolerance (see ratelimit.lua).
+token bucket's burst tolerance (see ratelimit.lua). A sliding window's entries are moreover
+moved to when their calls really left (sent.py), so it needs only half the guard.
 """
 
 from __future__ import annotations
@@ -45,6 +46,10 @@ class Limit:
     @classmethod
     def of(cls, endpoint: EndpointConfig, guard_ms: int = 0) -> Limit:
         guard = min(guard_ms, endpoint.interval_ms // GUARD_SHARE)
+        if endpoint.limiter == "sliding_window":
+            # Its entries follow the calls' real send times (sent.py): what is left to cover
+            # is the way from us to the upstream, not the dispatch before it.
+            guard //= 2
         return cls(endpoint.limiter, endpoint.rate, endpoint.interval_ms, guard)
 
 

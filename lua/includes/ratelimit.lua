@@ -80,8 +80,12 @@ local limiters = {
 -- state to record if the limiter admits.
 local function rl_pace(key, rate, interval, guard, now)
   local emission = interval / rate
-  local tat = tonumber(redis.call('GET', key) or '0')
-  if tat < now then tat = now end
+  local stored = redis.call('GET', key)
+  -- The catch-up is for claims that come late while the endpoint is being paced. An idle
+  -- endpoint (no state) starts without it: a burst at once from every dispatcher, each call
+  -- opening a connection, reached the upstream tens of ms late and crowded the first window.
+  local tat = now + guard
+  if stored then tat = math.max(tonumber(stored), now) end
   if tat - now > guard then return math.max(1, math.ceil(tat - now - guard)), nil end
   return 0, tat + emission
 end
