@@ -1,4 +1,4 @@
-"""The dispatcher: wakes on markers, claims with one script, runs calls, reaps expired leases.
+"""The dispatcher: wakes on markers, claims with one script, runs calls (reaper.py beside it).
 
 One process serves every endpoint.  Claims happen one endpoint at a time, but calls run as
 independent asyncio tasks, so a slow endpoint only ever holds its own slots; and no endpoint may
@@ -35,6 +35,7 @@ from redis.exceptions import RedisError
 from app.endpoints import EndpointConfig
 from app.lifecycle import Ttls
 from app.queue.keys import Keys
+from app.queue.reaper import Reaper
 from app.queue.registry import EndpointRegistry, cancel_all
 from app.queue.scripts import Scripts
 from app.queue.upstream import Outcome, Request, backoff_s, call
@@ -46,12 +47,10 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 SHARE = 0.75
 CLAIM_FIELDS = 9  # values per claimed task in claim-5.lua's answer
-PROMOTE_GRACE_MS = 250
 WAKE_BLOCK_S = 1  # BZPOPMIN timeout: how long stopping may wait for the wake loop
 CLAIM_RETRY_S = 1.0  # a claim that met a Redis error is tried again after this
 BACKOFF_BASE_S, BACKOFF_MAX_S = 0.1, 2.0  # Redis errors: reconnect soon, never in lockstep
 HEARTBEAT_RETRY_S = 0.5
-REAP_SETTLE_S = 2 * HEARTBEAT_RETRY_S
 RELEASE_WINDOW_S = 5.0  # how long stopping keeps trying to hand tasks back through an outage
 
 
@@ -116,7 +115,8 @@ class Dispatcher:
     def start(self) -> None:
         self._room.set()
         self.registry.mirror.listeners.append(self._on_config_change)
-        for loop in (self._wake_loop, self._reap_loop):
+        reaper = Reaper(self.redis, self.keys, self.scripts, self.registry, self.settings)
+        for loop in (self._wake_loop, reaper.run):
             self._claimers.append(asyncio.create_task(loop(), name=loop.__name__))
         self._heartbeat.append(asyncio.create_task(self._heartbeat_loop(), name="heartbeat"))
 
@@ -383,48 +383,6 @@ class Dispatcher:
             except (RedisError, OSError) as exc:
                 log.warning("heartbeat failed: %s", exc)
                 delay = min(period, HEARTBEAT_RETRY_S)
-
-    # -- reaping ----------------------------------------------------------------------------
-
-    async def _reap_loop(self) -> None:
-        outage = False
-        while True:
-            await asyncio.sleep(self.settings.reap_interval_ms / 1000)
-            try:
-                if outage:  # Redis is back: first let every dispatcher's heartbeat renew its
-                    await self.redis.ping()  # leases, or a long outage would make every call
-                    await asyncio.sleep(REAP_SETTLE_S)  # in flight look abandoned
-                    outage = False
-                await self.reap()
-            except (RedisError, OSError) as exc:
-                outage = True
-                log.warning("reap failed: %s", exc)
-
-    async def reap(self) -> None:
-        """Return expired claims of every endpoint, wake limited endpoints nobody retried, and
-        wake endpoints with claimable work whose marker was lost."""
-        k = self.keys
-        endpoints = self.registry.all()
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for ep in endpoints:
-                await self.scripts.reap(
-                    keys=[k.active(ep.id), k.queue(ep.id), k.wake, k.stats(ep.id)],
-                    args=[ep.id, k.task_prefix(ep.id), ep.max_retries + 1,
-                          self.ttls.done_ms, 1000],
-                    client=pipe,
-                )
-            for ep in endpoints:
-                if ep.enabled:
-                    await self.scripts.nudge(
-                        keys=[k.queue(ep.id), k.active(ep.id), k.wake, k.delayed],
-                        args=[ep.id, ep.max_concurrency], client=pipe)
-            await self.scripts.promote(keys=[k.delayed, k.wake], args=[PROMOTE_GRACE_MS],
-                                       client=pipe)
-            results = await pipe.execute()
-        for ep, (requeued, failed, ended) in zip(endpoints, results, strict=False):
-            if requeued or failed or ended:
-                log.info("reaped expired leases", extra={
-                    "endpoint": ep.id, "requeued": requeued, "failed": failed, "ended": ended})
 
     async def _persist(
         self, what: str, op: Callable[[], Awaitable[T]], window_s: float = float("inf")

@@ -1,0 +1,72 @@
+"""The reaper: returns claims whose lease ran out to their queues (or fails them after their
+last attempt), wakes endpoints a lost marker or an unretried limit left asleep. Safe in every
+dispatcher process at once: each script handles an expired id once, whoever runs it first."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from app.lifecycle import Ttls
+from app.queue.keys import Keys
+from app.queue.registry import EndpointRegistry
+from app.queue.scripts import Scripts
+from app.settings import Settings
+
+log = logging.getLogger(__name__)
+PROMOTE_GRACE_MS = 250
+#: After an outage, time for every dispatcher's heartbeat to renew its leases before reaping
+#: (two of its retry periods), or every call in flight through the outage would look abandoned.
+SETTLE_S = 1.0
+
+
+@dataclass
+class Reaper:
+    redis: Redis
+    keys: Keys
+    scripts: Scripts
+    registry: EndpointRegistry
+    settings: Settings
+
+    async def run(self) -> None:
+        outage = False
+        while True:
+            await asyncio.sleep(self.settings.reap_interval_ms / 1000)
+            try:
+                if outage:  # Redis is back: let the heartbeats renew leases first
+                    await self.redis.ping()
+                    await asyncio.sleep(SETTLE_S)
+                    outage = False
+                await self.reap()
+            except (RedisError, OSError) as exc:
+                outage = True
+                log.warning("reap failed: %s", exc)
+
+    async def reap(self) -> None:
+        """Return expired claims of every endpoint, wake limited endpoints nobody retried, and
+        wake endpoints with claimable work whose marker was lost."""
+        k, done_ms = self.keys, Ttls.of(self.settings).done_ms
+        endpoints = self.registry.all()
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for ep in endpoints:
+                await self.scripts.reap(
+                    keys=[k.active(ep.id), k.queue(ep.id), k.wake, k.stats(ep.id)],
+                    args=[ep.id, k.task_prefix(ep.id), ep.max_retries + 1, done_ms, 1000],
+                    client=pipe,
+                )
+            for ep in endpoints:
+                if ep.enabled:
+                    await self.scripts.nudge(
+                        keys=[k.queue(ep.id), k.active(ep.id), k.wake, k.delayed],
+                        args=[ep.id, ep.max_concurrency], client=pipe)
+            await self.scripts.promote(keys=[k.delayed, k.wake], args=[PROMOTE_GRACE_MS],
+                                       client=pipe)
+            results = await pipe.execute()
+        for ep, (requeued, failed, ended) in zip(endpoints, results, strict=False):
+            if requeued or failed or ended:
+                log.info("reaped expired leases", extra={
+                    "endpoint": ep.id, "requeued": requeued, "failed": failed, "ended": ended})
