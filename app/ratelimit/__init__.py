@@ -12,7 +12,7 @@ window (bench/ratelimit.py).  So the window limiters also pace (one call per int
 with `guard_ms` of catch-up), and `guard_ms` is a margin for the jitter left between the check
 and the upstream: it widens a sliding window, closes a fixed window's last ms and comes off a
 token bucket's burst tolerance (see ratelimit.lua). A sliding window's entries are moreover
-moved to when their calls really left (sent.py), so it needs only half the guard.
+moved to when their calls really left (sent.py), so it widens by only half the guard.
 """
 
 from __future__ import annotations
@@ -46,10 +46,6 @@ class Limit:
     @classmethod
     def of(cls, endpoint: EndpointConfig, guard_ms: int = 0) -> Limit:
         guard = min(guard_ms, endpoint.interval_ms // GUARD_SHARE)
-        if endpoint.limiter == "sliding_window":
-            # Its entries follow the calls' real send times (sent.py): what is left to cover
-            # is the way from us to the upstream, not the dispatch before it.
-            guard //= 2
         return cls(endpoint.limiter, endpoint.rate, endpoint.interval_ms, guard)
 
 

@@ -7,10 +7,12 @@
 -- moment the upstream sees the call: a call that arrives up to `guard` ms late must still keep
 -- every window of the upstream within the limit.
 
--- A log of admissions, exact over any window of interval + guard. Members are unique per
+-- A log of admissions, exact over any window of interval + guard / 2. Members are unique per
 -- admission (the seed used the millisecond, which folds two admissions in one into one).
+-- Half the guard: the dispatcher moves each entry to when its call really left (sent-1.lua),
+-- so only the way from there to the upstream is left to cover.
 local function rl_sliding_window(key, rate, interval, guard, now, member)
-  local window = interval + guard
+  local window = interval + math.floor(guard / 2)
   redis.call('ZREMRANGEBYSCORE', key, '-inf', now - window)
   local count = redis.call('ZCARD', key)
   if count < rate then
