@@ -40,6 +40,16 @@ def mariadb(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MariaDB]:
     server.stop()
 
 
+@pytest.fixture
+def own_redis(tmp_path: Path) -> Iterator[RedisServer]:
+    """A Redis of the test's own, for tests that stop and start it again (append-only file
+    on: a restart keeps its data)."""
+    server = RedisServer(tmp_path / "redis")
+    server.start()
+    yield server
+    server.stop()
+
+
 @pytest.fixture(params=["sqlite", "mariadb"])
 def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     """The storage suite runs once per database: a fresh SQLite file, or a fresh MariaDB

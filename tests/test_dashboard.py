@@ -169,13 +169,6 @@ class TestFailures:
     """Against a Redis of their own, which the test stops and starts again."""
 
     @pytest.fixture
-    def own_redis(self, tmp_path: Path) -> Iterator[RedisServer]:
-        server = RedisServer(tmp_path / "redis")  # append-only file on: a restart keeps data
-        server.start()
-        yield server
-        server.stop()
-
-    @pytest.fixture
     def settings(self, settings: Settings, own_redis: RedisServer) -> Settings:
         """Overrides conftest's (on this Redis): `gateway` and `env` use it too."""
         return settings.model_copy(update={"redis_url": own_redis.url})

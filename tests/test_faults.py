@@ -231,13 +231,6 @@ class TestRedisOutage:
     """Against a Redis of their own, which these tests stop and start again."""
 
     @pytest.fixture
-    def own_redis(self, tmp_path: Path) -> Iterator[RedisServer]:
-        server = RedisServer(tmp_path / "redis")  # append-only file on: a restart keeps data
-        server.start()
-        yield server
-        server.stop()
-
-    @pytest.fixture
     def settings(self, own_redis: RedisServer, tmp_path: Path) -> Settings:
         """Overrides conftest's for this class: `gateway`, `env` and friends use it too."""
         return Settings(
