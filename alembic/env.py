@@ -1,6 +1,7 @@
 """Alembic environment: async engines for MySQL (aiomysql) and SQLite (aiosqlite)."""
 
 import asyncio
+import contextlib
 
 from sqlalchemy import pool
 from sqlalchemy.engine import Connection
@@ -38,9 +39,10 @@ def _configure(connection: Connection) -> None:
         with context.begin_transaction():
             context.run_migrations()
     finally:
-        if mysql:
-            connection.exec_driver_sql("SELECT RELEASE_LOCK('qgw_migrate')")
-            connection.commit()
+        if mysql:  # a connection that died took its lock along; its error is the one to see
+            with contextlib.suppress(Exception):
+                connection.exec_driver_sql("SELECT RELEASE_LOCK('qgw_migrate')")
+                connection.commit()
 
 
 async def _run() -> None:

@@ -3,12 +3,17 @@
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Awaitable
 from datetime import UTC, datetime
+from typing import Any, TypeVar
 
 from sqlalchemy import JSON, BigInteger, Boolean, DateTime, Integer, SmallInteger, String, Text
 from sqlalchemy.dialects import mysql
 from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker, create_async_engine
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+T = TypeVar("T")
 
 
 def utcnow() -> datetime:
@@ -87,6 +92,27 @@ class TaskResultRow(Base):
 SQL_CONNECT_TIMEOUT_S = 3
 SQL_REQUEST_TIMEOUT_S = 3  # on the request path: then 503
 SQL_JOB_TIMEOUT_S = 30  # one batch of a background job (outbox, purge): then retried
+
+
+_abandoned: set[asyncio.Future[Any]] = set()
+
+
+async def bounded(work: Awaitable[T], timeout_s: float = SQL_REQUEST_TIMEOUT_S) -> T:
+    """`work`'s result within `timeout_s`, else TimeoutError, without waiting for its clean-up.
+
+    Cancelled inside `asyncio.timeout`, a statement on a server that stopped answering still
+    returns its connection on the way out (a ROLLBACK), which waits on that server in turn:
+    a request could hang after all. Here the work runs as a task of its own and is left to
+    end in the background; the request answers at once.
+    """
+    task = asyncio.ensure_future(work)
+    done, _ = await asyncio.wait({task}, timeout=timeout_s)
+    if task in done:
+        return task.result()
+    task.cancel()
+    _abandoned.add(task)  # kept referenced until it has ended
+    task.add_done_callback(_abandoned.discard)
+    raise TimeoutError(f"the database did not answer within {timeout_s:g} s")
 
 
 def make_engine(url: str) -> AsyncEngine:

@@ -89,6 +89,15 @@ def install(app: FastAPI) -> None:
             {"Retry-After": "5"},
         )
 
+    @app.exception_handler(TimeoutError)
+    async def _store_slow(_: Request, exc: Exception) -> JSONResponse:
+        # Our own bounds on SQL statements (app/db.py); Redis has its own TimeoutError.
+        log.warning("a store did not answer in time")
+        return error_response(
+            503, "database_unavailable", "the database did not answer in time; retry shortly",
+            {"Retry-After": "5"},
+        )
+
     @app.exception_handler(RedisConnectionError)
     @app.exception_handler(RedisTimeoutError)
     async def _redis_down(_: Request, exc: Exception) -> JSONResponse:

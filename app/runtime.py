@@ -29,6 +29,8 @@ from app.settings import Settings
 from app.store import ApiKey, EndpointStore, KeyStore
 
 log = logging.getLogger(__name__)
+#: How long a registry change takes to reach every replica, at most (app/queue/registry.py).
+CONFIG_SPREAD_S = 1.1
 
 
 def redis_client(url: str, timeout_s: float | None, max_connections: int = 512) -> Redis:
@@ -101,9 +103,17 @@ class Runtime:
             self.lifecycle.start()
 
     async def retire_endpoint(self, endpoint_id: str) -> None:
-        """Delete an endpoint: only an idle one (409 otherwise), and its finished tasks reach
-        SQL first, since the outbox writer serves the endpoints that exist."""
+        """Delete an endpoint, only an idle one (409 otherwise), so no task is stranded in a
+        queue nobody serves any more. An enabled one is disabled first and, once every replica
+        has seen that (a registry change spreads within a second), checked again: a submit
+        that came in meanwhile shows there (409; the endpoint stays disabled). Its finished
+        tasks reach SQL before it goes: the outbox writer serves the endpoints that exist."""
         await self.queue.ensure_idle(endpoint_id)
+        endpoint = self.registry.get(endpoint_id)
+        if endpoint is not None and endpoint.enabled:
+            await self.endpoints.update(endpoint_id, {"enabled": False})
+            await asyncio.sleep(CONFIG_SPREAD_S)
+            await self.queue.ensure_idle(endpoint_id)
         store = self.queue.results or ResultStore(self.engine)
         await OutboxWriter(self.redis, self.keys, self.registry, store).write(endpoint_id)
         await self.endpoints.delete(endpoint_id)

@@ -26,7 +26,7 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.exc import DataError, DBAPIError, IntegrityError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from app.db import SQL_JOB_TIMEOUT_S, SQL_REQUEST_TIMEOUT_S, TaskResultRow
+from app.db import SQL_JOB_TIMEOUT_S, TaskResultRow, bounded
 from app.lifecycle.loop import STORE_ERRORS
 from app.lifecycle.records import row_of
 from app.queue.keys import Keys
@@ -78,7 +78,10 @@ class ResultStore:
 
     async def get(self, task_id: str, user_id: int) -> Any | None:
         """The row of this user's task, or None (unknown, or somebody else's)."""
-        async with asyncio.timeout(SQL_REQUEST_TIMEOUT_S), self.engine.connect() as conn:
+        return await bounded(self._get(task_id, user_id))
+
+    async def _get(self, task_id: str, user_id: int) -> Any | None:
+        async with self.engine.connect() as conn:
             res = await conn.execute(
                 select(T).where(T.c.task_id == task_id, T.c.user_id == user_id))
             return res.first()
@@ -165,22 +168,34 @@ class OutboxWriter:
                 # the rest of the batch, nor every later one: one at a time, the refused ones
                 # without their result.
                 for row in chunk:
-                    await self._write_alone(row)
+                    if not await self._write_alone(row):
+                        await self.redis.hset(self.keys.outbox_refused(row["endpoint"]),
+                                              row["task_id"], records[row["task_id"]])
         # Only now, after the commit: a crash before this line only repeats the upserts.
         await self.redis.hdel(outbox, *records)
         return len(rows)
 
-    async def _write_alone(self, row: dict[str, Any]) -> None:
+    async def _write_alone(self, row: dict[str, Any]) -> bool:
+        """Write one row, without its result if it must; False if even that is refused."""
+        extra = {"task_id": row["task_id"], "endpoint": row["endpoint"]}
         try:
             await self.store.upsert([row])
+            return True
         except DBAPIError as exc:
             if not refused(exc):
                 raise
             log.error("the database refused a finished task (%s); its row is kept without "
-                      "the result", exc.orig, extra={"task_id": row["task_id"],
-                                                    "endpoint": row["endpoint"]})
-            await self.store.upsert([{**row, "result_status_code": None,
-                                      "result": f"[result not stored: {exc.orig}]"[:1000]}])
+                      "the result", exc.orig, extra=extra)
+            reason = f"[result not stored: {exc.orig}]"[:1000]
+        try:
+            await self.store.upsert([{**row, "result_status_code": None, "result": reason}])
+            return True
+        except DBAPIError as exc:
+            if not refused(exc):
+                raise
+            log.error("the database refused a finished task even without its result (%s); "
+                      "its record is kept in Redis (outbox:refused)", exc.orig, extra=extra)
+            return False
 
     async def _delete_delivered(self, endpoint_id: str) -> None:
         key = self.keys.delivered(endpoint_id)

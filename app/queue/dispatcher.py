@@ -70,7 +70,14 @@ class Claim:
         ep = self.endpoint
         if ep.limiter != "sliding_window" or ep.rate <= 0:
             return None
-        return lambda: send_times.sent(ep.id, self.token, self.claimed_at)
+        fired = False
+
+        def sent() -> None:  # once: aiohttp sends again when a kept-alive connection was dead
+            nonlocal fired
+            if not fired:
+                fired = True
+                send_times.sent(ep.id, self.token, self.claimed_at)
+        return sent
 
 
 @dataclass

@@ -45,6 +45,11 @@ class Keys:
         (sibling_key, lua/includes/stats.lua), so it must stay `<prefix>:{e}:outbox`."""
         return f"{self.prefix}:{{{endpoint}}}:outbox"
 
+    def outbox_refused(self, endpoint: str) -> str:
+        """Hash task id -> outbox record the database refused even without its result; kept
+        for an operator (the writer logs each one), never retried."""
+        return f"{self.prefix}:{{{endpoint}}}:outbox:refused"
+
     def delivered(self, endpoint: str) -> str:
         """ZSet of finished task ids their owner has read; score = when the SQL row may go."""
         return f"{self.prefix}:{{{endpoint}}}:delivered"

@@ -48,7 +48,9 @@ def upstream_client(max_connections: int) -> aiohttp.ClientSession:
     trace.on_request_headers_sent.append(_headers_sent)
     return aiohttp.ClientSession(
         connector=aiohttp.TCPConnector(limit=max_connections, ttl_dns_cache=60),
-        cookie_jar=aiohttp.DummyCookieJar(), raise_for_status=False, trace_configs=[trace])
+        cookie_jar=aiohttp.DummyCookieJar(), raise_for_status=False, trace_configs=[trace],
+        # The caller's Content-Type, or none: aiohttp would add application/octet-stream.
+        skip_auto_headers=("Content-Type",))
 
 
 async def _headers_sent(_: aiohttp.ClientSession, ctx: Any, __: Any) -> None:
@@ -103,15 +105,19 @@ async def call(
             trace_request_ctx=on_sent,
         ) as resp:
             body = await _read(resp, max_bytes)
-            if body is None:
+            if body is None:  # an error answer may be retried; a success would be as large
+                busy = resp.status == 429 or resp.status >= 500
                 return Outcome(resp.status, f"upstream answer over {max_bytes} bytes: not kept",
-                               refused=True)
+                               refused=not busy)
             return Outcome(resp.status, _decode(body, resp.charset),
                            retry_after(resp.headers.get("retry-after")))
     except TimeoutError:
         return Outcome(None, f"upstream timed out after {timeout_s:g} s")
-    except (aiohttp.ClientError, ValueError, OSError) as exc:
+    except (aiohttp.ClientError, OSError) as exc:
         return Outcome(None, f"upstream unreachable: {type(exc).__name__}: {exc}")
+    except ValueError as exc:  # a request that cannot be sent (a control character in a
+        # header): it never will be, so it fails at once instead of using up its retries
+        return Outcome(None, f"request cannot be sent: {exc}", refused=True)
 
 
 async def _read(resp: aiohttp.ClientResponse, max_bytes: int) -> bytes | None:

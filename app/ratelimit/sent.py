@@ -77,3 +77,5 @@ class SendTimes:
         await self.flush()
         if self._flushing:
             await asyncio.wait(self._flushing, timeout=1)
+            for task in self._flushing:
+                task.cancel()

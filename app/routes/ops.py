@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from typing import Annotated
 
 from fastapi import APIRouter, Depends
@@ -11,7 +10,7 @@ from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from sqlalchemy import text
 
 from app.auth import runtime
-from app.db import SQL_REQUEST_TIMEOUT_S
+from app.db import bounded
 from app.queue.stats import read_metrics
 from app.runtime import Runtime
 
@@ -24,6 +23,11 @@ async def healthz() -> dict[str, str]:
     return {"status": "ok"}
 
 
+async def _select_one(rt: Runtime) -> None:
+    async with rt.engine.connect() as conn:
+        await conn.execute(text("SELECT 1"))
+
+
 @router.get("/readyz")
 async def readyz(rt: Annotated[Runtime, Depends(runtime)]) -> JSONResponse:
     """Redis and the database both answer."""
@@ -34,8 +38,7 @@ async def readyz(rt: Annotated[Runtime, Depends(runtime)]) -> JSONResponse:
     except Exception as exc:  # any failure means not ready; say which
         checks["redis"] = f"error: {type(exc).__name__}"
     try:
-        async with asyncio.timeout(SQL_REQUEST_TIMEOUT_S), rt.engine.connect() as conn:
-            await conn.execute(text("SELECT 1"))
+        await bounded(_select_one(rt))
         checks["database"] = "ok"
     except Exception as exc:
         checks["database"] = f"error: {type(exc).__name__}"
