@@ -178,24 +178,28 @@ class OutboxWriter:
     async def _write_alone(self, row: dict[str, Any]) -> bool:
         """Write one row, without its result if it must; False if even that is refused."""
         extra = {"task_id": row["task_id"], "endpoint": row["endpoint"]}
+        first = await self._refusal(row)
+        if first is None:
+            return True
+        log.error("the database refused a finished task (%s); its row is kept without the "
+                  "result", first.orig, extra=extra)
+        reason = f"[result not stored: {first.orig}]"[:1000]
+        second = await self._refusal({**row, "result_status_code": None, "result": reason})
+        if second is None:
+            return True
+        log.error("the database refused a finished task even without its result (%s); its "
+                  "record is kept in Redis (outbox:refused)", second.orig, extra=extra)
+        return False
+
+    async def _refusal(self, row: dict[str, Any]) -> DBAPIError | None:
+        """None once the row is written; the database's refusal if it refused the data."""
         try:
             await self.store.upsert([row])
-            return True
         except DBAPIError as exc:
             if not refused(exc):
                 raise
-            log.error("the database refused a finished task (%s); its row is kept without "
-                      "the result", exc.orig, extra=extra)
-            reason = f"[result not stored: {exc.orig}]"[:1000]
-        try:
-            await self.store.upsert([{**row, "result_status_code": None, "result": reason}])
-            return True
-        except DBAPIError as exc:
-            if not refused(exc):
-                raise
-            log.error("the database refused a finished task even without its result (%s); "
-                      "its record is kept in Redis (outbox:refused)", exc.orig, extra=extra)
-            return False
+            return exc
+        return None
 
     async def _delete_delivered(self, endpoint_id: str) -> None:
         key = self.keys.delivered(endpoint_id)
