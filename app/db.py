@@ -88,7 +88,8 @@ class TaskResultRow(Base):
 #: A dead database must not hold a request (status fallback) or a loop for long. The driver's
 #: connect timeout covers only opening the socket: a server that accepts and then stops
 #: answering (paused, or a black-holed link) would hold a query until TCP gives up, so every
-#: statement is bounded too, from the caller's side (asyncio.timeout).
+#: statement is bounded too, from the caller's side: `bounded` on the request path,
+#: asyncio.timeout around a background batch.
 SQL_CONNECT_TIMEOUT_S = 3
 SQL_REQUEST_TIMEOUT_S = 3  # on the request path: then 503
 SQL_JOB_TIMEOUT_S = 30  # one batch of a background job (outbox, purge): then retried

@@ -21,7 +21,7 @@ from app.lifecycle.results import OutboxWriter, ResultStore
 from app.metrics import SharedScrape
 from app.queue.dispatcher import Dispatcher
 from app.queue.keys import Keys
-from app.queue.registry import EndpointRegistry, Mirror, cancel_all
+from app.queue.registry import SPREAD_S, EndpointRegistry, Mirror, cancel_all
 from app.queue.scripts import Scripts
 from app.queue.tasks import TaskQueue
 from app.queue.upstream import upstream_client
@@ -29,8 +29,6 @@ from app.settings import Settings
 from app.store import ApiKey, EndpointStore, KeyStore
 
 log = logging.getLogger(__name__)
-#: How long a registry change takes to reach every replica, at most (app/queue/registry.py).
-CONFIG_SPREAD_S = 1.1
 
 
 def redis_client(url: str, timeout_s: float | None, max_connections: int = 512) -> Redis:
@@ -112,7 +110,7 @@ class Runtime:
         endpoint = self.registry.get(endpoint_id)
         if endpoint is not None and endpoint.enabled:
             await self.endpoints.update(endpoint_id, {"enabled": False})
-            await asyncio.sleep(CONFIG_SPREAD_S)
+            await asyncio.sleep(SPREAD_S)
             await self.queue.ensure_idle(endpoint_id)
         store = self.queue.results or ResultStore(self.engine)
         await OutboxWriter(self.redis, self.keys, self.registry, store).write(endpoint_id)

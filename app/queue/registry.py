@@ -24,6 +24,8 @@ from app.queue.keys import Keys
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 POLL_S = 0.5
+#: How long a change takes to reach every process, at most: two polls and a margin.
+SPREAD_S = 2 * POLL_S + 0.1
 
 
 class Mirror(Generic[T]):

@@ -88,7 +88,7 @@ class Outcome:
 
 async def call(
     client: aiohttp.ClientSession, task_id: str, req: Request, timeout_s: float,
-    max_bytes: int = 8 << 20, on_sent: Callable[[], None] | None = None,
+    max_bytes: int, on_sent: Callable[[], None] | None = None,
 ) -> Outcome:
     """Make one call; `on_sent` runs once its request has left (a client made by
     upstream_client reports that)."""

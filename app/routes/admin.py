@@ -83,7 +83,7 @@ async def patch_endpoint(endpoint_id: str, request: Request, rt: Rt) -> Endpoint
 
 @router.delete("/endpoints/{endpoint_id}", status_code=204)
 async def delete_endpoint(endpoint_id: str, rt: Rt) -> Response:
-    """Only an idle endpoint goes (409 otherwise; disable it and let it drain)."""
+    """Only an idle endpoint goes (409 otherwise); an enabled one is disabled first."""
     await rt.retire_endpoint(endpoint_id)
     return Response(status_code=204)
 
