@@ -100,6 +100,7 @@ class Dispatcher:
     _background: set[asyncio.Task[None]] = field(default_factory=set)
     _retries: dict[str, asyncio.TimerHandle] = field(default_factory=dict)
     _limiters: dict[Limit, Limiter] = field(default_factory=dict)
+    _starved: set[str] = field(default_factory=set)  # woken while this process had no room
     _in_claim: bool = False
     _ident: str = field(init=False)
 
@@ -201,10 +202,12 @@ class Dispatcher:
         endpoint = self.registry.get(endpoint_id)
         if endpoint is None or not endpoint.enabled or self.stopping.is_set():
             return  # re-enabling it wakes it again (_on_config_change)
-        room = min(self.capacity - len(self.inflight),
-                   int(self.capacity * SHARE) - self.per_endpoint[endpoint_id])
+        room = self._room_for(endpoint_id)
         if room <= 0:
-            return  # its acks, or the reaper's nudge, re-add its marker
+            # Its wake marker is spent, and the ack that re-added it may have landed before
+            # its slot freed here: claim again when one frees (_done), not at the next nudge.
+            self._starved.add(endpoint_id)
+            return
         k, e = self.keys, endpoint_id
         # Asked for now: the admissions happen after this, however late the answer is read.
         asked = asyncio.get_running_loop().time()
@@ -230,6 +233,10 @@ class Dispatcher:
                                   asked))
         if state == "limited":
             self._claim_later(e, wait_ms / 1000)
+
+    def _room_for(self, endpoint_id: str) -> int:
+        return min(self.capacity - len(self.inflight),
+                   int(self.capacity * SHARE) - self.per_endpoint[endpoint_id])
 
     def _claim_later(self, endpoint_id: str, delay_s: float) -> None:
         """Claim again after `delay_s`, keeping one timer per endpoint: every ack of a limited
@@ -268,8 +275,13 @@ class Dispatcher:
         self.leases.pop(claim.task_id, None)
         self.per_endpoint[claim.endpoint.id] -= 1
         self._room.set()
-        if self.stopping.is_set() and not self.inflight:
-            self._drained.set()
+        if self.stopping.is_set():
+            if not self.inflight:
+                self._drained.set()
+            return
+        for endpoint_id in [e for e in self._starved if self._room_for(e) > 0]:
+            self._starved.discard(endpoint_id)
+            self._spawn(self.claim(endpoint_id))
 
     # -- executing --------------------------------------------------------------------------
 
