@@ -22,7 +22,8 @@ SUBMIT_LATENCY = Histogram(
     buckets=(.0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5))
 _LE = [*(f"{b / 1000:g}" for b in BOUNDS_MS), "+Inf"]
 _HELP = {
-    "submitted": "Tasks accepted into the queue", "admitted": "Tasks claimed (started)",
+    "submitted": "Tasks accepted into the queue",
+    "admitted": "Claims (a task retried or handed back is claimed again)",
     "completed": "Tasks completed", "failed": "Tasks failed for good",
     "retried": "Attempts made again (upstream error or an expired lease)",
     "expired": "Tasks that expired (pending past their TTL, or an unused online permit)",

@@ -13,6 +13,7 @@ if not f[1] or f[1] ~= ARGV[2] then return {'missing'} end
 local now = now_ms()
 if f[2] == 'pending' then
   redis.call('ZREM', KEYS[2], ARGV[1])
+  redis.call('ZREM', sibling_key(KEYS[2], 'retry'), ARGV[1])  -- waiting out a retry back-off
 elseif f[2] == 'processing' and f[3] == 'online' then
   redis.call('ZREM', KEYS[3], ARGV[1])
   redis.call('HDEL', KEYS[1], 'lease', 'deadline')

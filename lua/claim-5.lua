@@ -12,6 +12,9 @@ query, body}; state is
 'more' (N reached, work remains), 'empty', 'full' (concurrency cap) or 'limited' (retry in wait ms).
 Task ids whose hash has expired are dropped from the queue on the way; tasks past their
 pending deadline are expired (lifecycle.lua; the stats and outbox keys are siblings of KEYS[1]).
+Tasks whose retry back-off is over (retry-6.lua; the retry set is a sibling of KEYS[1]) go back
+in line first, with their original score; the earliest one not yet due stays scheduled in
+KEYS[5].
 ]]
 --@include now.lua
 --@include ratelimit.lua
@@ -25,6 +28,15 @@ local lease, kind, rate, interval = tonumber(ARGV[4]), ARGV[5], tonumber(ARGV[6]
 local prefix, token_prefix, permit_ttl = ARGV[8], ARGV[9], tonumber(ARGV[10])
 local guard = tonumber(ARGV[11])
 local now = now_ms()
+local retry = sibling_key(KEYS[1], 'retry')
+for _, id in ipairs(redis.call('ZRANGEBYSCORE', retry, '-inf', now, 'LIMIT', 0, 1000)) do
+  local score = redis.call('HGET', prefix .. id, 'score')
+  if score then
+    redis.call('ZADD', KEYS[1], score, id)
+    redis.call('HDEL', prefix .. id, 'retry_at')
+  end
+  redis.call('ZREM', retry, id)
+end
 local out = {'more', 0, now}
 local stats = sibling_key(KEYS[1], 'stats')  -- the dispatcher fixes KEYS
 local claimed = 0
@@ -80,4 +92,6 @@ if out[1] == 'limited' then
 elseif out[1] == 'more' then
   redis.call('ZADD', KEYS[4], 'NX', now, endpoint)
 end
+local next_retry = redis.call('ZRANGE', retry, 0, 0, 'WITHSCORES')
+if #next_retry > 0 then redis.call('ZADD', KEYS[5], 'LT', next_retry[2], endpoint) end
 return out

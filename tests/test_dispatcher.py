@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import signal
 import subprocess
 from collections.abc import Callable
+from typing import Any
 
 import httpx
 
@@ -36,3 +38,56 @@ async def test_a_backlog_never_stalls_when_the_dispatchers_share_is_full(
     gap = max(b - a for a, b in itertools.pairwise(arrivals))
     # Calls take ~1 ms; anything near a second is a lost wake-up, not a busy machine.
     assert gap < 500, f"dispatch paused {gap:.0f} ms with a backlog waiting"
+
+
+async def test_a_task_waiting_to_retry_frees_its_slot(
+    gateway: Gateway, fresh_upstream: str,
+    dispatcher_process: Callable[..., subprocess.Popen[bytes]],
+) -> None:
+    """One slot: while the failing task waits out its 1.5 s back-off, the next one runs."""
+    url = f"{fresh_upstream}/retry-slot"
+    await gateway.add_endpoint("retry-slot", url, max_concurrency=1, max_retries=1,
+                               retry_backoff_ms=1500)
+    auth = await gateway.new_key()
+    failing = await gateway.submit(auth, url, headers={"X-Mock-Status": ["500"]})
+    behind = await gateway.submit(auth, url)
+    dispatcher_process()
+    a, b = await gateway.wait_finished(auth, [failing["task_id"], behind["task_id"]])
+    assert (a["task_status"], a["attempts"], b["task_status"]) == ("failed", 2, "completed")
+    assert b["ended_at"] < a["ended_at"]  # before: it waited for both of the other's attempts
+    calls = [e["idempotency_key"] for e in await _mock_log(fresh_upstream)]
+    assert calls == [failing["task_id"], behind["task_id"], failing["task_id"]]
+
+
+async def test_kill_9_while_a_task_waits_to_retry_loses_nothing(
+    gateway: Gateway, fresh_upstream: str,
+    dispatcher_process: Callable[..., subprocess.Popen[bytes]],
+) -> None:
+    """The back-off lives in Redis: a dispatcher killed during it costs nothing, and the next
+    attempt still waits for it."""
+    url = f"{fresh_upstream}/retry-kill"
+    await gateway.add_endpoint("retry-kill", url, max_retries=1, retry_backoff_ms=2000)
+    auth = await gateway.new_key()
+    task = await gateway.submit(auth, url, headers={"X-Mock-Status": ["503"]})
+    first = dispatcher_process()
+    for _ in range(100):
+        if await _mock_log(fresh_upstream):
+            break
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(0.3)  # its retry set aside (due in 1-2 s)
+    first.send_signal(signal.SIGKILL)
+    first.wait()
+    status = await gateway.status(auth, task["task_id"])
+    assert (status["task_status"], status["attempts"]) == ("pending", 1)
+    assert 0 < status["wait_time"] <= 2  # until its back-off is over
+    dispatcher_process()
+    (done,) = await gateway.wait_finished(auth, [task["task_id"]])
+    log = await _mock_log(fresh_upstream)
+    assert (done["task_status"], done["attempts"], len(log)) == ("failed", 2, 2)
+    assert log[1]["t"] - log[0]["t"] >= 1000  # the back-off's least (2 s, jittered)
+
+
+async def _mock_log(base: str) -> list[dict[str, Any]]:
+    async with httpx.AsyncClient(base_url=base) as mock:
+        log: list[dict[str, Any]] = (await mock.get("/_mock/log")).json()
+    return log

@@ -286,46 +286,43 @@ class Dispatcher:
     # -- executing --------------------------------------------------------------------------
 
     async def _run(self, claim: Claim) -> None:
+        """One attempt: a retry is set aside in Redis and claimed again, never slept on here."""
         ep, tid = claim.endpoint, claim.task_id
-        extra = {"task_id": tid, "endpoint": ep.id}
-        on_sent = claim.on_sent(self.send_times)  # a retry is admitted anew (Limiter.wait)
         try:
-            while True:
-                if claim.attempts > ep.max_retries + 1:  # max_retries lowered since queued
-                    await self._finish(claim, Outcome(None, "no attempts left"), -1)
-                    return
-                started = time.monotonic()
-                outcome = await call(self.http, tid, claim.request, ep.timeout_ms / 1000,
-                                     self.settings.max_result_bytes, on_sent)
-                on_sent = None
-                exec_ms = (time.monotonic() - started) * 1000
-                if outcome.ok or not outcome.retryable or claim.attempts > ep.max_retries:
-                    await self._finish(claim, outcome, exec_ms)
-                    return
-                delay = backoff_s(ep.retry_backoff_ms, claim.attempts, outcome.retry_after_s)
-                log.info("retrying in %.2f s: %s", delay, outcome.status_code or outcome.text,
-                         extra=extra)
-                if await self._stopping_within(delay):
-                    await self.release([claim])  # another dispatcher makes the next attempt
-                    return
-                attempts = await self._persist("extend", lambda: self._extend(claim, 1))
-                if attempts is None or attempts < 0:
-                    log.warning("lease lost while backing off", extra=extra)
-                    return
-                claim.attempts = attempts
-                await self._limiter(ep).wait(ep.id)  # a retry is an admission like any other
+            if claim.attempts > ep.max_retries + 1:  # max_retries lowered since queued
+                await self._finish(claim, Outcome(None, "no attempts left"), -1)
+                return
+            started = time.monotonic()
+            outcome = await call(self.http, tid, claim.request, ep.timeout_ms / 1000,
+                                 self.settings.max_result_bytes, claim.on_sent(self.send_times))
+            exec_ms = (time.monotonic() - started) * 1000
+            if outcome.ok or not outcome.retryable or claim.attempts > ep.max_retries:
+                await self._finish(claim, outcome, exec_ms)
+            else:
+                await self._retry_later(claim, outcome)
         except asyncio.CancelledError:
             raise
         except Exception:
-            log.exception("executor error", extra=extra)
+            log.exception("executor error", extra={"task_id": tid, "endpoint": ep.id})
         finally:
             self._done(claim)
 
-    async def _stopping_within(self, delay_s: float) -> bool:
-        """Sleep `delay_s`, or less when the dispatcher starts stopping; True if it did."""
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.stopping.wait(), delay_s)
-        return self.stopping.is_set()
+    async def _retry_later(self, claim: Claim, outcome: Outcome) -> None:
+        """Set the task aside in Redis for its back-off (retry-6.lua): its slot serves others
+        meanwhile, and a claim puts it back in line when due (a new admission, as any)."""
+        ep, k, e = claim.endpoint, self.keys, claim.endpoint.id
+        delay = backoff_s(ep.retry_backoff_ms, claim.attempts, outcome.retry_after_s)
+        extra = {"task_id": claim.task_id, "endpoint": e}
+        log.info("retrying in %.2f s: %s", delay, outcome.status_code or outcome.text,
+                 extra=extra)
+        due = await self._persist("retry", lambda: self.scripts.retry(
+            keys=[k.active(e), k.task(claim.task_id), k.retry(e), k.delayed, k.queue(e),
+                  k.wake],
+            args=[claim.task_id, claim.token, round(delay * 1000), e]))
+        if not due:
+            log.warning("lease lost before the retry was scheduled", extra=extra)
+        elif not self.stopping.is_set():
+            self._claim_later(e, delay)
 
     async def _finish(self, claim: Claim, outcome: Outcome, exec_ms: float) -> None:
         k, e = self.keys, claim.endpoint.id
@@ -344,14 +341,6 @@ class Dispatcher:
             log.warning("task failed: %s", outcome.text[:200], extra=extra)
         else:
             log.warning("lease lost before ack; the newer attempt wins", extra=extra)
-
-    async def _extend(self, claim: Claim, add_attempt: int = 0) -> int:
-        k, e = self.keys, claim.endpoint.id
-        res = await self.scripts.extend(
-            keys=[k.active(e), k.task(claim.task_id)],
-            args=[claim.task_id, claim.token, self.settings.lease_ms, add_attempt],
-        )
-        return int(res)
 
     async def release(self, claims: list[Claim]) -> int:
         """Hand claims back to their queues now; returns how many were re-queued."""
@@ -395,7 +384,7 @@ class Dispatcher:
                         k, e = self.keys, c.endpoint.id
                         await self.scripts.extend(
                             keys=[k.active(e), k.task(c.task_id)],
-                            args=[c.task_id, c.token, self.settings.lease_ms, 0], client=pipe,
+                            args=[c.task_id, c.token, self.settings.lease_ms], client=pipe,
                         )
                     await pipe.execute()
                 delay = period

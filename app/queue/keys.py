@@ -30,6 +30,11 @@ class Keys:
     def task_prefix(self, endpoint: str) -> str:
         return f"{self.prefix}:{{{endpoint}}}:t:"
 
+    def retry(self, endpoint: str) -> str:
+        """ZSet of started tasks waiting out a retry back-off; score = when due (ms, Redis
+        clock).  claim-5.lua finds it as the sibling `<prefix>:{e}:retry` of the queue."""
+        return f"{self.prefix}:{{{endpoint}}}:retry"
+
     def seq(self, endpoint: str) -> str:
         """Per-endpoint arrival counter: breaks ties inside a priority exactly."""
         return f"{self.prefix}:{{{endpoint}}}:seq"

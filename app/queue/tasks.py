@@ -110,7 +110,8 @@ class TaskQueue:
         return TaskView(
             task_id=task_id, task_type=ttype, task_status=status,
             task_result=f.get("result"), wait_num=wait_num,
-            wait_time=estimate_wait(endpoint, wait_num, exec_ms) if rank is not None else 0,
+            wait_time=(estimate_wait(endpoint, wait_num, exec_ms) if rank is not None
+                       else _retry_wait(f.get("retry_at"))),
             created_at=rfc3339(f.get("created_at")), started_at=rfc3339(f.get("started_at")),
             ended_at=rfc3339(f.get("ended_at")),
             result_status_code=int(code) if code else None,
@@ -153,7 +154,9 @@ class TaskQueue:
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.zcard(k.queue(endpoint_id))
             pipe.zcard(k.active(endpoint_id))
-            pending, in_flight = await pipe.execute()
+            pipe.zcard(k.retry(endpoint_id))
+            pending, in_flight, retrying = await pipe.execute()
+        pending += retrying
         if pending or in_flight:
             raise ApiError(409, "endpoint_busy",
                            f"{endpoint_id!r} has {pending} tasks waiting and {in_flight} "
@@ -228,3 +231,8 @@ def estimate_wait(endpoint: EndpointConfig | None, ahead: int, measured: Any) ->
     if endpoint.rate > 0:
         wait = max(wait, ahead * endpoint.interval_ms / 1000 / endpoint.rate)
     return round(wait, 3)
+
+
+def _retry_wait(retry_at: str | None) -> float:
+    """Seconds until a task waiting out a retry back-off is back in line (0 for any other)."""
+    return max(0.0, int(retry_at) / 1000 - time.time()) if retry_at else 0

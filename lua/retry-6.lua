@@ -1,0 +1,26 @@
+--[[ Put a claimed task whose call failed and may be retried aside until its back-off is over,
+if the caller still holds its lease. Its slot frees at once, and nothing of the wait lives in
+the dispatcher's memory: the claim (claim-5.lua) puts it back in line, with its original score,
+once it is due, and the reaper's promote wakes the endpoint then if its dispatcher died.
+KEYS[1] active    KEYS[2] task    KEYS[3] retry (ZSet id -> due, ms)    KEYS[4] delayed
+KEYS[5] queue     KEYS[6] wake
+ARGV[1] task id   ARGV[2] lease token   ARGV[3] back-off (ms)   ARGV[4] endpoint id
+Returns the due time (ms, Redis clock), or 0 when the lease was lost.  The retry is counted in
+the endpoint's stats (a sibling of KEYS[1], stats.lua).
+]]
+--@include now.lua
+--@include stats.lua
+
+if redis.call('HGET', KEYS[2], 'lease') ~= ARGV[2] then return 0 end
+local now = now_ms()
+local due = now + tonumber(ARGV[3])
+redis.call('ZREM', KEYS[1], ARGV[1])
+redis.call('HDEL', KEYS[2], 'lease', 'deadline')
+redis.call('HSET', KEYS[2], 'status', 'pending', 'retry_at', due)
+redis.call('ZADD', KEYS[3], due, ARGV[1])
+redis.call('HINCRBY', sibling_key(KEYS[1], 'stats'), 'retried', 1)
+redis.call('ZADD', KEYS[4], 'LT', due, ARGV[4])  -- the earliest due retry wakes the endpoint
+if redis.call('ZCARD', KEYS[5]) > 0 then
+  redis.call('ZADD', KEYS[6], 'NX', now, ARGV[4])  -- its slot is free: worth a claim
+end
+return due
