@@ -29,8 +29,9 @@ def add_parsers(sub: Any) -> None:
         if name == "target_url":
             continue
         kind = field.annotation
-        if name == "methods":
-            add.add_argument("--methods", type=lambda s: s.split(","), help="e.g. POST,GET")
+        if name in ("methods", "forward_headers"):
+            add.add_argument(f"--{name.replace('_', '-')}", type=lambda s: s.split(","),
+                             help="comma-separated, e.g. POST,GET or X-Tenant,X-Request-Id")
         elif kind is bool:
             add.add_argument(f"--{name.replace('_', '-')}", type=lambda s: s == "true",
                              metavar="true|false")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+from functools import cached_property
 from typing import Annotated, Literal
 from urllib.parse import urlsplit
 
@@ -30,6 +32,22 @@ def url_key(url: str) -> tuple[str, str, int, str] | None:
     return scheme, parts.hostname.lower(), port, parts.path or "/"
 
 
+#: Request headers a task's call carries by default; an endpoint adds to them (forward_headers).
+#: Everything else a caller put in `headers` stays behind: credentials, identities
+#: (X-Remote-User, X-Client-IP ...) and overrides (X-HTTP-Method-Override) an upstream might
+#: believe because they seem to come from a trusted gateway.
+DEFAULT_FORWARD = frozenset({
+    "accept", "accept-language", "content-type", "content-language", "user-agent",
+    "traceparent", "tracestate", "baggage",
+})
+#: Never forwarded, even when listed: they describe the gateway's own connection and request.
+_NEVER_FORWARD = frozenset({
+    "host", "content-length", "transfer-encoding", "connection", "keep-alive", "te", "trailer",
+    "upgrade", "expect", "proxy-authorization", "proxy-connection", "idempotency-key",
+})
+HEADER_NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]{1,128}$")  # RFC 9110 field name
+
+
 TargetUrl = Annotated[
     str, StringConstraints(max_length=2048, pattern=HTTP_URL + r"(/[^?#\x00-\x20\x7f-\x9f]*)?$")]
 
@@ -54,12 +72,27 @@ class EndpointSettings(StrictInput):
     permit_ttl_s: int = Field(20, ge=1, le=86_400)
     permit_max_uses: int = Field(3, ge=1, le=1_000_000)
     enabled: bool = True
+    forward_headers: list[Annotated[str, StringConstraints(max_length=128)]] = Field(
+        default_factory=list, max_length=64,
+        description="request headers a task may carry to this endpoint besides Accept, "
+                    "Accept-Language, Content-Type, Content-Language, User-Agent and trace "
+                    "context (traceparent, tracestate, baggage); names, case-insensitive")
 
     @field_validator("methods", mode="before")
     @classmethod
     def _upper(cls, v: object) -> object:
         if isinstance(v, list):
             return [m.upper() if isinstance(m, str) else m for m in v]
+        return v
+
+    @field_validator("forward_headers")
+    @classmethod
+    def _header_names(cls, v: list[str]) -> list[str]:
+        for name in v:
+            if not HEADER_NAME.match(name):
+                raise ValueError(f"{name!r} is not a header name")
+            if name.lower() in _NEVER_FORWARD or name.lower().startswith(("x-queue-", "proxy-")):
+                raise ValueError(f"{name} is the gateway's own and is never forwarded")
         return v
 
     @field_validator("target_url")
@@ -82,4 +115,17 @@ class EndpointConfig(EndpointSettings):
         key = url_key(self.target_url)
         assert key is not None  # validated
         return key
+
+    @cached_property
+    def forwarded(self) -> frozenset[str]:
+        """Lower-case names of the request headers its calls carry."""
+        return DEFAULT_FORWARD | {name.lower() for name in self.forward_headers}
+
+    def call_url(self, task_url: str) -> str:
+        """Where a task's call goes: this endpoint's URL as registered now, with the query the
+        caller gave; nothing else of the caller's URL string (its host, credentials) counts."""
+        if "?" not in task_url:
+            return self.target_url
+        query = urlsplit(task_url).query
+        return f"{self.target_url}?{query}" if query else self.target_url
 

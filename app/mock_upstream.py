@@ -3,7 +3,8 @@
 Any path answers `{"ok": true, "n": <request number>, ...}` after `latency_ms`; more than
 `concurrency` requests in flight get 429; `fail_rate` of requests get 503.  A request may ask
 for a status, a latency, a cookie or a body of N bytes with `X-Mock-Status` /
-`X-Mock-Latency-Ms` / `X-Mock-Set-Cookie` / `X-Mock-Body-Bytes`.  It records every request:
+`X-Mock-Latency-Ms` / `X-Mock-Set-Cookie` / `X-Mock-Body-Bytes` (CONTROL_HEADERS: a task
+carries them only to an endpoint that lists them in `forward_headers`).  It records every request:
 `GET /_mock/stats` gives counts, `GET /_mock/log` the requests in arrival order (time in ms,
 method, path, query, Idempotency-Key, body, status), `POST /_mock/reset` clears both.
 """
@@ -20,6 +21,7 @@ from typing import Any
 from urllib.parse import parse_qsl
 
 Scope = dict[str, Any]
+CONTROL_HEADERS = ("X-Mock-Status", "X-Mock-Latency-Ms", "X-Mock-Set-Cookie", "X-Mock-Body-Bytes")
 
 
 @dataclass

@@ -5,6 +5,7 @@ from __future__ import annotations
 import secrets
 from functools import cached_property
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -53,6 +54,10 @@ class Settings(BaseSettings):
     #: Margin (ms) for the jitter between passing the rate limiter and the upstream receiving
     #: the call; at most interval_ms / 20 of an endpoint is used (app/ratelimit).
     rate_guard_ms: int = Field(20, ge=0, le=1000)
+    #: Which headers carry the request line to `GET /auth/check`: those nginx sets
+    #: (X-Original-*), those Traefik sets (X-Forwarded-*), or `both`: every one present must
+    #: agree, so a header a client added can refuse a call but never let one through.
+    auth_check_headers: Literal["both", "nginx", "traefik"] = "both"
     auto_migrate: bool = True
     log_level: str = "info"
 

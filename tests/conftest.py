@@ -16,6 +16,7 @@ import pytest
 
 from app import migrate
 from app.main import create_app
+from app.mock_upstream import CONTROL_HEADERS
 from app.runtime import Runtime
 from app.settings import Settings
 from tests.servers import QGW, MariaDB, RedisServer, mock_upstream, stop
@@ -94,6 +95,8 @@ class Gateway:
         self.admin = {"Authorization": f"Bearer {ADMIN}"}
 
     async def add_endpoint(self, endpoint_id: str, target_url: str, **fields: Any) -> None:
+        """Register an endpoint; unless told otherwise its tasks may steer the mock upstream."""
+        fields.setdefault("forward_headers", list(CONTROL_HEADERS))
         r = await self.http.post("/admin/v1/endpoints", headers=self.admin,
                                  json={"id": endpoint_id, "target_url": target_url, **fields})
         assert r.status_code == 201, r.text

@@ -6,6 +6,9 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import yaml
+
+from app import ROOT
 from app.runtime import Runtime
 from tests.conftest import Gateway
 
@@ -92,3 +95,40 @@ async def test_cancel_and_complete_revoke_the_permit(
         await asyncio.sleep(0.05)
     await gateway.http.post(f"/api/v1/tasks/{task['task_id']}/complete", headers=auth)
     assert (await gateway.http.get("/auth/check", headers=_nginx(s2))).status_code == 403
+
+
+def _traefik(
+    client: dict[str, str], method: str, uri: str, forward_auth: dict[str, Any]
+) -> dict[str, str]:
+    """The headers Traefik's forwardAuth sends the gateway for a client's request (its
+    writeHeader): the client's headers, only those in authRequestHeaders when that is set,
+    then X-Forwarded-* of its own over any the client sent (trustForwardHeader off)."""
+    allowed = {h.lower() for h in forward_auth.get("authRequestHeaders") or []}
+    sent = {k: v for k, v in client.items() if not allowed or k.lower() in allowed}
+    sent = {k: v for k, v in sent.items() if not k.lower().startswith("x-forwarded-")}
+    return {**sent, "X-Forwarded-For": "203.0.113.7", "X-Forwarded-Method": method,
+            "X-Forwarded-Proto": "http", "X-Forwarded-Host": "gateway.example",
+            "X-Forwarded-Uri": uri}
+
+
+async def test_under_traefik_only_the_request_line_traefik_sets_decides(
+    gateway: Gateway, start_dispatcher: Callable[[], Awaitable[Runtime]]
+) -> None:
+    """A client's own X-Original-* (or X-Forwarded-*) never picks the path that is checked."""
+    _, s = await _admitted(gateway, start_dispatcher, permit_max_uses=1)
+    shipped = yaml.safe_load((ROOT / "docs" / "traefik.yml").read_text())
+    shipped = shipped["http"]["middlewares"]["queue-permit"]["forwardAuth"]
+    assert not shipped.get("trustForwardHeader")  # else the client's X-Forwarded-* would count
+    permit = {"X-Queue-Task-Id": s["task_id"], "X-Queue-Permit": s["permit"]["token"]}
+    smuggled = {**permit, "X-Original-URI": "/api/live", "X-Original-Method": "POST",
+                "X-Forwarded-Uri": "/api/live", "X-Forwarded-Method": "POST"}
+    check = gateway.http.get
+    for forward_auth in (shipped, {}):  # as shipped, and a Traefik forwarding every header
+        for method, uri in (("DELETE", "/api/admin/delete_all"), ("POST", "/api/other"),
+                            ("DELETE", "/api/live"), ("POST", "//api/api/live"),
+                            ("POST", "//api%2flive/api/live")):
+            sent = _traefik(smuggled, method, uri, forward_auth)
+            assert (await check("/auth/check", headers=sent)).status_code == 403, (uri, sent)
+    assert (await check("/auth/check", headers=permit)).status_code == 403  # no request line
+    sent = _traefik(smuggled, "POST", "/api/live?x=1", shipped)
+    assert (await check("/auth/check", headers=sent)).status_code == 200

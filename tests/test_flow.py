@@ -181,7 +181,8 @@ async def test_online_task_gets_a_permit_and_complete_frees_its_slot(
 async def test_only_allowed_headers_reach_the_upstream_and_redirects_are_not_followed(
     gateway: Gateway, upstream: str, start_dispatcher: Callable[[], Awaitable[Runtime]]
 ) -> None:
-    await gateway.add_endpoint("hdr", f"{upstream}/hdr")
+    await gateway.add_endpoint("hdr", f"{upstream}/hdr",
+                               forward_headers=["X-Trace", "X-Mock-Status"])
     auth = await gateway.new_key()
     sent = {"Content-Type": ["application/json"], "X-Trace": ["t1"], "Connection": ["close"],
             "Host": ["evil.example"], "Authorization": ["Bearer gateway-key"],

@@ -93,3 +93,40 @@ async def test_only_a_live_permit_reaches_the_upstream(stack: dict[str, Any]) ->
         log = httpx.get(f"{stack['upstream']}/_mock/log").json()
         assert [e["body"] for e in log] == ["1", "2"]  # nothing refused got through
         assert all("x-queue-permit" not in e["headers"] for e in log)
+
+
+async def test_the_checked_path_is_the_one_nginx_passes_on(stack: dict[str, Any]) -> None:
+    """A path the upstream sees as another (`//api/api/generate`) is checked as it is, and a
+    client's own X-Original-* / X-Forwarded-* change nothing."""
+    target = f"{stack['upstream']}/api/generate"
+    async with httpx.AsyncClient(base_url=stack["gateway"]) as gw, httpx.AsyncClient() as front:
+        admin = {"Authorization": f"Bearer {ADMIN}"}
+        r = await gw.post("/admin/v1/endpoints", headers=admin, json={
+            "id": "gen", "target_url": target, "permit_max_uses": 5})
+        assert r.status_code == 201, r.text
+        key = (await gw.post("/admin/v1/api-keys", headers=admin, json={"user_id": 1})).json()
+        auth = {"Authorization": f"Bearer {key['key']}"}
+        task = (await gw.post("/api/v1/tasks", headers=auth, json={
+            "target_url": target, "task_type": "online"})).json()
+        for _ in range(100):
+            s = (await gw.get(f"/api/v1/tasks/{task['task_id']}", headers=auth)).json()
+            if s["permit"]:
+                break
+            await asyncio.sleep(0.05)
+        permit = {"X-Queue-Task-Id": s["task_id"], "X-Queue-Permit": s["permit"]["token"]}
+        smuggled = {**permit, "X-Original-URI": "/api/generate", "X-Original-Method": "POST",
+                    "X-Forwarded-Uri": "/api/generate", "X-Forwarded-Method": "POST"}
+        base = httpx.URL(stack["nginx"])
+
+        async def call(method: str, raw_path: str) -> int:
+            url = base.copy_with(raw_path=raw_path.encode())
+            r = await front.request(method, url, headers=smuggled, content=raw_path)
+            return r.status_code
+
+        for method, path in (("DELETE", "/api/admin/delete_all"), ("POST", "/api/other"),
+                             ("DELETE", "/api/generate"), ("POST", "//api/api/generate"),
+                             ("POST", "//api%2fgenerate/api/generate")):
+            assert await call(method, path) == 403, (method, path)
+        assert await call("POST", "/api/generate?size=1") == 200
+        log = httpx.get(f"{stack['upstream']}/_mock/log").json()
+        assert [(e["method"], e["body"]) for e in log] == [("POST", "/api/generate?size=1")]

@@ -227,10 +227,13 @@ class Dispatcher:
             return
         state, wait_ms = res[0], int(res[1])
         for i in range(3, len(res), CLAIM_FIELDS):
-            tid, token, attempts, ttype, *req = res[i:i + CLAIM_FIELDS]
+            tid, token, attempts, ttype, method, url, headers, query, body = \
+                res[i:i + CLAIM_FIELDS]
             if ttype == "offline":
-                self._start(Claim(endpoint, tid, token, int(attempts), ttype, Request(*req),
-                                  asked))
+                # The call goes where the endpoint points now, not to the caller's URL string.
+                req = Request(method, endpoint.call_url(url), headers, query, body,
+                              endpoint.forwarded)
+                self._start(Claim(endpoint, tid, token, int(attempts), ttype, req, asked))
         if state == "limited":
             self._claim_later(e, wait_ms / 1000)
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import email.utils
 import json
 import random
-import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -13,26 +12,16 @@ from typing import Any
 
 import aiohttp
 
-# Only these go to the business API, plus custom `x-` headers that are not ours or a proxy's:
-# never hop-by-hop headers, Host, or credentials meant for a gateway.
-_ALLOWED = frozenset({
-    "accept", "accept-language", "content-type", "content-language", "user-agent",
-    "traceparent", "tracestate", "baggage",
-})
-_DENIED_PREFIXES = ("x-api-key", "x-queue-", "x-forwarded-", "x-real-ip", "x-original-")
+from app.endpoints import DEFAULT_FORWARD
+
 MAX_RETRY_AFTER_S = 300.0
-_TOKEN = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]{1,128}$")  # RFC 9110 field name
 
 
-def forwardable(headers: dict[str, list[str]]) -> list[tuple[str, str]]:
-    out: list[tuple[str, str]] = []
-    for name, values in headers.items():
-        low = name.lower()
-        if not _TOKEN.match(name):
-            continue
-        if low in _ALLOWED or (low.startswith("x-") and not low.startswith(_DENIED_PREFIXES)):
-            out.extend((name, v) for v in values)
-    return out
+def forwardable(headers: dict[str, list[str]], allowed: frozenset[str]) -> list[tuple[str, str]]:
+    """The caller's headers whose (lower-case) names are in `allowed`; an allow-list, so a
+    header nobody chose to forward (a credential, an identity, an override) never leaves."""
+    return [(name, v) for name, values in headers.items() if name.lower() in allowed
+            for v in values]
 
 
 def upstream_client(max_connections: int) -> aiohttp.ClientSession:
@@ -63,10 +52,11 @@ async def _headers_sent(_: aiohttp.ClientSession, ctx: Any, __: Any) -> None:
 @dataclass(frozen=True, slots=True)
 class Request:
     method: str
-    url: str
+    url: str  # the endpoint's URL as registered when the task was claimed (EndpointConfig.call_url)
     headers: str  # JSON as stored
     query: str
     body: str
+    allowed: frozenset[str] = DEFAULT_FORWARD  # header names it may carry (lower case)
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,7 +82,7 @@ async def call(
 ) -> Outcome:
     """Make one call; `on_sent` runs once its request has left (a client made by
     upstream_client reports that)."""
-    headers = forwardable(json.loads(req.headers or "{}"))
+    headers = forwardable(json.loads(req.headers or "{}"), req.allowed)
     headers.append(("Idempotency-Key", task_id))
     # Stored query parameters come on top of those in the URL (aiohttp merges the two).
     params = [(name, value) for name, values in json.loads(req.query or "{}").items()

@@ -1,21 +1,32 @@
 """`GET /auth/check`: the gateway check of online permits (nginx auth_request, Traefik
 forwardAuth). The signature is verified in memory; one Redis script then checks the admission is
-still live and counts the use. No SQL."""
+still live and counts the use. No SQL.
+
+The request line being let through comes from headers the front gateway sets itself: nginx
+(docs/nginx.conf) sets X-Original-URI/-Method, Traefik always overwrites X-Forwarded-Uri/-Method.
+Each also passes on headers the client sent, so a client may add the other kind. With
+`QGW_AUTH_CHECK_HEADERS=both` every such header present must name this endpoint: the one the
+gateway set is always among them, so a client's own can refuse a call, never let one through.
+"""
 
 from __future__ import annotations
 
 import time
-from urllib.parse import urlsplit
 
 from fastapi import APIRouter, Request, Response
+from starlette.datastructures import Headers
 
 from app import permits
 from app.auth import runtime_of
+from app.endpoints import EndpointConfig
 from app.errors import error_response
 from app.queue.keys import endpoint_of
 from app.routes.tasks import TASK_ID
 
 router = APIRouter(tags=["gateway"])
+_NGINX = ("x-original-uri", "x-original-method")
+_TRAEFIK = ("x-forwarded-uri", "x-forwarded-method")
+SOURCES = {"nginx": (_NGINX,), "traefik": (_TRAEFIK,), "both": (_NGINX, _TRAEFIK)}
 
 
 def _denied(message: str) -> Response:
@@ -38,15 +49,34 @@ async def check(request: Request) -> Response:
     endpoint = rt.registry.get(endpoint_of(task_id))
     if endpoint is None:
         return _denied("the permit's endpoint is gone")
-    uri = h.get("x-original-uri") or h.get("x-forwarded-uri")
-    if uri is not None and (urlsplit(uri).path or "/") != endpoint.key[3]:
-        return _denied("the permit is for another endpoint")
-    method = h.get("x-original-method") or h.get("x-forwarded-method")
-    if method is not None and method.upper() not in endpoint.methods:
-        return _denied(f"{endpoint.id!r} does not take {method.upper()}")
+    refused = _request_line_refused(h, SOURCES[rt.settings.auth_check_headers], endpoint)
+    if refused:
+        return _denied(refused)
     deadline = token.partition(".")[0]
     ok = await rt.queue.scripts.permit(keys=[rt.keys.task(task_id)],
                                        args=[deadline, endpoint.permit_max_uses])
     if not ok:
         return _denied("the permit was revoked, has ended, or is used up")
     return Response(status_code=200)
+
+
+def _request_line_refused(
+    h: Headers, sources: tuple[tuple[str, str], ...], endpoint: EndpointConfig
+) -> str | None:
+    """Why the request line the front gateway reports is not one this permit covers, if so.
+
+    Every value of every header read must pass (a repeated header too). The path is the
+    request target up to its query, compared as it is: `//api/x` is a path, not a host.
+    """
+    uris = [v for uri, _ in sources for v in h.getlist(uri)]
+    methods = [v for _, method in sources for v in h.getlist(method)]
+    if not uris or not methods:
+        names = " or ".join(f"{u} and {m}" for u, m in sources)
+        return f"no request line: the front gateway must send {names}"
+    path = endpoint.key[3]
+    if any(uri.partition("?")[0] != path for uri in uris):
+        return "the permit is for another endpoint"
+    for method in methods:
+        if method.upper() not in endpoint.methods:
+            return f"{endpoint.id!r} does not take {method.upper()}"
+    return None

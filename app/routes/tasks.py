@@ -28,6 +28,7 @@ from app.store import ApiKey
 
 router = APIRouter(prefix="/api/v1", tags=["tasks"])
 TASK_ID = re.compile(r"^[0-9a-f]{32}\.[a-z0-9][a-z0-9_-]{0,63}$")
+AUTHORITY = re.compile(r"^[^:/?#]*://([^/?#]*)")
 IDEM_KEY = re.compile(r"^[\x21-\x7e]{1,128}$")
 ERRORS: dict[int | str, dict[str, object]] = {
     c: {"model": ErrorResponse} for c in (400, 401, 403, 404, 409, 413, 422, 429, 503)
@@ -54,6 +55,10 @@ async def submit(request: Request) -> JSONResponse:
     caller, rt = api_key(request), runtime_of(request)
     idempotency_key = request.headers.get("idempotency-key")
     req = parse(SubmitRequest, await read_limited(request, rt.settings.max_body_bytes))
+    if "@" in req.target_url and _has_userinfo(req.target_url):
+        raise ApiError(422, "credentials_not_allowed",
+                       "target_url must not carry user:password@; calls go to the registered "
+                       "endpoint, with no credentials from the caller")
     endpoint = rt.registry.match(req.target_url)
     if endpoint is None or not endpoint.enabled:
         raise ApiError(404, "endpoint_not_registered",
@@ -78,6 +83,11 @@ async def submit(request: Request) -> JSONResponse:
     return JSONResponse({"task_id": result.task_id, "task_status": result.task_status.value,
                          "created_at": result.created_at, "wait_num": result.wait_num,
                          "wait_time": result.wait_time}, 202)
+
+
+def _has_userinfo(url: str) -> bool:
+    authority = AUTHORITY.match(url)
+    return authority is not None and "@" in authority[1]
 
 
 async def _first_task(rt: Runtime, user_id: int, task_id: str) -> TaskView:
