@@ -183,7 +183,8 @@ class SentinelSetup:
         port, data = self.ports[name], self.root / name
         data.mkdir(parents=True, exist_ok=True)
         self._spawn(name, port, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(data),
-                    "--save", "", "--appendonly", "no", "--loglevel", "warning", *extra)
+                    "--save", "", "--appendonly", "no", "--repl-diskless-sync-delay", "0",
+                    "--loglevel", "warning", *extra)
 
     def start(self) -> None:
         self._server("master")
@@ -226,19 +227,37 @@ class SentinelSetup:
         proc.kill()
         proc.wait()
 
+    def revive_old_master(self, timeout: float = 20) -> float:
+        """Once the sentinels have promoted the replica (returns the seconds that took), start
+        the dead master again, empty, as a replica of the new one (the sentinels would make it
+        one too, but only at their next look, up to 10 s later). Not before the promotion:
+        back as a master in time, the sentinels would keep it, empty, as the master."""
+        deadline, started = time.monotonic() + timeout, time.monotonic()
+        while (new := self.master_port()) == self.ports["master"]:
+            if time.monotonic() > deadline:
+                raise TimeoutError("no failover")
+            time.sleep(0.05)
+        promoted = time.monotonic() - started
+        self._server("master", "--replicaof", "127.0.0.1", str(new))
+        return promoted
+
     def master_port(self) -> int:
-        """The master's port as the sentinels name it now."""
+        """The master's port as a majority of the sentinels names it now."""
         import redis
 
+        named: list[int] = []
         for port in self.sentinel_ports:
             try:
                 with redis.Redis(port=port, socket_timeout=0.5) as s:
                     _, master_port = s.execute_command(
                         "SENTINEL", "GET-MASTER-ADDR-BY-NAME", self.SERVICE)
-                    return int(master_port)
+                    named.append(int(master_port))
             except redis.RedisError:
                 continue
-        raise RuntimeError("no sentinel answers")
+        for port in set(named):
+            if named.count(port) >= 2:
+                return port
+        return self.ports["master"]
 
     def stop(self) -> None:
         for proc in self.procs.values():
