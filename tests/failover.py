@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import subprocess
 import time
 from collections import Counter
@@ -124,16 +125,33 @@ async def _final_states(http: httpx.AsyncClient, auth: dict[str, str], ids: list
     return states
 
 
+def _lag_replica(setup: SentinelSetup) -> None:
+    """Stop the replica and write more than the sockets between it and the master hold, so
+    what follows stays in the master's memory: a replica lagging behind (a slow link, a busy
+    host), the case asynchronous replication loses acknowledged writes in."""
+    import redis
+
+    setup.procs["replica"].send_signal(signal.SIGSTOP)
+    with redis.Redis(port=setup.ports["master"]) as r:
+        filler = b"x" * (1 << 20)
+        r.mset({f"filler:{i}": filler for i in range(48)})
+
+
 async def _drive(fig: Figures, setup: SentinelSetup, port: int, base: str,
-                 before_s: float, after_s: float) -> None:
+                 before_s: float, after_s: float, lag_s: float) -> None:
     target = f"{base}/fo"
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=5) as http:
         auth = await _setup(http, target)
         load = Load(http, auth, target)
         workers = [asyncio.create_task(load.submitter(n)) for n in range(6)]
         await asyncio.sleep(before_s)
+        if lag_s:
+            await asyncio.to_thread(_lag_replica, setup)
+            await asyncio.sleep(lag_s)
         await asyncio.to_thread(setup.kill, "master")
         killed = time.monotonic()
+        if lag_s:
+            setup.procs["replica"].send_signal(signal.SIGCONT)
         revived = asyncio.create_task(asyncio.to_thread(setup.revive_old_master))
         while time.monotonic() - killed < 20:  # until submits are back, then some more
             back = [s for s, _ in load.acked if s > killed]
@@ -163,8 +181,9 @@ async def _drive(fig: Figures, setup: SentinelSetup, port: int, base: str,
 
 
 def run_failover(root: Path, wait_replicas: int, before_s: float = 2.0,
-                 after_s: float = 2.0) -> Figures:
-    """One failover under load; the figures of what the clients saw."""
+                 after_s: float = 2.0, lag_s: float = 0.0) -> Figures:
+    """One failover under load; the figures of what the clients saw. With `lag_s`, the
+    replica lags that long behind the master before it dies."""
     fig = Figures(wait_replicas)
     setup = SentinelSetup(root / "redis")
     setup.start()
@@ -176,7 +195,7 @@ def run_failover(root: Path, wait_replicas: int, before_s: float = 2.0,
                                         env=gateway_env(root, setup.url, port, wait_replicas))
             try:
                 wait_port(port, timeout=30, proc=proc)
-                asyncio.run(_drive(fig, setup, port, base, before_s, after_s))
+                asyncio.run(_drive(fig, setup, port, base, before_s, after_s, lag_s))
                 fig.gateway_restarted = proc.poll() is not None
             finally:
                 stop(proc)
