@@ -10,6 +10,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ReadOnlyError as RedisReadOnlyError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from sqlalchemy.exc import InterfaceError as SQLInterfaceError
 from sqlalchemy.exc import OperationalError as SQLOperationalError
@@ -100,6 +101,9 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(RedisConnectionError)
     @app.exception_handler(RedisTimeoutError)
+    # A replica (e.g. a master demoted by a failover, still named by a plain redis:// URL)
+    # takes no writes: to a client that is the queue store being unavailable, not a bug.
+    @app.exception_handler(RedisReadOnlyError)
     async def _redis_down(_: Request, exc: Exception) -> JSONResponse:
         log.warning("redis unavailable: %s", exc)
         return error_response(

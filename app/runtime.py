@@ -8,11 +8,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
-from redis.asyncio import BlockingConnectionPool, Redis
-from redis.backoff import NoBackoff
-from redis.retry import Retry
+from redis.asyncio import Redis
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from app import redis_url
 from app.db import make_engine
 from app.embedded import EmbeddedRedis
 from app.endpoints import EndpointConfig
@@ -32,16 +31,8 @@ log = logging.getLogger(__name__)
 
 
 def redis_client(url: str, timeout_s: float | None, max_connections: int = 512) -> Redis:
-    """A client whose pool waits for a free connection (redis-py's default pool fails with a
-    ConnectionError past 100, which would read as "Redis down"), and which never re-sends a
-    command: submit and claim are not safe to repeat after a connection dropped mid-command.
-    With Redis down the API answers 503 within about a second."""
-    pool = BlockingConnectionPool.from_url(
-        url, decode_responses=True, socket_timeout=timeout_s, socket_connect_timeout=1.0,
-        retry=Retry(NoBackoff(), 0), health_check_interval=30,
-        max_connections=max_connections, timeout=timeout_s or 1.0,
-    )
-    return Redis.from_pool(pool)
+    """The client for QGW_REDIS_URL: one Redis, or the master a Sentinel names (app/redis_url)."""
+    return redis_url.client(url, timeout_s, max_connections)
 
 
 @dataclass

@@ -10,6 +10,8 @@ from typing import Literal
 from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from app.redis_url import parse as parse_redis_url
+
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="QGW_", env_file=".env", extra="ignore")
@@ -51,6 +53,10 @@ class Settings(BaseSettings):
     #: back to their queues (at once, not when their leases run out).
     shutdown_grace_s: float = Field(10.0, ge=0, le=3600)
     redis_timeout_s: float = Field(1.0, gt=0)
+    #: Replicas that must have a submit before it is answered 202 (Redis WAIT, for at most
+    #: half of QGW_REDIS_TIMEOUT_S); 0: answer once the master has it, as replication is
+    #: asynchronous a failover can then lose the last acknowledged submits.
+    redis_wait_replicas: int = Field(0, ge=0, le=16)
     #: Margin (ms) for the jitter between passing the rate limiter and the upstream receiving
     #: the call; at most interval_ms / 20 of an endpoint is used (app/ratelimit).
     rate_guard_ms: int = Field(20, ge=0, le=1000)
@@ -64,8 +70,11 @@ class Settings(BaseSettings):
     @field_validator("redis_url")
     @classmethod
     def _redis_scheme(cls, v: str | None) -> str | None:
-        if v and not v.startswith(("redis://", "rediss://", "unix://", "redis+sentinel://")):
-            raise ValueError("must start with redis://, rediss://, unix:// or redis+sentinel://")
+        if v and parse_redis_url(v).kind == "cluster":
+            # Scripts touch keys of several slots (DESIGN.md "Scaling out"): refuse at start
+            # rather than fail on the first submit with a CROSSSLOT or MOVED error.
+            raise ValueError("Redis Cluster is not supported yet; use one Redis or Sentinel "
+                             "(redis+sentinel://host:port[,host:port...]/<service>)")
         return v or None
 
     @field_validator("database_url")

@@ -153,3 +153,112 @@ class MariaDB:
         if self.proc:
             stop(self.proc, timeout=30)
             self.proc = None
+
+
+class SentinelSetup:
+    """A master, a replica and three sentinels (quorum 2) on loopback, from the binary the
+    other tests use, tuned to fail over within a few seconds of the master's death."""
+
+    SERVICE = "qgw"
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.binary = os.environ.get("QGW_TEST_REDIS_BIN") or server_binary()
+        self.ports = {"master": free_port(), "replica": free_port()}
+        self.sentinel_ports = [free_port() for _ in range(3)]
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+
+    @property
+    def url(self) -> str:
+        hosts = ",".join(f"127.0.0.1:{p}" for p in self.sentinel_ports)
+        return f"redis+sentinel://{hosts}/{self.SERVICE}/0"
+
+    def _spawn(self, name: str, port: int, *args: str) -> None:
+        proc = subprocess.Popen([self.binary, *args], stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+        self.procs[name] = proc
+        wait_port(port, proc=proc)
+
+    def _server(self, name: str, *extra: str) -> None:
+        port, data = self.ports[name], self.root / name
+        data.mkdir(parents=True, exist_ok=True)
+        self._spawn(name, port, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(data),
+                    "--save", "", "--appendonly", "no", "--repl-diskless-sync-delay", "0",
+                    "--loglevel", "warning", *extra)
+
+    def start(self) -> None:
+        self._server("master")
+        self._server("replica", "--replicaof", "127.0.0.1", str(self.ports["master"]))
+        for i, port in enumerate(self.sentinel_ports):
+            conf = self.root / f"sentinel{i}.conf"  # sentinels rewrite their config file
+            conf.write_text(
+                f"port {port}\nbind 127.0.0.1\ndir {self.root}\n"
+                f"sentinel monitor {self.SERVICE} 127.0.0.1 {self.ports['master']} 2\n"
+                f"sentinel down-after-milliseconds {self.SERVICE} 1000\n"
+                f"sentinel failover-timeout {self.SERVICE} 5000\n")
+            self._spawn(f"sentinel{i}", port, str(conf), "--sentinel", "--loglevel", "warning")
+        self._wait_ready()
+
+    def _wait_ready(self, timeout: float = 20) -> None:
+        """Until the replica is in sync and every sentinel knows it and the two others: a
+        failover before that would have nothing to promote."""
+        import redis
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                with redis.Redis(port=self.ports["replica"], decode_responses=True) as r:
+                    synced = r.info("replication")["master_link_status"] == "up"
+                states = []
+                for port in self.sentinel_ports:
+                    with redis.Redis(port=port, decode_responses=True) as s:
+                        states.append(s.sentinel_master(self.SERVICE))
+                if synced and all(int(m["num-slaves"]) >= 1 and
+                                  int(m["num-other-sentinels"]) >= 2 for m in states):
+                    return
+            except redis.RedisError:
+                pass
+            time.sleep(0.1)
+        raise TimeoutError("the Sentinel setup did not come up")
+
+    def kill(self, name: str) -> None:
+        """kill -9: no shutdown, nothing flushed, as a crashed host."""
+        proc = self.procs[name]
+        proc.kill()
+        proc.wait()
+
+    def revive_old_master(self, timeout: float = 20) -> float:
+        """Once the sentinels have promoted the replica (returns the seconds that took), start
+        the dead master again, empty, as a replica of the new one (the sentinels would make it
+        one too, but only at their next look, up to 10 s later). Not before the promotion:
+        back as a master in time, the sentinels would keep it, empty, as the master."""
+        deadline, started = time.monotonic() + timeout, time.monotonic()
+        while (new := self.master_port()) == self.ports["master"]:
+            if time.monotonic() > deadline:
+                raise TimeoutError("no failover")
+            time.sleep(0.05)
+        promoted = time.monotonic() - started
+        self._server("master", "--replicaof", "127.0.0.1", str(new))
+        return promoted
+
+    def master_port(self) -> int:
+        """The master's port as a majority of the sentinels names it now."""
+        import redis
+
+        named: list[int] = []
+        for port in self.sentinel_ports:
+            try:
+                with redis.Redis(port=port, socket_timeout=0.5) as s:
+                    _, master_port = s.execute_command(
+                        "SENTINEL", "GET-MASTER-ADDR-BY-NAME", self.SERVICE)
+                    named.append(int(master_port))
+            except redis.RedisError:
+                continue
+        for port in set(named):
+            if named.count(port) >= 2:
+                return port
+        return self.ports["master"]
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            stop(proc)

@@ -55,6 +55,25 @@ class Lua:
         except NoScriptError:
             return await self._script(keys=keys, args=args)
 
+    async def call_and_wait(
+        self, keys: Sequence[Any], args: Sequence[Any], replicas: int, timeout_ms: int
+    ) -> tuple[Any, int]:
+        """The script, then WAIT for `replicas` to have its writes, in one round trip; returns
+        its result and how many replicas confirmed (fewer once `timeout_ms` has passed)."""
+        for attempt in (1, 2):
+            async with self._redis.pipeline(transaction=False) as pipe:
+                pipe.execute_command("EVALSHA", self._script.sha, len(keys), *keys, *args)
+                pipe.execute_command("WAIT", replicas, timeout_ms)
+                res, acked = await pipe.execute(raise_on_error=False)
+            if isinstance(res, NoScriptError) and attempt == 1:
+                await self._redis.script_load(self._script.script)
+                continue
+            for item in (res, acked):
+                if isinstance(item, Exception):
+                    raise item
+            break
+        return res, int(acked)
+
 
 @dataclass(frozen=True, slots=True)
 class Scripts:

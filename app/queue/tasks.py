@@ -6,6 +6,7 @@ make one SQL lookup, off the hot path."""
 from __future__ import annotations
 
 import json
+import logging
 import time
 from dataclasses import dataclass
 from functools import cached_property
@@ -29,6 +30,7 @@ from app.store import ApiKey
 from app.timefmt import rfc3339
 
 IDEMPOTENCY_TTL_MS = 24 * 3600 * 1000
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -57,12 +59,13 @@ class TaskQueue:
             "client_ts", req.timestamp or "",
         ]
         idem = k.idempotency(user_id, idem_key) if idem_key else k.idempotency(user_id, "-")
-        res = await self.scripts.submit(
-            keys=[k.queue(e), k.task(task_id), k.seq(e), k.wake, idem, k.quota(user_id, day)],
-            args=[task_id, e, req.priority, endpoint.max_queue_len,
-                  self.ttls.pending_ms, "1" if idem_key else "0",
-                  IDEMPOTENCY_TTL_MS, key.daily_quota, (day + 1) * 86_400_000,
-                  self.ttls.done_ms, *fields],
+        res = await self._enqueue(
+            task_id,
+            [k.queue(e), k.task(task_id), k.seq(e), k.wake, idem, k.quota(user_id, day)],
+            [task_id, e, req.priority, endpoint.max_queue_len,
+             self.ttls.pending_ms, "1" if idem_key else "0",
+             IDEMPOTENCY_TTL_MS, key.daily_quota, (day + 1) * 86_400_000,
+             self.ttls.done_ms, *fields],
         )
         if res[0] == "dup":
             return str(res[1])
@@ -78,6 +81,26 @@ class TaskQueue:
         return SubmitResponse(task_id=task_id, task_status=TaskStatus.PENDING,
                               created_at=rfc3339(res[3]), wait_num=ahead,
                               wait_time=estimate_wait(endpoint, ahead, res[4]))
+
+    async def _enqueue(self, task_id: str, keys: list[str], args: list[Any]) -> Any:
+        """The submit script; with QGW_REDIS_WAIT_REPLICAS, answered only once that many
+        replicas have it, so a failover cannot lose an acknowledged task."""
+        replicas = self.settings.redis_wait_replicas
+        if not replicas:
+            return await self.scripts.submit(keys=keys, args=args)
+        # Within the socket timeout, so a slow replica reads as itself, not as Redis down.
+        timeout_ms = max(1, int(self.settings.redis_timeout_s * 500))
+        res, acked = await self.scripts.submit.call_and_wait(keys, args, replicas, timeout_ms)
+        if acked < replicas and res[0] == "ok":
+            # Queued on the master only: a failover now could lose it. Not acknowledged, so
+            # the client retries; with the same Idempotency-Key that retry is safe.
+            log.warning("submit not confirmed by %d of %d replicas", replicas - acked, replicas,
+                        extra={"task_id": task_id})
+            raise ApiError(503, "redis_unavailable",
+                           f"the task was queued but {acked} of {replicas} Redis replicas "
+                           "confirmed it in time; retry with the same Idempotency-Key",
+                           {"Retry-After": "1"}, task_id=task_id)
+        return res
 
     async def status(self, user_id: int, task_id: str, endpoint: EndpointConfig | None,
                      deliver: bool = True) -> TaskView:

@@ -1,0 +1,130 @@
+"""QGW_REDIS_URL: one Redis (`redis://`, `rediss://`, `unix://`), Sentinel or Cluster, and
+the client for it.
+
+redis-py parses only the first kind; the other two name several hosts, which `urlsplit` cannot
+read, so they are parsed here, and every mistake is one line for the operator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+from urllib.parse import unquote
+
+from redis.asyncio import BlockingConnectionPool, Redis
+from redis.asyncio.connection import parse_url
+from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+Kind = Literal["single", "sentinel", "cluster"]
+_KINDS: dict[str, tuple[Kind, bool]] = {
+    "redis": ("single", False), "rediss": ("single", True), "unix": ("single", False),
+    "redis+sentinel": ("sentinel", False), "rediss+sentinel": ("sentinel", True),
+    "redis+cluster": ("cluster", False), "rediss+cluster": ("cluster", True),
+}
+_DEFAULT_PORT = {"sentinel": 26379, "cluster": 6379}
+SCHEMES = ", ".join(f"{s}://" for s in _KINDS)
+
+
+@dataclass(frozen=True, slots=True)
+class RedisTarget:
+    kind: Kind
+    url: str
+    tls: bool = False
+    hosts: tuple[tuple[str, int], ...] = ()  # sentinels or cluster seed nodes
+    service: str = ""  # the Sentinel master name
+    db: int = 0
+    username: str | None = None
+    password: str | None = None
+
+
+def parse(url: str) -> RedisTarget:
+    """The URL's parts, or a ValueError whose text names what is wrong."""
+    scheme, sep, rest = url.partition("://")
+    if not sep or scheme.lower() not in _KINDS:
+        raise ValueError(f"must start with one of {SCHEMES}")
+    kind, tls = _KINDS[scheme.lower()]
+    if kind == "single":
+        try:
+            parse_url(url)
+        except ValueError as exc:
+            raise ValueError(str(exc).splitlines()[0]) from None
+        number = rest.partition("?")[0].partition("/")[2].strip("/")
+        if scheme != "unix" and number:
+            _db(number)  # redis-py would quietly use database 0 instead
+        return RedisTarget("single", url, tls)
+    netloc, _, path = rest.partition("/")
+    path = path.partition("?")[0]
+    creds, _, hostlist = netloc.rpartition("@")
+    username, _, password = creds.partition(":")  # as redis-py reads `user@` and `:pw@`
+    hosts = tuple(_host(h, _DEFAULT_PORT[kind]) for h in hostlist.split(","))
+    parts = [p for p in path.split("/") if p]
+    service, db = "", 0
+    if kind == "sentinel":
+        if not parts or len(parts) > 2:
+            raise ValueError("a Sentinel URL ends in /<service>[/<db>], the master's name")
+        service, db = unquote(parts[0]), _db(parts[1] if len(parts) > 1 else "0")
+    elif parts:
+        raise ValueError("a Cluster URL has no path: Redis Cluster has only database 0")
+    return RedisTarget(kind, url, tls, hosts, service, db,
+                       unquote(username) or None, unquote(password) or None)
+
+
+def _host(item: str, default_port: int) -> tuple[str, int]:
+    host, port = item, str(default_port)
+    if item.startswith("["):  # [ipv6]:port
+        host, _, tail = item[1:].partition("]")
+        port = tail.removeprefix(":") or port
+    elif ":" in item:
+        host, _, port = item.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"bad host:port {item!r} (hosts are separated by commas)")
+    return host, int(port)
+
+
+def _db(text: str) -> int:
+    if not text.isdigit():
+        raise ValueError(f"bad database number {text!r}")
+    return int(text)
+
+
+class _BlockingSentinelPool(SentinelConnectionPool, BlockingConnectionPool):
+    """Follows the master Sentinel names (asked again whenever a connection is made, and a
+    connection that meets a READONLY error is dropped: its server was demoted) and, like the
+    pool of one Redis, waits for a free connection rather than failing past its size."""
+
+
+class _SentinelRedis(Redis):
+    """The master's client; closing it closes the clients of the sentinels too."""
+
+    sentinels: Sentinel
+
+    async def aclose(self, close_connection_pool: bool | None = None) -> None:
+        await super().aclose(close_connection_pool)
+        await self.sentinels.aclose()
+
+
+def client(url: str, timeout_s: float | None, max_connections: int = 512) -> Redis:
+    """A client whose pool waits for a free connection (redis-py's default pool fails with a
+    ConnectionError past 100, which would read as "Redis down"), and which never re-sends a
+    command: submit and claim are not safe to repeat after a connection dropped mid-command.
+    With Redis down the API answers 503 within about a second."""
+    options: dict[str, object] = dict(
+        decode_responses=True, socket_timeout=timeout_s, socket_connect_timeout=1.0,
+        retry=Retry(NoBackoff(), 0), health_check_interval=30,
+        max_connections=max_connections, timeout=timeout_s or 1.0,
+    )
+    target = parse(url)
+    if target.kind == "single":
+        return Redis.from_pool(BlockingConnectionPool.from_url(url, **options))
+    if target.kind == "cluster":  # Settings refuses it; a caller that skipped them learns here
+        raise ValueError("Redis Cluster is not supported yet")
+    tls = {"ssl": True} if target.tls else {}
+    sentinel = Sentinel(list(target.hosts), sentinel_kwargs={  # type: ignore[no-untyped-call]
+        "socket_timeout": timeout_s, "socket_connect_timeout": 1.0, **tls})
+    master: _SentinelRedis = sentinel.master_for(
+        target.service, redis_class=_SentinelRedis, connection_pool_class=_BlockingSentinelPool,
+        db=target.db, username=target.username, password=target.password, **tls, **options)
+    master.sentinels = sentinel
+    return master

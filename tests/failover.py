@@ -1,0 +1,204 @@
+"""A Sentinel failover under load, counted: `qgw serve` on a Sentinel URL, submits running and
+calls reaching the mock upstream, the master killed with -9, the replica promoted.
+
+Shared by tests/test_sentinel.py (asserts) and bench/failover.py (prints the figures).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from tests.servers import QGW, SentinelSetup, free_port, mock_log, mock_upstream, stop, wait_port
+
+ADMIN = "failover-admin-token"
+TERMINAL = {"completed", "failed", "expired", "cancelled"}
+
+
+@dataclass
+class Figures:
+    wait_replicas: int
+    acknowledged: int = 0  # submits answered 202
+    refused: int = 0  # answered otherwise (503) or not at all, while the master was away
+    completed: int = 0  # acknowledged and then completed
+    other_terminal: int = 0  # acknowledged and then failed / expired / cancelled
+    unfinished: int = 0  # acknowledged, still pending or processing at the deadline
+    lost: int = 0  # acknowledged, then unknown to the gateway (404) after the failover
+    duplicates: int = 0  # tasks the upstream received more than once
+    refused_ran: int = 0  # tasks answered 503 (queued, not confirmed) that ran all the same
+    promoted_s: float = 0.0  # kill -9 to a majority of sentinels naming the new master
+    recover_s: float = 0.0  # kill -9 to the first 202 on a submit sent after it
+    calls_resumed_s: float = 0.0  # kill -9 to the first upstream call of a task acked after it
+    gateway_restarted: bool = False
+    errors: Counter[str] = field(default_factory=Counter)
+
+    def line(self) -> str:
+        return (f"WAIT {self.wait_replicas}: acknowledged {self.acknowledged}, completed "
+                f"{self.completed}, other terminal {self.other_terminal}, unfinished "
+                f"{self.unfinished}, lost {self.lost}, duplicates {self.duplicates}, refused "
+                f"{self.refused} (of which ran {self.refused_ran}); promoted after "
+                f"{self.promoted_s:.2f} s, submits back after {self.recover_s:.2f} s, calls "
+                f"after {self.calls_resumed_s:.2f} s")
+
+
+def gateway_env(root: Path, url: str, port: int, wait_replicas: int) -> dict[str, str]:
+    return {**os.environ, "QGW_REDIS_URL": url, "QGW_DATA_DIR": str(root),
+            "QGW_DATABASE_URL": f"sqlite+aiosqlite:///{root}/qgw.db", "QGW_PORT": str(port),
+            "QGW_ADMIN_TOKEN": ADMIN, "QGW_PERMIT_SECRET": "failover-permit-secret",
+            "QGW_LEASE_MS": "3000", "QGW_REAP_INTERVAL_MS": "200", "QGW_LOG_LEVEL": "warning",
+            "QGW_REDIS_WAIT_REPLICAS": str(wait_replicas)}
+
+
+class Load:
+    """Submitters that keep going through the failover; every answer is kept."""
+
+    def __init__(self, http: httpx.AsyncClient, auth: dict[str, str], target: str) -> None:
+        self.http, self.auth, self.target = http, auth, target
+        self.acked: list[tuple[float, str]] = []  # (sent at, task id)
+        self.refused: Counter[str] = Counter()
+        self.running = True
+
+    async def submitter(self, n: int) -> None:
+        i = 0
+        while self.running:
+            i += 1
+            sent = time.monotonic()
+            try:
+                r = await self.http.post("/api/v1/tasks", headers=self.auth, json={
+                    "target_url": self.target, "body": f"{n}-{i}"})
+            except httpx.HTTPError as exc:
+                self.refused[type(exc).__name__] += 1
+                await asyncio.sleep(0.05)
+                continue
+            if r.status_code == 202:
+                self.acked.append((sent, r.json()["task_id"]))
+            else:
+                self.refused[f"{r.status_code} {r.json()['error']['code']}"] += 1
+                await asyncio.sleep(0.05)
+
+
+async def _setup(http: httpx.AsyncClient, target: str) -> dict[str, str]:
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+    r = await http.post("/admin/v1/endpoints", headers=admin, json={
+        "id": "fo", "target_url": target, "rate": 2000, "interval_ms": 1000,
+        "max_concurrency": 32})
+    assert r.status_code == 201, r.text
+    r = await http.post("/admin/v1/api-keys", headers=admin,
+                        json={"user_id": 1, "max_priority": 10})
+    assert r.status_code == 201, r.text
+    return {"Authorization": f"Bearer {r.json()['key']}"}
+
+
+async def _final_states(http: httpx.AsyncClient, auth: dict[str, str], ids: list[str],
+                        timeout: float) -> dict[str, str]:
+    """Each task's status once terminal or gone (`lost`), or as it is at the deadline."""
+    states: dict[str, str] = {}
+    pending = list(ids)
+    deadline = time.monotonic() + timeout
+    sem = asyncio.Semaphore(16)
+
+    async def one(tid: str) -> None:
+        async with sem:
+            try:
+                r = await http.get(f"/api/v1/tasks/{tid}", headers=auth)
+            except httpx.HTTPError:
+                return
+        if r.status_code == 404:
+            states[tid] = "lost"
+        elif r.status_code == 200:
+            states[tid] = r.json()["task_status"]
+
+    while pending:
+        await asyncio.gather(*(one(t) for t in pending))
+        pending = [t for t in pending if states.get(t) not in TERMINAL | {"lost"}]
+        if not pending or time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.3)
+    return states
+
+
+def _lag_replica(setup: SentinelSetup) -> None:
+    """Stop the replica and write more than the sockets between it and the master hold, so
+    what follows stays in the master's memory: a replica lagging behind (a slow link, a busy
+    host), the case asynchronous replication loses acknowledged writes in."""
+    import redis
+
+    setup.procs["replica"].send_signal(signal.SIGSTOP)
+    with redis.Redis(port=setup.ports["master"]) as r:
+        filler = b"x" * (1 << 20)
+        r.mset({f"filler:{i}": filler for i in range(48)})
+
+
+async def _drive(fig: Figures, setup: SentinelSetup, port: int, base: str,
+                 before_s: float, after_s: float, lag_s: float) -> None:
+    target = f"{base}/fo"
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=5) as http:
+        auth = await _setup(http, target)
+        load = Load(http, auth, target)
+        workers = [asyncio.create_task(load.submitter(n)) for n in range(6)]
+        await asyncio.sleep(before_s)
+        if lag_s:
+            await asyncio.to_thread(_lag_replica, setup)
+            await asyncio.sleep(lag_s)
+        await asyncio.to_thread(setup.kill, "master")
+        killed = time.monotonic()
+        if lag_s:
+            setup.procs["replica"].send_signal(signal.SIGCONT)
+        revived = asyncio.create_task(asyncio.to_thread(setup.revive_old_master))
+        while time.monotonic() - killed < 20:  # until submits are back, then some more
+            back = [s for s, _ in load.acked if s > killed]
+            if back and time.monotonic() - min(back) > after_s:
+                break
+            await asyncio.sleep(0.1)
+        load.running = False
+        await asyncio.gather(*workers)
+        fig.promoted_s = await revived
+        fig.acknowledged, fig.refused = len(load.acked), sum(load.refused.values())
+        fig.errors = load.refused
+        after = [s for s, _ in load.acked if s > killed]
+        fig.recover_s = min(after) - killed if after else float("inf")
+        states = Counter((await _final_states(http, auth, [t for _, t in load.acked], 25))
+                         .values())
+    fig.completed, fig.lost = states["completed"], states["lost"]
+    fig.other_terminal = sum(states[s] for s in TERMINAL - {"completed"})
+    fig.unfinished = states["pending"] + states["processing"]
+    late = {t for s, t in load.acked if s > killed}
+    log = mock_log(base)
+    calls = Counter(str(e["idempotency_key"]) for e in log)
+    fig.duplicates = sum(1 for n in calls.values() if n > 1)
+    fig.refused_ran = len(set(calls) - {t for _, t in load.acked})
+    wall_killed = time.time() - (time.monotonic() - killed)
+    resumed = [float(str(e["t"])) / 1000 for e in log if e["idempotency_key"] in late]
+    fig.calls_resumed_s = min(resumed) - wall_killed if resumed else float("inf")
+
+
+def run_failover(root: Path, wait_replicas: int, before_s: float = 2.0,
+                 after_s: float = 2.0, lag_s: float = 0.0) -> Figures:
+    """One failover under load; the figures of what the clients saw. With `lag_s`, the
+    replica lags that long behind the master before it dies."""
+    fig = Figures(wait_replicas)
+    setup = SentinelSetup(root / "redis")
+    setup.start()
+    try:
+        with mock_upstream("--latency-ms", "20") as base:
+            port = free_port()
+            with open(root / "qgw.log", "wb") as out:
+                proc = subprocess.Popen([*QGW, "serve"], stdout=out, stderr=subprocess.STDOUT,
+                                        env=gateway_env(root, setup.url, port, wait_replicas))
+            try:
+                wait_port(port, timeout=30, proc=proc)
+                asyncio.run(_drive(fig, setup, port, base, before_s, after_s, lag_s))
+                fig.gateway_restarted = proc.poll() is not None
+            finally:
+                stop(proc)
+    finally:
+        setup.stop()
+    return fig
