@@ -44,6 +44,7 @@ class EndpointRow(Base):
     permit_max_uses: Mapped[int] = mapped_column(Integer)
     enabled: Mapped[bool] = mapped_column(Boolean, default=True)
     forward_headers: Mapped[list[str]] = mapped_column(JSON, nullable=True, default=list)
+    honor_upstream_limits: Mapped[bool] = mapped_column(Boolean, default=True)
     created_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow, onupdate=utcnow)
 

@@ -72,6 +72,10 @@ class EndpointSettings(StrictInput):
     permit_ttl_s: int = Field(20, ge=1, le=86_400)
     permit_max_uses: int = Field(3, ge=1, le=1_000_000)
     enabled: bool = True
+    honor_upstream_limits: bool = Field(
+        True, description="a 429/503 with Retry-After, or x-ratelimit-remaining-*: 0 with its "
+                          "reset, pauses the endpoint on every dispatcher until then; one probe "
+                          "call reopens it")
     forward_headers: list[Annotated[str, StringConstraints(max_length=128)]] = Field(
         default_factory=list, max_length=64,
         description="request headers a task may carry to this endpoint besides Accept, "

@@ -52,6 +52,12 @@ def render_snapshot(snapshot: list[EndpointStats]) -> str:
          lambda s: s.wait_for_new_s()),
         ("qgw_slot_seconds", "Moving average of how long a task holds a concurrency slot",
          lambda s: None if s.slot_ms is None else s.slot_ms / 1000),
+        ("qgw_endpoint_upstream_paused", "1 while the upstream's own limit pauses the endpoint "
+         "(until the time below, then until a probe call succeeds)",
+         lambda s: int(s.upstream_paused_until is not None)),
+        ("qgw_endpoint_upstream_paused_until_seconds", "Until when the upstream asked for the "
+         "pause (unix time)",
+         lambda s: None if s.upstream_paused_until is None else s.upstream_paused_until / 1000),
     )
     for name, help_text, get in gauges:
         _family(out, name, "gauge", help_text)

@@ -3,7 +3,8 @@
 Any path answers `{"ok": true, "n": <request number>, ...}` after `latency_ms`; more than
 `concurrency` requests in flight get 429; `fail_rate` of requests get 503.  A request may ask
 for a status, a latency, a cookie or a body of N bytes with `X-Mock-Status` /
-`X-Mock-Latency-Ms` / `X-Mock-Set-Cookie` / `X-Mock-Body-Bytes` (CONTROL_HEADERS: a task
+`X-Mock-Latency-Ms` / `X-Mock-Set-Cookie` / `X-Mock-Body-Bytes` / `X-Mock-Reply-Headers`
+(a JSON object of headers to answer with) (CONTROL_HEADERS: a task
 carries them only to an endpoint that lists them in `forward_headers`).  It records every request:
 `GET /_mock/stats` gives counts, `GET /_mock/log` the requests in arrival order (time in ms,
 method, path, query, Idempotency-Key, body, status), `POST /_mock/reset` clears both.
@@ -21,7 +22,8 @@ from typing import Any
 from urllib.parse import parse_qsl
 
 Scope = dict[str, Any]
-CONTROL_HEADERS = ("X-Mock-Status", "X-Mock-Latency-Ms", "X-Mock-Set-Cookie", "X-Mock-Body-Bytes")
+CONTROL_HEADERS = ("X-Mock-Status", "X-Mock-Latency-Ms", "X-Mock-Set-Cookie", "X-Mock-Body-Bytes",
+                   "X-Mock-Reply-Headers")
 
 
 @dataclass
@@ -78,6 +80,9 @@ class MockUpstream:
                 reply = "x" * max(0, size - 2)  # a JSON string of `size` bytes
             cookie = headers.get("x-mock-set-cookie")
             extra = [(b"set-cookie", f"{cookie}; Path=/".encode())] if cookie else []
+            # Headers to answer with, as a JSON object (rate-limit signals, Retry-After).
+            for name, value in json.loads(headers.get("x-mock-reply-headers", "{}")).items():
+                extra.append((name.encode(), str(value).encode()))
             await _send_json(send, status, reply, extra)
         finally:
             self.in_flight -= 1

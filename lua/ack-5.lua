@@ -3,15 +3,23 @@ KEYS[1] active    KEYS[2] task    KEYS[3] queue    KEYS[4] wake    KEYS[5] stats
 ARGV[1] task id   ARGV[2] lease token   ARGV[3] final status ('completed' | 'failed')
 ARGV[4] result    ARGV[5] result status code ('' if none)    ARGV[6] done TTL (ms)
 ARGV[7] endpoint id    ARGV[8] exec time of the last attempt (ms)
+ARGV[9] pause the upstream asked for (ms; 0 = none), see upstream.lua
 Returns 1, or 0 when the lease was lost (reaped and claimed again): the newer attempt wins.
 The finished task goes to the endpoint's outbox (key built from KEYS[2], see lifecycle.lua).
 ]]
 --@include now.lua
 --@include stats.lua
 --@include lifecycle.lua
+--@include upstream.lua
 
 if redis.call('HGET', KEYS[2], 'lease') ~= ARGV[2] then return 0 end
 local now = now_ms()
+local pause = tonumber(ARGV[9]) or 0
+if pause > 0 then
+  upstream_pause(KEYS[1], now, pause)
+else
+  upstream_call_ended(KEYS[1], ARGV[2], ARGV[3] == 'completed')
+end
 redis.call('ZREM', KEYS[1], ARGV[1])
 redis.call('HSET', KEYS[2], 'status', ARGV[3], 'result', ARGV[4],
   'result_status_code', ARGV[5], 'ended_at', now)

@@ -7,6 +7,7 @@ ARGV[5] limiter kind        ARGV[6] rate (0 = none)    ARGV[7] interval (ms)
 ARGV[8] task key prefix (same hash tag as KEYS, so the script stays in one slot)
 ARGV[9] lease token prefix (unique per call)    ARGV[10] permit TTL (ms) for online tasks
 ARGV[11] limiter guard (ms), see ratelimit.lua
+An endpoint its upstream paused (upstream.lua) is 'limited' until then, then claims one probe.
 Returns {state, wait ms, now, then per claim: id, token, attempts, type, method, url, headers,
 query, body}; state is
 'more' (N reached, work remains), 'empty', 'full' (concurrency cap) or 'limited' (retry in wait ms).
@@ -20,6 +21,7 @@ KEYS[5].
 --@include ratelimit.lua
 --@include lifecycle.lua
 --@include stats.lua
+--@include upstream.lua
 
 redis.call('ZREM', KEYS[5], ARGV[1])  -- this attempt consumes any scheduled retry
 
@@ -40,6 +42,16 @@ end
 local out = {'more', 0, now}
 local stats = sibling_key(KEYS[1], 'stats')  -- the dispatcher fixes KEYS
 local claimed = 0
+
+-- Paused by its upstream (upstream.lua): nothing until then, then one probe at a time.
+local paused, probing = tonumber(redis.call('GET', sibling_key(KEYS[1], 'upause'))), false
+if paused and paused > now then
+  out[1], out[2], n = 'limited', paused - now, 0
+elseif paused and redis.call('EXISTS', sibling_key(KEYS[1], 'probe')) == 1 then
+  out[1], n = 'full', 0  -- the probe's ending wakes it
+elseif paused then
+  probing, n = true, 1
+end
 
 while true do
   if claimed >= n then break end
@@ -82,6 +94,10 @@ while true do
   end
 end
 
+if probing and claimed > 0 then
+  redis.call('SET', sibling_key(KEYS[1], 'probe'), token_prefix .. ':0', 'PX',
+    math.max(lease, permit_ttl))
+end
 if claimed > 0 then
   redis.call('HINCRBY', stats, 'admitted', claimed)
   stats_tick(stats, 'admitted', now, claimed)

@@ -5,15 +5,23 @@ once it is due, and the reaper's promote wakes the endpoint then if its dispatch
 KEYS[1] active    KEYS[2] task    KEYS[3] retry (ZSet id -> due, ms)    KEYS[4] delayed
 KEYS[5] queue     KEYS[6] wake
 ARGV[1] task id   ARGV[2] lease token   ARGV[3] back-off (ms)   ARGV[4] endpoint id
+ARGV[5] pause the upstream asked for (ms; 0 = none), see upstream.lua
 Returns the due time (ms, Redis clock), or 0 when the lease was lost.  The retry is counted in
 the endpoint's stats (a sibling of KEYS[1], stats.lua).
 ]]
 --@include now.lua
 --@include stats.lua
+--@include upstream.lua
 
 if redis.call('HGET', KEYS[2], 'lease') ~= ARGV[2] then return 0 end
 local now = now_ms()
 local due = now + tonumber(ARGV[3])
+local pause = tonumber(ARGV[5]) or 0
+if pause > 0 then
+  upstream_pause(KEYS[1], now, pause)
+else
+  upstream_call_ended(KEYS[1], ARGV[2], false)
+end
 redis.call('ZREM', KEYS[1], ARGV[1])
 redis.call('HDEL', KEYS[2], 'lease', 'deadline')
 redis.call('HSET', KEYS[2], 'status', 'pending', 'retry_at', due)

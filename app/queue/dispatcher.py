@@ -321,7 +321,7 @@ class Dispatcher:
         due = await self._persist("retry", lambda: self.scripts.retry(
             keys=[k.active(e), k.task(claim.task_id), k.retry(e), k.delayed, k.queue(e),
                   k.wake],
-            args=[claim.task_id, claim.token, round(delay * 1000), e]))
+            args=[claim.task_id, claim.token, round(delay * 1000), e, _pause_ms(claim, outcome)]))
         if not due:
             log.warning("lease lost before the retry was scheduled", extra=extra)
         elif not self.stopping.is_set():
@@ -334,7 +334,7 @@ class Dispatcher:
             keys=[k.active(e), k.task(claim.task_id), k.queue(e), k.wake, k.stats(e)],
             args=[claim.task_id, claim.token, status, outcome.text,
                   outcome.status_code or "", self.ttls.done_ms, e,
-                  round(exec_ms) if outcome.ok else -1],
+                  round(exec_ms) if outcome.ok else -1, _pause_ms(claim, outcome)],
         ))
         extra = {"task_id": claim.task_id, "endpoint": e, "status": status,
                  "code": outcome.status_code, "attempts": claim.attempts}
@@ -421,3 +421,13 @@ class Dispatcher:
         level = logging.WARNING if failures == 1 or failures % 10 == 0 else logging.DEBUG
         log.log(level, "%s: redis error (%s); retry %d in %.2f s", what, exc, failures, delay)
         await asyncio.sleep(delay)
+
+
+def _pause_ms(claim: Claim, outcome: Outcome) -> int:
+    """The pause the upstream asked of the whole endpoint (0 = none, or not honoured)."""
+    if outcome.pause_s is None or not claim.endpoint.honor_upstream_limits:
+        return 0
+    if outcome.pause_s:
+        log.warning("upstream asks for a pause of %.1f s", outcome.pause_s,
+                    extra={"task_id": claim.task_id, "endpoint": claim.endpoint.id})
+    return max(1, round(outcome.pause_s * 1000))

@@ -20,6 +20,7 @@ from app.endpoints import EndpointConfig
 from app.queue.keys import Keys
 from app.queue.scripts import LUA_DIR, Scripts
 from app.queue.tasks import estimate_wait
+from app.timefmt import rfc3339
 
 COUNTERS = ("submitted", "admitted", "completed", "failed", "retried", "expired", "cancelled",
             "limited")
@@ -62,6 +63,7 @@ class EndpointStats:
     slot_ms: float | None
     histograms: dict[str, Histogram]
     oldest_pending_ms: int | None = None  # creation time of the longest-waiting task, if known
+    upstream_paused_until: int | None = None  # ms; set until a probe call succeeds
     raw: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -98,9 +100,14 @@ async def read_metrics(redis: Redis, keys: Keys, endpoints: list[EndpointConfig]
             # HGETALL, not HMGET of the fields: naming 44 fields per endpoint made encoding
             # the pipeline most of a scrape's cost; absent buckets are simply not sent.
             pipe.hgetall(keys.stats(ep.id))
+            pipe.get(keys.upstream_pause(ep.id))
         raw = await pipe.execute()
-    return [_parse(ep, raw[i * 3], raw[i * 3 + 1], raw[i * 3 + 2])
-            for i, ep in enumerate(endpoints)]
+    out = []
+    for i, ep in enumerate(endpoints):
+        s = _parse(ep, *raw[i * 4:i * 4 + 3])
+        s.upstream_paused_until = int(raw[i * 4 + 3]) if raw[i * 4 + 3] else None
+        out.append(s)
+    return out
 
 
 def _id_ms(task_id: str) -> int:
@@ -125,13 +132,15 @@ async def queue_stats(redis: Redis, keys: Keys, scripts: Scripts,
                 pipe.zcount(keys.ratelimit(e, ep.limiter), f"({since}", "+inf")
             else:
                 pipe.exists(keys.ratelimit(e, ep.limiter))  # keeps the stride
+            pipe.get(keys.upstream_pause(e))
         raw = await pipe.execute()
     now_s, now_us = raw[0]
     now = int(now_s) * 1000 + int(now_us) // 1000
     out = []
     for i, ep in enumerate(endpoints):
-        pending, in_flight, values, oldest_id, admitted = raw[1 + i * 5:6 + i * 5]
+        pending, in_flight, values, oldest_id, admitted, paused = raw[1 + i * 6:7 + i * 6]
         s = _parse(ep, pending, in_flight, values)
+        s.upstream_paused_until = int(paused) if paused else None
         oldest = _id_ms(oldest_id) if oldest_id else None
         out.append(_view(s, now, oldest, admitted if ep.limiter == "sliding_window" else None))
     return out
@@ -176,4 +185,7 @@ def _view(s: EndpointStats, now: int, oldest: int | None, admitted: int | None
              "code": f.get("code"), "reason": f.get("reason", "")}
             for f in _failures(s.raw)],
         "enabled": ep.enabled,
+        # Paused by its upstream (429/503 with Retry-After, x-ratelimit-*: 0) until then, or
+        # past that time and waiting for a probe call to succeed.
+        "upstream_paused_until": rfc3339(s.upstream_paused_until),
     }

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import email.utils
 import json
 import random
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -13,8 +11,7 @@ from typing import Any
 import aiohttp
 
 from app.endpoints import DEFAULT_FORWARD
-
-MAX_RETRY_AFTER_S = 300.0
+from app.queue.signals import pause_s, retry_after
 
 
 def forwardable(headers: dict[str, list[str]], allowed: frozenset[str]) -> list[tuple[str, str]]:
@@ -65,6 +62,7 @@ class Outcome:
     text: str
     retry_after_s: float | None = None
     refused: bool = False  # an answer we will not keep (too large): failed, not retried
+    pause_s: float | None = None  # the upstream asks the whole endpoint to pause (signals.py)
 
     @property
     def ok(self) -> bool:
@@ -100,7 +98,8 @@ async def call(
                 return Outcome(resp.status, f"upstream answer over {max_bytes} bytes: not kept",
                                refused=not busy)
             return Outcome(resp.status, _decode(body, resp.charset),
-                           retry_after(resp.headers.get("retry-after")))
+                           retry_after(resp.headers.get("retry-after")),
+                           pause_s=pause_s(resp.status, resp.headers))
     except TimeoutError:
         return Outcome(None, f"upstream timed out after {timeout_s:g} s")
     except (aiohttp.ClientError, OSError) as exc:
@@ -128,19 +127,6 @@ def _decode(body: bytes, charset: str | None) -> str:
         return body.decode(charset or "utf-8", errors="replace")
     except LookupError:  # a charset Python does not know
         return body.decode("utf-8", errors="replace")
-
-
-def retry_after(value: str | None) -> float | None:
-    """Seconds from a Retry-After header (delta-seconds or an HTTP date)."""
-    if not value:
-        return None
-    if value.strip().isdigit():
-        return min(float(value), MAX_RETRY_AFTER_S)
-    try:
-        when = email.utils.parsedate_to_datetime(value).timestamp()
-    except (TypeError, ValueError):
-        return None
-    return min(max(0.0, when - time.time()), MAX_RETRY_AFTER_S)
 
 
 def backoff_s(base_ms: int, attempt: int, retry_after_s: float | None) -> float:

@@ -1,0 +1,80 @@
+"""Upstream rate-limit signals: how long an answer asks the whole endpoint to pause.
+
+Read from a 429/503 with `Retry-After`, or from a depleted quota announced in the OpenAI
+(`x-ratelimit-remaining-requests: 0` + `x-ratelimit-reset-requests: 1m30s`), Anthropic
+(`anthropic-ratelimit-requests-remaining: 0` + `…-reset: <RFC 3339>`) or IETF draft / GitHub
+(`ratelimit-remaining` / `x-ratelimit-remaining: 0` + `…-reset: <seconds or epoch>`) forms,
+for requests and for tokens alike.
+"""
+
+from __future__ import annotations
+
+import email.utils
+import re
+import time
+from collections.abc import Mapping
+from datetime import datetime
+
+MAX_PAUSE_S = 3600.0
+MAX_RETRY_AFTER_S = 300.0
+_GO_DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|h|m|s)")
+_UNIT_S = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 0.001}
+#: (remaining, reset) header pairs, lower case.
+_PAIRS = [
+    (f"{prefix}remaining{suffix}", f"{prefix}reset{suffix}")
+    for prefix in ("x-ratelimit-", "ratelimit-")
+    for suffix in ("", "-requests", "-tokens")
+] + [
+    (f"anthropic-ratelimit-{kind}-remaining", f"anthropic-ratelimit-{kind}-reset")
+    for kind in ("requests", "tokens", "input-tokens", "output-tokens")
+]
+
+
+def pause_s(status: int, headers: Mapping[str, str]) -> float | None:
+    """Seconds the endpoint should admit nothing, or None when the answer asks for no pause.
+    `headers` is case-insensitive (aiohttp's CIMultiDictProxy) or has lower-case names."""
+    longest: float | None = None
+    if status in (429, 503):
+        longest = retry_after(headers.get("retry-after"))
+    for remaining, reset in _PAIRS:
+        if (headers.get(remaining) or "").strip() == "0":
+            wait = reset_s(headers.get(reset))
+            if wait is not None and (longest is None or wait > longest):
+                longest = wait
+    return None if longest is None else min(longest, MAX_PAUSE_S)
+
+
+def reset_s(value: str | None, now: float | None = None) -> float | None:
+    """Seconds until a reset given as a duration (`20ms`, `1m30.5s`), a number of seconds, a
+    unix time, or an RFC 3339 / HTTP date."""
+    if not value:
+        return None
+    value = value.strip()
+    now = time.time() if now is None else now
+    try:
+        number = float(value)
+    except ValueError:
+        pass
+    else:
+        return max(0.0, number - now) if number > 1e9 else max(0.0, number)
+    parts = _GO_DURATION.findall(value)
+    if parts and "".join(n + u for n, u in parts) == value:
+        return sum(float(n) * _UNIT_S[u] for n, u in parts)
+    try:
+        when = datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return retry_after(value)  # an HTTP date, or nothing we can read
+    return max(0.0, when - now)
+
+
+def retry_after(value: str | None) -> float | None:
+    """Seconds from a Retry-After header (delta-seconds or an HTTP date)."""
+    if not value:
+        return None
+    if value.strip().isdigit():
+        return min(float(value), MAX_RETRY_AFTER_S)
+    try:
+        when = email.utils.parsedate_to_datetime(value).timestamp()
+    except (TypeError, ValueError):
+        return None
+    return min(max(0.0, when - time.time()), MAX_RETRY_AFTER_S)

@@ -1,0 +1,25 @@
+-- Pauses an upstream asked for (app/queue/signals.py). `<prefix>:{e}:upause` holds until when
+-- (ms, Redis clock) the endpoint admits nothing, on every dispatcher; once that has passed, one
+-- probe call goes first (`<prefix>:{e}:probe` holds its lease token and expires with its lease),
+-- and only its success lifts the pause. Both keys are siblings of any key of the endpoint.
+-- Include stats.lua (sibling_key) first.
+
+local function upstream_pause(any_key, now, ms)
+  local upause = sibling_key(any_key, 'upause')
+  local untl = now + ms
+  local current = tonumber(redis.call('GET', upause))
+  if not current or untl > current then
+    redis.call('SET', upause, untl, 'PX', ms + 86400000)  -- kept a day past, for the probe
+  end
+  redis.call('DEL', sibling_key(any_key, 'probe'))
+end
+
+-- A call ended with no pause asked for: if it was the probe, a success reopens the endpoint,
+-- and a failure lets the next claim send another probe.
+local function upstream_call_ended(any_key, token, ok)
+  local probe = sibling_key(any_key, 'probe')
+  if redis.call('GET', probe) == token then
+    redis.call('DEL', probe)
+    if ok then redis.call('DEL', sibling_key(any_key, 'upause')) end
+  end
+end

@@ -1,0 +1,119 @@
+"""Upstream rate-limit signals pause the endpoint on every dispatcher; one probe reopens it."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import subprocess
+import time
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import pytest
+
+from app.queue.signals import pause_s, reset_s
+from tests.conftest import Gateway
+
+Spawn = Callable[..., subprocess.Popen[bytes]]
+
+
+def test_the_common_header_forms_are_read() -> None:
+    now = 1_800_000_000.0
+    assert reset_s("1m30.5s", now) == 90.5 and reset_s("20ms", now) == 0.02
+    assert reset_s("6m0s", now) == 360 and reset_s("2", now) == 2
+    assert reset_s(str(now + 7), now) == 7  # a unix time
+    assert reset_s("2027-01-15T08:00:07Z", 1_800_000_000.0) is not None
+    assert reset_s("soon", now) is None
+    assert pause_s(429, {"retry-after": "3"}) == 3
+    assert pause_s(500, {"retry-after": "3"}) is None  # only 429 and 503 ask for a pause
+    assert pause_s(200, {"x-ratelimit-remaining-tokens": "0",
+                         "x-ratelimit-reset-tokens": "1.5s"}) == 1.5
+    assert pause_s(200, {"x-ratelimit-remaining-requests": "4",
+                         "x-ratelimit-reset-requests": "9s"}) is None
+    assert pause_s(200, {"anthropic-ratelimit-requests-remaining": "0",
+                         "anthropic-ratelimit-requests-reset": "12"}) == 12
+
+
+async def _log(base: str) -> list[dict[str, Any]]:
+    async with httpx.AsyncClient(base_url=base) as mock:
+        log: list[dict[str, Any]] = (await mock.get("/_mock/log")).json()
+    return log
+
+
+async def _run(gateway: Gateway, base: str, spawn: Spawn, honor: bool,
+               signal: dict[str, str], status: int) -> tuple[str, list[dict[str, Any]]]:
+    """Two dispatchers, 4 slots: the first call answers `signal`; 8 more come just after."""
+    url = f"{base}/signal"
+    await gateway.add_endpoint("signal", url, max_concurrency=4, retry_backoff_ms=100,
+                               honor_upstream_limits=honor)
+    auth = await gateway.new_key()
+    first = await gateway.submit(auth, url, headers={
+        "X-Mock-Status": [str(status)], "X-Mock-Reply-Headers": [json.dumps(signal)]})
+    spawn()
+    spawn()
+    for _ in range(200):
+        if await _log(base):
+            break
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(0.2)  # its answer read
+    rest = [(await gateway.submit(auth, url, headers={"X-Mock-Latency-Ms": ["200"]}))["task_id"]
+            for _ in range(8)]
+    await gateway.wait_finished(auth, [first["task_id"], *rest], timeout=30)
+    return first["task_id"], await _log(base)
+
+
+@pytest.mark.parametrize(("status", "signal"), [
+    (429, {"Retry-After": "2"}),
+    (200, {"x-ratelimit-remaining-requests": "0", "x-ratelimit-reset-requests": "2s"}),
+])
+async def test_a_signal_pauses_every_dispatcher_then_one_probe_goes_first(
+    gateway: Gateway, fresh_upstream: str, dispatcher_process: Spawn, status: int,
+    signal: dict[str, str],
+) -> None:
+    first, log = await _run(gateway, fresh_upstream, dispatcher_process, True, signal, status)
+    signalled = [e["t"] for e in log if e["idempotency_key"] == first]
+    probe, *after = [e["t"] for e in log if e["idempotency_key"] != first]
+    # A 429 task is retried when the pause ends, as the probe, and pauses it again each time
+    # (4 attempts); nothing else reaches the upstream for 2 s after each signal, on either
+    # dispatcher.
+    assert len(signalled) == (4 if status == 429 else 1)
+    assert all(b - a >= 1900 for a, b in itertools.pairwise(signalled))
+    assert probe - signalled[-1] >= 1900
+    # Then one call alone, and the rest only once it has succeeded (each takes 200 ms), 4 at a
+    # time again.
+    assert min(after) - probe >= 190
+    assert sum(1 for t in after if t - after[0] < 100) == 4
+
+
+async def test_signals_are_ignored_when_the_endpoint_says_so(
+    gateway: Gateway, fresh_upstream: str, dispatcher_process: Spawn,
+) -> None:
+    started = time.time() * 1000
+    _, log = await _run(gateway, fresh_upstream, dispatcher_process, False,
+                        {"Retry-After": "5"}, 429)
+    # The others go at once, 4 at a time; the 429'd task itself still waits its Retry-After.
+    assert log[1]["t"] - log[0]["t"] < 1500
+    assert sum(1 for e in log[1:5] if e["t"] - log[1]["t"] < 100) == 4
+    assert time.time() * 1000 - started > 5000
+
+
+async def test_the_pause_shows_in_the_admin_view(
+    gateway: Gateway, fresh_upstream: str, dispatcher_process: Spawn,
+) -> None:
+    url = f"{fresh_upstream}/shown"
+    await gateway.add_endpoint("shown", url)
+    auth = await gateway.new_key()
+    await gateway.submit(auth, url, headers={
+        "X-Mock-Status": ["429"], "X-Mock-Reply-Headers": [json.dumps({"Retry-After": "30"})]})
+    dispatcher_process()
+    for _ in range(100):
+        r = await gateway.http.get("/admin/v1/queues", headers=gateway.admin)
+        (row,) = [q for q in r.json()["endpoints"] if q["id"] == "shown"] or [None]
+        if row and row.get("upstream_paused_until"):
+            break
+        await asyncio.sleep(0.1)
+    assert row and row["upstream_paused_until"]
+    m = (await gateway.http.get("/metrics")).text
+    assert 'qgw_endpoint_upstream_paused{endpoint="shown"} 1' in m
