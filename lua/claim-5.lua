@@ -44,7 +44,7 @@ local stats = sibling_key(KEYS[1], 'stats')  -- the dispatcher fixes KEYS
 local claimed = 0
 
 -- Paused by its upstream (upstream.lua): nothing until then, then one probe at a time.
-local paused, probing = tonumber(redis.call('GET', sibling_key(KEYS[1], 'upause'))), false
+local paused, probing = tonumber(redis.call('HGET', stats, 'upause')), false
 if paused and paused > now then
   out[1], out[2], n = 'limited', paused - now, 0
 elseif paused and redis.call('EXISTS', sibling_key(KEYS[1], 'probe')) == 1 then

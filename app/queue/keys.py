@@ -35,18 +35,13 @@ class Keys:
         clock).  claim-5.lua finds it as the sibling `<prefix>:{e}:retry` of the queue."""
         return f"{self.prefix}:{{{endpoint}}}:retry"
 
-    def upstream_pause(self, endpoint: str) -> str:
-        """Until when (ms, Redis clock) the endpoint's upstream asked it to admit nothing; kept
-        until a probe call succeeds.  Scripts find it (and `<prefix>:{e}:probe`, the probe's
-        lease token) as siblings of the endpoint's keys (lua/includes/upstream.lua)."""
-        return f"{self.prefix}:{{{endpoint}}}:upause"
-
     def seq(self, endpoint: str) -> str:
         """Per-endpoint arrival counter: breaks ties inside a priority exactly."""
         return f"{self.prefix}:{{{endpoint}}}:seq"
 
     def stats(self, endpoint: str) -> str:
-        """Hash of counters and the moving average of exec time."""
+        """Hash of counters and the moving average of exec time; also `upause`, until when
+        (ms) the endpoint's upstream asked for a pause (lua/includes/upstream.lua)."""
         return f"{self.prefix}:{{{endpoint}}}:stats"
 
     def outbox(self, endpoint: str) -> str:

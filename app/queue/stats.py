@@ -86,8 +86,10 @@ def _parse(ep: EndpointConfig, pending: int, in_flight: int, raw: dict[str, str]
             cumulative.append(running)
         histograms[h] = Histogram(cumulative, int(raw.get(f"{h}:sum", 0)))
     avg = {a: float(v) if (v := raw.get(a)) else None for a in AVERAGES}
+    paused = raw.get("upause")
     return EndpointStats(ep, pending, in_flight, {c: int(raw.get(c, 0)) for c in COUNTERS},
-                         avg["exec_ms"], avg["slot_ms"], histograms, raw=raw)
+                         avg["exec_ms"], avg["slot_ms"], histograms, raw=raw,
+                         upstream_paused_until=int(paused) if paused else None)
 
 
 async def read_metrics(redis: Redis, keys: Keys, endpoints: list[EndpointConfig]
@@ -100,14 +102,9 @@ async def read_metrics(redis: Redis, keys: Keys, endpoints: list[EndpointConfig]
             # HGETALL, not HMGET of the fields: naming 44 fields per endpoint made encoding
             # the pipeline most of a scrape's cost; absent buckets are simply not sent.
             pipe.hgetall(keys.stats(ep.id))
-            pipe.get(keys.upstream_pause(ep.id))
         raw = await pipe.execute()
-    out = []
-    for i, ep in enumerate(endpoints):
-        s = _parse(ep, *raw[i * 4:i * 4 + 3])
-        s.upstream_paused_until = int(raw[i * 4 + 3]) if raw[i * 4 + 3] else None
-        out.append(s)
-    return out
+    return [_parse(ep, raw[i * 3], raw[i * 3 + 1], raw[i * 3 + 2])
+            for i, ep in enumerate(endpoints)]
 
 
 def _id_ms(task_id: str) -> int:
@@ -132,15 +129,13 @@ async def queue_stats(redis: Redis, keys: Keys, scripts: Scripts,
                 pipe.zcount(keys.ratelimit(e, ep.limiter), f"({since}", "+inf")
             else:
                 pipe.exists(keys.ratelimit(e, ep.limiter))  # keeps the stride
-            pipe.get(keys.upstream_pause(e))
         raw = await pipe.execute()
     now_s, now_us = raw[0]
     now = int(now_s) * 1000 + int(now_us) // 1000
     out = []
     for i, ep in enumerate(endpoints):
-        pending, in_flight, values, oldest_id, admitted, paused = raw[1 + i * 6:7 + i * 6]
+        pending, in_flight, values, oldest_id, admitted = raw[1 + i * 5:6 + i * 5]
         s = _parse(ep, pending, in_flight, values)
-        s.upstream_paused_until = int(paused) if paused else None
         oldest = _id_ms(oldest_id) if oldest_id else None
         out.append(_view(s, now, oldest, admitted if ep.limiter == "sliding_window" else None))
     return out

@@ -1,16 +1,15 @@
--- Pauses an upstream asked for (app/queue/signals.py). `<prefix>:{e}:upause` holds until when
--- (ms, Redis clock) the endpoint admits nothing, on every dispatcher; once that has passed, one
+-- Pauses an upstream asked for (app/queue/signals.py). Field `upause` of the endpoint's stats
+-- hash holds until when (ms, Redis clock) it admits nothing, on every dispatcher (a field, so a
+-- scrape reads it with the counters); once that has passed, one
 -- probe call goes first (`<prefix>:{e}:probe` holds its lease token and expires with its lease),
 -- and only its success lifts the pause. Both keys are siblings of any key of the endpoint.
 -- Include stats.lua (sibling_key) first.
 
 local function upstream_pause(any_key, now, ms)
-  local upause = sibling_key(any_key, 'upause')
+  local stats = sibling_key(any_key, 'stats')
   local untl = now + ms
-  local current = tonumber(redis.call('GET', upause))
-  if not current or untl > current then
-    redis.call('SET', upause, untl, 'PX', ms + 86400000)  -- kept a day past, for the probe
-  end
+  local current = tonumber(redis.call('HGET', stats, 'upause'))
+  if not current or untl > current then redis.call('HSET', stats, 'upause', untl) end
   redis.call('DEL', sibling_key(any_key, 'probe'))
 end
 
@@ -20,6 +19,6 @@ local function upstream_call_ended(any_key, token, ok)
   local probe = sibling_key(any_key, 'probe')
   if redis.call('GET', probe) == token then
     redis.call('DEL', probe)
-    if ok then redis.call('DEL', sibling_key(any_key, 'upause')) end
+    if ok then redis.call('HDEL', sibling_key(any_key, 'stats'), 'upause') end
   end
 end
