@@ -49,7 +49,6 @@ class TaskQueue:
         """Enqueue; returns the response, or the id of the task an Idempotency-Key names."""
         e, k, user_id = endpoint.id, self.keys, key.user_id
         task_id = new_task_id(e)
-        day = int(time.time() // 86400)
         fields: list[str | int] = [
             "user_id", user_id, "type", req.task_type, "priority", req.priority,
             "method", req.http_method, "url", req.target_url, "body", req.body,
@@ -58,11 +57,10 @@ class TaskQueue:
         ]
         idem = k.idempotency(user_id, idem_key) if idem_key else k.idempotency(user_id, "-")
         res = await self.scripts.submit(
-            keys=[k.queue(e), k.task(task_id), k.seq(e), k.wake, idem, k.quota(user_id, day)],
+            keys=[k.queue(e), k.task(task_id), k.seq(e), k.wake, idem, k.quota(user_id)],
             args=[task_id, e, req.priority, endpoint.max_queue_len,
                   self.ttls.pending_ms, "1" if idem_key else "0",
-                  IDEMPOTENCY_TTL_MS, key.daily_quota, (day + 1) * 86_400_000,
-                  self.ttls.done_ms, *fields],
+                  IDEMPOTENCY_TTL_MS, key.daily_quota, self.ttls.done_ms, *fields],
         )
         if res[0] == "dup":
             return str(res[1])
