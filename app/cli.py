@@ -28,10 +28,28 @@ def main(argv: list[str] | None = None) -> None:
         print(f"qgw: {exc}", file=sys.stderr)
         sys.exit(2)
     logs.setup(settings.log_level)
+    _raise_open_files_limit()
     try:
         args.run(settings, args)
     except KeyboardInterrupt:
         pass
+
+
+def _raise_open_files_limit() -> None:
+    """Up to the hard limit, as Go programs do at start: every client connection and upstream
+    call holds a descriptor, and at the common soft limit of 1024 a thousand idle or slow
+    clients made the server refuse new ones (accept failed) until they went away."""
+    try:
+        import resource
+    except ImportError:  # not a POSIX system
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = hard if hard != resource.RLIM_INFINITY else 1 << 20
+    if soft != resource.RLIM_INFINITY and soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+        except (ValueError, OSError) as exc:
+            log.warning("could not raise the open files limit from %d: %s", soft, exc)
 
 
 def _parser() -> argparse.ArgumentParser:

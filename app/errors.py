@@ -15,6 +15,8 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from sqlalchemy.exc import InterfaceError as SQLInterfaceError
 from sqlalchemy.exc import OperationalError as SQLOperationalError
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
+from starlette.responses import Response
 from starlette.routing import Match
 
 log = logging.getLogger(__name__)
@@ -80,6 +82,13 @@ def install(app: FastAPI) -> None:
             # Starlette names only the first route that matched the path; list them all.
             headers = {"Allow": ", ".join(sorted(_allowed(app, request)))}
         return error_response(exc.status_code, code, str(exc.detail), headers)
+
+    @app.exception_handler(ClientDisconnect)
+    async def _gone(request: Request, _: ClientDisconnect) -> Response:
+        # Nobody is left to answer, and nothing went wrong here: one line, no traceback.
+        log.debug("client went away before sending its whole request: %s %s",
+                  request.method, request.url.path)
+        return Response(status_code=400)  # dropped: the server sends nothing to a gone client
 
     @app.exception_handler(SQLOperationalError)
     @app.exception_handler(SQLInterfaceError)

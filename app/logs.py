@@ -22,11 +22,14 @@ REDACTED = "[redacted]"
 _PATTERNS = [
     (re.compile(r"qgw_[A-Za-z0-9_-]{16,}"), "qgw_" + REDACTED),  # API keys (app/store.py)
     (re.compile(r"\b\d{13}\.[A-Za-z0-9_-]{43}\b"), REDACTED),  # permits (app/permits.py)
-    (re.compile(r"(?i)\b(bearer|basic)\s+[^\s\"',;]+"), r"\1 " + REDACTED),
+    (re.compile(r"(?i)\b(bearer|basic)\s+[^\s\"',;\\]+"), r"\1 " + REDACTED),
+    # The quotes around a name and its value may come escaped, once per level of JSON a
+    # string went through (an upstream's JSON error body inside our JSON line: `\\\"`).
     (re.compile(r"(?i)((?:authorization|x-api-key|x-queue-permit|api[_-]?key|access[_-]?token"
-                r"|token|secret|password|permit)[\"']?\s*[:=]\s*[\"']?)[^\s\"'&,;}]+"),
+                r"|token|secret|password|permit)(?:\\*[\"'])?\s*[:=]\s*(?:\\*[\"'])?)"
+                r"[^\s\"'&,;}\\]+"),
      r"\1" + REDACTED),
-    (re.compile(r"(?i)\b(https?://[^\s?#\"'<>]+)\?[^\s#\"'<>]*"), r"\1?" + REDACTED),
+    (re.compile(r"(?i)\b(https?://[^\s?#\"'<>\\]+)\?[^\s#\"'<>\\]*"), r"\1?" + REDACTED),
     (re.compile(r"(?i)(redis|rediss|mysql\+aiomysql)://([^:/@\s]*):[^@\s]*@"),
      r"\1://\2:" + REDACTED + "@"),
 ]

@@ -62,7 +62,7 @@ class Runtime:
             self.redis_url = s.redis_url
         else:  # the private server lives and dies with this runtime
             self._embedded = EmbeddedRedis(s.data_dir)
-            self.redis_url = await asyncio.to_thread(self._embedded.start)
+            self.redis_url = await self._embedded.start()
         self.redis = redis_client(self.redis_url, s.redis_timeout_s,
                                   max(512, s.dispatch_concurrency + 64))
         self.engine = make_engine(s.db_url)

@@ -40,6 +40,9 @@ class Settings(BaseSettings):
     janitor_batch: int = Field(1000, ge=1, le=1000)
 
     max_body_bytes: int = Field(1_048_576, ge=1024)
+    #: A request body must arrive whole within this many seconds of the route starting to
+    #: read it, else 408 and the connection is closed (slow or stalled clients hold sockets).
+    body_timeout_s: float = Field(10.0, gt=0, le=3600)
     #: The largest upstream answer kept as a task's result (Redis, then a MEDIUMTEXT of at
     #: most 16 MB in MySQL); a larger one fails the task rather than the process's memory.
     max_result_bytes: int = Field(8 << 20, ge=1024, le=12 << 20)

@@ -4,11 +4,11 @@ KEYS[2] task       Hash of the new task
 KEYS[3] seq        arrival counter of the endpoint
 KEYS[4] wake       ZSet of endpoints worth a claim attempt
 KEYS[5] idem       idempotency key (unused unless ARGV[6] == '1')
-KEYS[6] quota      the caller's counter for today (seed 000: INCR, expiring at the day's end)
+KEYS[6] quota      the caller's counter for today (seed 000: INCR, expiring at the day's end;
+                   the day is the Redis clock's, so an API host's skewed clock cannot move it)
 ARGV[1] task id    ARGV[2] endpoint id    ARGV[3] priority    ARGV[4] max queue length
 ARGV[5] pending TTL (ms)    ARGV[6] '1' to honour KEYS[5]    ARGV[7] idempotency TTL (ms)
-ARGV[8] daily quota (0 = none)    ARGV[9] end of the day (unix ms)
-ARGV[10] done TTL (ms)    ARGV[11..] field, value pairs of the task
+ARGV[8] daily quota (0 = none)    ARGV[9] done TTL (ms)    ARGV[10..] field, value pairs
 The task is pending until `pexp` (now + pending TTL; then lua/expire-3.lua or the claim expires
 it), and its hash lives a done TTL longer, so its status can still say `expired`.
 Returns {'ok', task id, rank, created_at} | {'dup', first task id} | {'full'} |
@@ -21,6 +21,7 @@ if ARGV[6] == '1' then
   local first = redis.call('GET', KEYS[5])
   if first then return {'dup', first} end
 end
+local now = now_ms()
 local quota = tonumber(ARGV[8])
 if quota > 0 and tonumber(redis.call('GET', KEYS[6]) or '0') >= quota then
   return {'quota', redis.call('PTTL', KEYS[6])}
@@ -30,7 +31,6 @@ if max_len > 0 and redis.call('ZCARD', KEYS[1]) >= max_len then
   return {'full'}
 end
 
-local now = now_ms()
 -- Strict priority, then arrival: one priority step (2^43) outweighs any arrival count,
 -- and the score stays below 2^53 for priorities up to 1000.
 local seq = redis.call('INCR', KEYS[3])
@@ -38,8 +38,8 @@ local score = int(-tonumber(ARGV[3]) * 8796093022208 + seq)
 
 local pending_ttl = tonumber(ARGV[5])
 redis.call('HSET', KEYS[2], 'status', 'pending', 'created_at', now, 'score', score,
-  'attempts', 0, 'pexp', now + pending_ttl, unpack(ARGV, 11))
-redis.call('PEXPIRE', KEYS[2], pending_ttl + tonumber(ARGV[10]))
+  'attempts', 0, 'pexp', now + pending_ttl, unpack(ARGV, 10))
+redis.call('PEXPIRE', KEYS[2], pending_ttl + tonumber(ARGV[9]))
 redis.call('ZADD', KEYS[1], score, ARGV[1])
 redis.call('ZADD', KEYS[4], 'NX', now, ARGV[2])
 redis.call('HINCRBY', sibling_key(KEYS[1], 'stats'), 'submitted', 1)
@@ -47,7 +47,7 @@ if ARGV[6] == '1' then
   redis.call('SET', KEYS[5], ARGV[1], 'PX', ARGV[7])
 end
 if quota > 0 and redis.call('INCR', KEYS[6]) == 1 then
-  redis.call('PEXPIREAT', KEYS[6], ARGV[9])
+  redis.call('PEXPIREAT', KEYS[6], int((math.floor(now / 86400000) + 1) * 86400000))
 end
 -- What the wait estimate needs (app/queue/tasks.py estimate_wait), in the same round trip.
 local stats = sibling_key(KEYS[1], 'stats')

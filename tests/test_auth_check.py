@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import pytest
 import yaml
 
-from app import ROOT
+from app import ROOT, permits
 from app.runtime import Runtime
 from tests.conftest import Gateway
 
@@ -132,3 +134,26 @@ async def test_under_traefik_only_the_request_line_traefik_sets_decides(
     assert (await check("/auth/check", headers=permit)).status_code == 403  # no request line
     sent = _traefik(smuggled, "POST", "/api/live?x=1", shipped)
     assert (await check("/auth/check", headers=sent)).status_code == 200
+
+
+async def test_permit_expiry_follows_the_redis_clock_not_the_hosts(
+    gateway: Gateway, start_dispatcher: Callable[[], Awaitable[Runtime]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An API host whose clock runs ahead must not refuse a fresh permit, nor one running
+    behind pass a permit that has expired by the clock every replica shares (Redis's)."""
+    _, s = await _admitted(gateway, start_dispatcher, permit_ttl_s=20, permit_max_uses=10)
+    real = time.time
+    monkeypatch.setattr(time, "time", lambda: real() + 60)
+    r = await gateway.http.get("/auth/check", headers=_nginx(s))
+    assert r.status_code == 200, r.text
+
+    # The task's admission ended a second ago by the Redis clock; its permit says so too.
+    monkeypatch.setattr(time, "time", lambda: real() - 3600)
+    redis, tid = gateway.rt.redis, s["task_id"]
+    seconds, micros = await redis.time()
+    ended = seconds * 1000 + micros // 1000 - 1000
+    await redis.hset(gateway.rt.keys.task(tid), "deadline", ended)
+    stale = permits.sign(gateway.rt.settings.permit_key, tid, ended)
+    r = await gateway.http.get("/auth/check", headers={**_nginx(s), "X-Queue-Permit": stale})
+    assert r.status_code == 403 and "expired" in r.json()["error"]["message"], r.text

@@ -288,6 +288,60 @@ class TestRedisOutage:
         assert {d["task_status"] for d in done} == {"completed"}
         assert set(calls) == set(ids) and set(calls.values()) == {1}
 
+    async def test_submits_redis_stalled_on_retried_with_their_key_call_once(
+        self, gateway: Gateway, own_redis: RedisServer, fresh_upstream: str,
+        dispatcher_process: Spawn,
+    ) -> None:
+        """Redis paused (SIGSTOP) under 30 submits: those answered 503 may be queued anyway
+        (Redis runs what it buffered once it resumes). The 503 says so; retried with the
+        same Idempotency-Key, every key makes exactly one task and one upstream call."""
+        url = f"{fresh_upstream}/stalled"
+        await gateway.add_endpoint("stalled", url)
+        auth = await gateway.new_key()
+        dispatcher_process()
+
+        async def post(i: int) -> httpx.Response:
+            return await gateway.http.post(
+                "/api/v1/tasks", json={"target_url": url, "body": str(i)},
+                headers={**auth, "Idempotency-Key": f"order-{i}"})
+
+        async def staggered() -> list[httpx.Response]:
+            sent = []
+            for i in range(30):
+                sent.append(asyncio.create_task(post(i)))
+                await asyncio.sleep(0.05)
+            return list(await asyncio.gather(*sent))
+
+        assert own_redis.proc is not None
+        run = asyncio.create_task(staggered())
+        await asyncio.sleep(0.5)
+        own_redis.proc.send_signal(signal.SIGSTOP)
+        try:
+            await asyncio.sleep(3)
+        finally:
+            own_redis.proc.send_signal(signal.SIGCONT)
+        answers = await run
+        refused = [i for i, r in enumerate(answers) if r.status_code == 503]
+        assert refused and {r.status_code for r in answers} == {202, 503}
+        for i in refused:
+            err = answers[i].json()["error"]
+            assert err["code"] == "redis_unavailable" and answers[i].headers["retry-after"]
+            assert "may have been queued" in err["message"], err
+            assert "same Idempotency-Key" in err["message"], err
+        ids = {i: str(r.json()["task_id"]) for i, r in enumerate(answers) if i not in refused}
+        queued_anyway = 0
+        for i in refused:
+            again = await post(i)
+            assert again.status_code == 202, again.text
+            ids[i] = str(again.json()["task_id"])
+            queued_anyway += ids[i] == answers[i].json()["error"]["task_id"]
+        print(f"{len(refused)} of 30 answered 503; {queued_anyway} of them had been queued")
+        assert queued_anyway > 0  # the 503 was no proof the task was not queued
+        assert len(set(ids.values())) == 30
+        await gateway.wait_finished(auth, list(ids.values()), timeout=30)
+        calls = calls_per_task(fresh_upstream)
+        assert set(calls) == set(ids.values()) and set(calls.values()) == {1}
+
 
 async def _answers(gw: Gateway) -> bool:
     try:

@@ -29,7 +29,8 @@ async def _flow(base: str, gateway: Gateway, upstream: str) -> list[str]:
     await gateway.add_endpoint("live", f"{upstream}/live", max_concurrency=1)
     auth = await gateway.new_key()
     key = auth["Authorization"].removeprefix("Bearer ")
-    secrets = [key, ADMIN, PERMIT_SECRET, "querysecret-4711", "bodysecret-0815"]
+    secrets = [key, ADMIN, PERMIT_SECRET, "querysecret-4711", "bodysecret-0815",
+               "escapedsecret-2718"]
     async with httpx.AsyncClient(base_url=base, headers=auth) as http:
         async def submit(url: str, **fields: Any) -> str:
             r = await http.post("/api/v1/tasks", json={"target_url": url, **fields})
@@ -40,6 +41,10 @@ async def _flow(base: str, gateway: Gateway, upstream: str) -> list[str]:
             await submit(f"{upstream}/logged?api_key=querysecret-4711",
                          body="bodysecret-0815", headers={"X-Api-Key": [key]}),
             await submit(f"{upstream}/logged", headers={"X-Mock-Status": ["400"]}),
+            # The mock echoes the body in its error answer, which the failure line quotes:
+            # a credential inside JSON inside our JSON line, its quotes escaped twice.
+            await submit(f"{upstream}/logged", headers={"X-Mock-Status": ["422"]},
+                         body=json.dumps({"password": "escapedsecret-2718"})),
             await submit(f"{upstream}/logged", headers={"X-Mock-Status": ["503"]}),
             await submit("http://127.0.0.1:9/dead?token=querysecret-4711"),
         ]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from tests.conftest import Gateway
@@ -153,3 +155,20 @@ async def test_a_whole_float_is_an_integer_as_json_schema_says(
     assert ok.status_code == 202
     _is_error(await gw.http.post("/api/v1/tasks", headers=auth,
                                  json={"target_url": TARGET, "priority": 2.5}), 422)
+
+
+async def test_daily_quota_counts_the_day_of_the_redis_clock(
+    gateway: Gateway, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An API host a day behind once let every submit through a quota of 5: the day (and the
+    counter's expiry) came from its own clock."""
+    await gateway.add_endpoint("qd", "http://127.0.0.1:9/qd")
+    r = await gateway.http.post("/admin/v1/api-keys", headers=gateway.admin,
+                                json={"user_id": 6, "daily_quota": 5})
+    auth = {"Authorization": f"Bearer {r.json()['key']}"}
+    real = time.time
+    monkeypatch.setattr(time, "time", lambda: real() - 86400)
+    codes = [(await gateway.http.post("/api/v1/tasks", headers=auth,
+                                      json={"target_url": "http://127.0.0.1:9/qd"})).status_code
+             for _ in range(8)]
+    assert codes == [202] * 5 + [429] * 3

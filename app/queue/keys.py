@@ -66,8 +66,10 @@ class Keys:
     def idempotency(self, user_id: int, key: str) -> str:
         return f"{self.prefix}:idem:{user_id}:{key}"
 
-    def quota(self, user_id: int, day: int) -> str:
-        return f"{self.prefix}:quota:{user_id}:{day}"
+    def quota(self, user_id: int) -> str:
+        """Tasks the user submitted today; expires at the end of the day on the Redis clock
+        (lua/submit-6.lua), so no day in the name: an API host's clock never picks the day."""
+        return f"{self.prefix}:quota:{user_id}"
 
     @property
     def wake(self) -> str:

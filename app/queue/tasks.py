@@ -13,6 +13,8 @@ from functools import cached_property
 from typing import Any
 
 from redis.asyncio import Redis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from app import permits
 from app.endpoints import EndpointConfig
@@ -51,7 +53,6 @@ class TaskQueue:
         """Enqueue; returns the response, or the id of the task an Idempotency-Key names."""
         e, k, user_id = endpoint.id, self.keys, key.user_id
         task_id = new_task_id(e)
-        day = int(time.time() // 86400)
         fields: list[str | int] = [
             "user_id", user_id, "type", req.task_type, "priority", req.priority,
             "method", req.http_method, "url", req.target_url, "body", req.body,
@@ -59,14 +60,16 @@ class TaskQueue:
             "client_ts", req.timestamp or "",
         ]
         idem = k.idempotency(user_id, idem_key) if idem_key else k.idempotency(user_id, "-")
-        res = await self._enqueue(
-            task_id,
-            [k.queue(e), k.task(task_id), k.seq(e), k.wake, idem, k.quota(user_id, day)],
-            [task_id, e, req.priority, endpoint.max_queue_len,
-             self.ttls.pending_ms, "1" if idem_key else "0",
-             IDEMPOTENCY_TTL_MS, key.daily_quota, (day + 1) * 86_400_000,
-             self.ttls.done_ms, *fields],
-        )
+        try:
+            res = await self._enqueue(
+                task_id,
+                [k.queue(e), k.task(task_id), k.seq(e), k.wake, idem, k.quota(user_id)],
+                [task_id, e, req.priority, endpoint.max_queue_len,
+                 self.ttls.pending_ms, "1" if idem_key else "0",
+                 IDEMPOTENCY_TTL_MS, key.daily_quota, self.ttls.done_ms, *fields],
+            )
+        except (RedisConnectionError, RedisTimeoutError) as exc:
+            raise _maybe_queued(task_id, e, idem_key, exc) from None
         if res[0] == "dup":
             return str(res[1])
         if res[0] == "quota":
@@ -214,6 +217,21 @@ class TaskQueue:
             await self.redis.zadd(self.keys.delivered(endpoint_of(task_id)), {task_id: due},
                                   nx=True)
         return self._view(task_id, fields_of(row), None, None, endpoint)
+
+
+def _maybe_queued(task_id: str, e: str, idem_key: str | None, exc: Exception) -> ApiError:
+    """Redis did not answer a submit. It may have run it all the same (a stalled Redis runs
+    what it buffered once it resumes; a reply can be lost with its connection), so the 503
+    must not read as "not queued", and says how to retry without a second task."""
+    log.warning("redis unavailable during a submit: %s", exc,
+                extra={"task_id": task_id, "endpoint": e})
+    how = ("retry with the same Idempotency-Key: that answers with this task if it was "
+           "queued, and never makes a second one" if idem_key else
+           f"this request had no Idempotency-Key: check GET /api/v1/tasks/{task_id} before "
+           "submitting again, and send one to retry safely")
+    return ApiError(503, "redis_unavailable",
+                    f"the queue store did not answer; the task may have been queued as "
+                    f"{task_id}: {how}", {"Retry-After": "1"}, task_id=task_id)
 
 
 def estimate_wait(endpoint: EndpointConfig | None, ahead: int, measured: Any) -> float:

@@ -1,7 +1,9 @@
-"""Reading a JSON body ourselves: a size limit before parsing, and errors in our shape."""
+"""Reading a JSON body ourselves: a size limit and a deadline before parsing, and errors in
+our shape."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any, TypeVar
 
@@ -14,15 +16,29 @@ M = TypeVar("M", bound=BaseModel)
 
 
 async def read_limited(request: Request, limit: int) -> bytes:
+    """The whole body, at most `limit` bytes, within QGW_BODY_TIMEOUT_S of starting to read.
+
+    A client trickling its body (or sending headers and one byte, then nothing) would hold its
+    connection and a file descriptor for ever: after the deadline it gets 408 and the
+    connection is closed. One that goes away raises ClientDisconnect (app/errors.py)."""
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > limit:
         raise ApiError(413, "body_too_large", f"the request body exceeds {limit} bytes")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise ApiError(413, "body_too_large", f"the request body exceeds {limit} bytes")
-        chunks.append(chunk)
+    chunks: list[bytes] = []
+    seconds = request.app.state.runtime.settings.body_timeout_s
+    try:
+        async with asyncio.timeout(seconds):
+            size = 0
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise ApiError(413, "body_too_large",
+                                   f"the request body exceeds {limit} bytes")
+                chunks.append(chunk)
+    except TimeoutError:
+        raise ApiError(408, "body_timeout",
+                       f"the request body did not arrive within {seconds:g} s",
+                       {"Connection": "close"}) from None
     return b"".join(chunks)
 
 
