@@ -207,3 +207,32 @@ class TestFailures:
             await expect(status).to_have_text("cannot reach the gateway: retrying")
             await expect(page.locator("#queues")).to_be_visible()  # the last numbers stay
         assert errors == []
+
+
+async def test_docs_render_without_internet(served: str, browser: object) -> None:
+    """/docs in a browser that may reach nothing but the gateway: every operation is listed
+    and the security schemes offer the Authorize dialog (a CDN asset would leave it blank)."""
+    from playwright.async_api import Browser, Route, expect
+
+    assert isinstance(browser, Browser)
+    page = await browser.new_page()
+    elsewhere: list[str] = []
+
+    async def local_only(route: Route) -> None:
+        if route.request.url.startswith(served):
+            await route.continue_()
+        else:
+            elsewhere.append(route.request.url)
+            await route.abort()
+
+    await page.route("**/*", local_only)
+    await page.goto(f"{served}/docs")
+    submit = page.locator("#operations-tasks-submit_task")
+    await expect(submit).to_be_visible(timeout=10_000)
+    doc = httpx.get(f"{served}/openapi.json").json()
+    await expect(page.locator(".opblock")).to_have_count(
+        sum(len(ops) for ops in doc["paths"].values()))
+    await expect(page.locator("button.authorize")).to_be_visible()
+    ARTIFACTS.mkdir(exist_ok=True)
+    await page.screenshot(path=str(ARTIFACTS / "docs.png"))
+    assert elsewhere == []

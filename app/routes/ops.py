@@ -48,7 +48,7 @@ async def readyz(rt: Annotated[Runtime, Depends(runtime)]) -> JSONResponse:
 
 
 # The classic text format (0.0.4): what the output is, and what every Prometheus reads.
-@router.get("/metrics", response_class=Response,
+@router.get("/metrics", response_class=Response, operation_id="metrics",
             responses={200: {"content": {CONTENT_TYPE_PLAIN_0_0_4: {}}}})
 async def prometheus(rt: Annotated[Runtime, Depends(runtime)]) -> Response:
     """Prometheus exposition: per endpoint depth, in flight, counters and histograms (one
