@@ -24,9 +24,12 @@ test: $(STAMP) lint
 fuzz: $(STAMP)
 	$(BIN)/python tests/fuzz_api.py
 
+## Lint and type-check; the Dockerfile (hadolint) and compose.yaml (the compose spec) too.
 lint: $(STAMP)
 	$(BIN)/ruff check app tests bench
 	$(BIN)/mypy
+	$(BIN)/hadolint Dockerfile
+	$(BIN)/check-jsonschema -q --builtin-schema vendor.compose-spec compose.yaml
 
 ## Benchmarks: bounded, loopback only, ratios against a baseline measured in the same run.
 bench: $(STAMP)
