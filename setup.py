@@ -5,6 +5,7 @@ They stay at the repository root, where they are edited and reviewed; an editabl
 reads them there (see `app.data_path`). Everything else is declared in pyproject.toml.
 """
 
+import shutil
 from pathlib import Path
 
 from setuptools import setup
@@ -19,6 +20,8 @@ class BuildPy(build_py):
         if self.editable_mode:  # the checkout's own files are read in place
             return
         for name in SHIPPED:
+            # A file deleted here must not ship from an earlier build left in build/.
+            shutil.rmtree(Path(self.build_lib, "app", name), ignore_errors=True)
             for src in sorted(Path(name).rglob("*")):
                 if src.is_file() and "__pycache__" not in src.parts:
                     dest = Path(self.build_lib, "app", src)
