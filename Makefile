@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
+SYSDEPS := $(VENV)/.system-deps
 
 .PHONY: run test lint fuzz bench clean
 
@@ -17,16 +18,25 @@ run: $(STAMP)
 	$(BIN)/qgw serve
 
 ## Lint, type-check and run the test suite against real servers.
-test: $(STAMP) lint
+test: $(STAMP) $(SYSDEPS) lint
 	$(BIN)/pytest -q
+
+## The system packages the tests drive (MariaDB, nginx, Chromium): installed once on Debian as
+## root, named in one line elsewhere (scripts/system-deps).
+$(SYSDEPS): scripts/system-deps
+	scripts/system-deps
+	mkdir -p $(VENV) && touch $@
 
 ## schemathesis against our own OpenAPI document: every route, valid credentials, bounded.
 fuzz: $(STAMP)
 	$(BIN)/python tests/fuzz_api.py
 
+## Lint and type-check; the Dockerfile (hadolint) and compose.yaml (the compose spec) too.
 lint: $(STAMP)
 	$(BIN)/ruff check app tests bench
 	$(BIN)/mypy
+	$(BIN)/hadolint Dockerfile
+	$(BIN)/check-jsonschema -q --builtin-schema vendor.compose-spec compose.yaml
 
 ## Benchmarks: bounded, loopback only, ratios against a baseline measured in the same run.
 bench: $(STAMP)

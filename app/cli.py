@@ -12,7 +12,7 @@ from typing import Any
 
 import uvicorn
 
-from app import admin_cli, logs, migrate
+from app import admin_cli, healthcheck, logs, migrate
 from app.settings import Settings, SettingsError, load_settings
 
 log = logging.getLogger("qgw")
@@ -75,6 +75,7 @@ def _parser() -> argparse.ArgumentParser:
     mock.add_argument("--fail-rate", type=float, default=0)
     mock.set_defaults(run=_mock)
     admin_cli.add_parsers(sub)
+    healthcheck.add_parser(sub)
     return p
 
 

@@ -6,8 +6,9 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
+from fastapi_offline import FastAPIOffline
 
-from app import __version__, errors, logs
+from app import __version__, errors, logs, openapi
 from app.routes import admin, auth_check, dashboard, ops, tasks
 from app.runtime import Runtime
 
@@ -29,11 +30,16 @@ def create_app(
             if manage:
                 await runtime.stop()
 
-    app = FastAPI(title="queue-gateway", version=__version__, lifespan=lifespan)
+    # /docs and /redoc with their assets served from the package (fastapi-offline), not a
+    # CDN: the pages work without internet access.
+    app = FastAPIOffline(title="queue-gateway", version=__version__, lifespan=lifespan,
+                         static_url="/docs/assets",
+                         generate_unique_id_function=openapi.operation_id)
     app.state.runtime = runtime
     errors.install(app)
     for router in (tasks.router, auth_check.router, admin.router, ops.router, dashboard.router):
         app.include_router(router)
+    openapi.install(app)
     # Patterns catch keys and permits; these two have no recognisable shape.
     logs.redact(runtime.settings.admin_secret, runtime.settings.permit_key.decode())
     return app

@@ -5,12 +5,12 @@ from __future__ import annotations
 from alembic.config import Config
 
 from alembic import command
-from app import ROOT
+from app import data_path
 
 
 def _config(db_url: str) -> Config:
     cfg = Config()
-    cfg.set_main_option("script_location", str(ROOT / "alembic"))
+    cfg.set_main_option("script_location", str(data_path("alembic")))
     cfg.set_main_option("sqlalchemy.url", db_url.replace("%", "%%"))
     return cfg
 

@@ -15,6 +15,7 @@ from app import redis_url
 from app.db import make_engine
 from app.embedded import EmbeddedRedis
 from app.endpoints import EndpointConfig
+from app.healthcheck import beat, heartbeat_path
 from app.lifecycle.jobs import LifecycleJobs
 from app.lifecycle.results import OutboxWriter, ResultStore
 from app.metrics import SharedScrape
@@ -90,6 +91,8 @@ class Runtime:
             self.lifecycle = LifecycleJobs.build(s, self.redis, self.keys, scripts,
                                                  self.registry, self.engine)
             self.lifecycle.start()
+            # Dispatchers have no port: the container's health check reads this heartbeat.
+            self._watchers.append(asyncio.create_task(beat(self.redis, heartbeat_path(s))))
 
     async def retire_endpoint(self, endpoint_id: str) -> None:
         """Delete an endpoint, only an idle one (409 otherwise), so no task is stranded in a

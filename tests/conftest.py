@@ -7,7 +7,7 @@ import asyncio
 import os
 import subprocess
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -192,3 +192,16 @@ def dispatcher_process(env: dict[str, str]) -> Iterator[Callable[..., subprocess
 def fresh_upstream() -> Iterator[str]:
     with mock_upstream() as base:
         yield base
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    """A skipped test fails: `make test` installs everything the suite needs
+    (scripts/system-deps), so a skip could only hide a test that never ran."""
+    report = yield
+    if report.skipped and not hasattr(report, "wasxfail"):
+        report.outcome = "failed"
+        report.longrepr = f"skipped, and the suite skips nothing: {report.longrepr}"
+    return report

@@ -96,7 +96,7 @@ def mock_log(base: str) -> list[dict[str, object]]:
 class MariaDB:
     """A private MariaDB server in a temp dir, on loopback TCP; root has no password.
 
-    CI installs Debian's `mariadb-server`; a missing binary fails the storage tests loudly
+    `make test` installs Debian's `mariadb-server`; a missing binary fails the storage tests loudly
     (they are the proof the MySQL path works), it does not skip them."""
 
     def __init__(self, data_dir: Path) -> None:
@@ -109,7 +109,7 @@ class MariaDB:
         install = shutil.which("mariadb-install-db")
         if not server or not install:
             raise RuntimeError("mariadbd / mariadb-install-db not found: install the "
-                               "mariadb-server package (CI does, see .ci/run)")
+                               "mariadb-server package (make test does: scripts/system-deps)")
         return server, install
 
     def url(self, database: str) -> str:

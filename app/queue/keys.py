@@ -99,6 +99,11 @@ class Keys:
     def channel(self, table: str) -> str:
         return f"{self.prefix}:{table}:changed"
 
+    @property
+    def ready_probe(self) -> str:
+        """A short-lived key /readyz writes: a server that went read-only (a replica) fails."""
+        return f"{self.prefix}:readyz"
+
 
 def endpoint_of(task_id: str) -> str:
     return task_id.partition(".")[2]

@@ -15,9 +15,9 @@ from typing import Any
 from redis.asyncio import Redis
 from redis.exceptions import NoScriptError
 
-from app import ROOT
+from app import data_path
 
-LUA_DIR = ROOT / "lua"
+LUA_DIR = data_path("lua")
 _INCLUDE = re.compile(r"^--@include (\S+)$", re.MULTILINE)
 
 

@@ -108,7 +108,7 @@ async def revoke_api_key(key_id: str, rt: Rt) -> Response:
     return Response(status_code=204)
 
 
-@router.get("/queues")
+@router.get("/queues", operation_id="list_queues")
 async def queues(rt: Rt) -> dict[str, Any]:
     """Per endpoint: exact pending and in flight, counters, admitted and finished a second
     (last minute) against the rate limit, exec and slot time, the estimated wait of a new task,

@@ -31,7 +31,8 @@ def _denied(message: str) -> Response:
     return error_response(403, "permit_denied", message)
 
 
-@router.get("/auth/check", status_code=200, responses={401: {}, 403: {}})
+@router.get("/auth/check", status_code=200, responses={401: {}, 403: {}},
+            operation_id="auth_check")
 async def check(request: Request) -> Response:
     """200 lets the call through; 401 when the permit headers are missing; 403 otherwise."""
     h = request.headers

@@ -1,0 +1,52 @@
+"""What the OpenAPI document adds to FastAPI's: the security schemes (API.md, Authentication)
+and operation ids a generated client can use as method names."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.routing import APIRoute
+
+SECURITY_SCHEMES: dict[str, dict[str, str]] = {
+    "apiKey": {"type": "http", "scheme": "bearer",
+               "description": "An API key: `Authorization: Bearer <api-key>`"},
+    "apiKeyHeader": {"type": "apiKey", "in": "header", "name": "X-API-Key",
+                     "description": "An API key: `X-API-Key: <api-key>`"},
+    "adminToken": {"type": "http", "scheme": "bearer",
+                   "description": "The admin token (QGW_ADMIN_TOKEN)"},
+}
+# By path prefix: the routes resolve their caller themselves (the hot ones without a
+# FastAPI dependency), so there is no dependency to read this from.
+SECURITY: tuple[tuple[str, list[dict[str, list[str]]]], ...] = (
+    ("/api/", [{"apiKey": []}, {"apiKeyHeader": []}]),
+    ("/admin/", [{"adminToken": []}]),
+)
+
+
+def operation_id(route: APIRoute) -> str:
+    """The handler's name (`create_endpoint`), not FastAPI's `<name>_<path>_<method>`;
+    handlers with a terse name set `operation_id` (`submit_task`)."""
+    return route.name
+
+
+def install(app: FastAPI) -> None:
+    """Serve the document with the security schemes declared on every guarded operation."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            _secure(build())  # FastAPI keeps the document in app.openapi_schema
+        assert app.openapi_schema is not None
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+def _secure(doc: dict[str, Any]) -> None:
+    doc.setdefault("components", {})["securitySchemes"] = SECURITY_SCHEMES
+    for path, operations in doc["paths"].items():
+        for prefix, security in SECURITY:
+            if path.startswith(prefix):
+                for op in operations.values():
+                    op["security"] = security

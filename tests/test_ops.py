@@ -1,0 +1,67 @@
+"""GET /readyz: ready while Redis takes writes; the database's state is reported, and an
+outage that submit survives keeps the API process in rotation (API.md, Operations)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from app.settings import Settings
+from tests.conftest import Gateway
+from tests.servers import RedisServer, free_port
+from tests.test_storage import Outage
+
+
+class TestRedisReadOnly:
+    @pytest.fixture
+    def settings(self, settings: Settings, own_redis: RedisServer) -> Settings:
+        """Overrides conftest's: this test demotes its Redis to a replica."""
+        return settings.model_copy(update={"redis_url": own_redis.url})
+
+    async def test_a_redis_that_refuses_writes_makes_the_process_unready(
+        self, gateway: Gateway
+    ) -> None:
+        r = await gateway.http.get("/readyz")
+        assert r.status_code == 200
+        assert r.json() == {"status": "ok", "checks": {"redis": "ok", "database": "ok"}}
+        # A replica (here of a master that is not there) answers PING but refuses submits.
+        await gateway.rt.redis.execute_command("REPLICAOF", "127.0.0.1", str(free_port()))
+        try:
+            assert await gateway.rt.redis.ping()
+            r = await gateway.http.get("/readyz")
+            assert r.status_code == 503, r.text
+            assert r.json()["checks"]["redis"] == "error: ReadOnlyError"
+        finally:
+            await gateway.rt.redis.execute_command("REPLICAOF", "NO", "ONE")
+        assert (await gateway.http.get("/readyz")).status_code == 200
+
+
+class TestDatabaseOutage:
+    @pytest.fixture
+    def outage(self, tmp_path: Path) -> Outage:
+        return Outage("sqlite", tmp_path)
+
+    @pytest.fixture
+    def settings(self, settings: Settings, outage: Outage) -> Settings:
+        """Overrides conftest's: a SQLite database the test can take away."""
+        return settings.model_copy(update={"database_url": outage.url()})
+
+    async def test_a_database_outage_is_reported_and_the_process_stays_ready(
+        self, gateway: Gateway, outage: Outage, upstream: str
+    ) -> None:
+        url = f"{upstream}/readyz-db"
+        await gateway.add_endpoint("readyz-db", url)
+        auth = await gateway.new_key()
+        outage.engines.append(gateway.rt.engine)
+        await outage.down()
+        try:
+            r = await gateway.http.get("/readyz")
+            assert r.status_code == 200, r.text
+            assert r.json()["status"] == "degraded"
+            assert r.json()["checks"]["redis"] == "ok"
+            assert r.json()["checks"]["database"].startswith("error: ")
+            await gateway.submit(auth, url)  # what readiness promises: submit still works
+        finally:
+            await outage.up()
+        assert (await gateway.http.get("/readyz")).json()["status"] == "ok"

@@ -1,0 +1,31 @@
+"""scripts/system-deps, which `make test` runs first: where it cannot install what the tests
+need (not root, not Debian), it stops with one line naming the exact packages. (On Debian as
+root it installs them: CI's fresh machines run that branch through `make test`.)"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+from app import ROOT
+
+PACKAGES = {"mariadb-server", "nginx-light", "chromium"}
+
+
+def test_without_root_it_names_the_missing_packages_in_one_line(tmp_path: Path) -> None:
+    # A PATH with none of the tools (the script adds the sbin directories, where nginx and
+    # mariadbd may be found), and a user who cannot install anything.
+    runuser = shutil.which("runuser") or "/usr/sbin/runuser"
+    as_user = [runuser, "-u", "nobody", "--"] if os.getuid() == 0 else []
+    script = (ROOT / "scripts" / "system-deps").read_bytes()
+    done = subprocess.run([*as_user, "/bin/bash", "-s"], input=script, capture_output=True,
+                          env={"PATH": str(tmp_path)}, cwd="/", timeout=30)
+    assert done.returncode == 1 and done.stdout == b""
+    (line,) = done.stderr.decode().splitlines()
+    head, _, named = line.partition(": ")
+    assert head == "make test needs the system packages", line
+    missing = named.split(" (")[0].split()
+    assert "chromium" in missing and set(missing) <= PACKAGES, line
+    assert line.endswith(f"(Debian: apt-get install {' '.join(missing)})")
