@@ -8,7 +8,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from app import __version__, errors, logs
-from app.routes import admin, auth_check, dashboard, ops, tasks
+from app.routes import admin, auth_check, dashboard, follow, ops, tasks
 from app.runtime import Runtime
 
 
@@ -32,7 +32,8 @@ def create_app(
     app = FastAPI(title="queue-gateway", version=__version__, lifespan=lifespan)
     app.state.runtime = runtime
     errors.install(app)
-    for router in (tasks.router, auth_check.router, admin.router, ops.router, dashboard.router):
+    for router in (tasks.router, follow.router, auth_check.router, admin.router, ops.router,
+                   dashboard.router):
         app.include_router(router)
     # Patterns catch keys and permits; these two have no recognisable shape.
     logs.redact(runtime.settings.admin_secret, runtime.settings.permit_key.decode())

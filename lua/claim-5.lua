@@ -17,6 +17,7 @@ pending deadline are expired (lifecycle.lua; the stats and outbox keys are sibli
 --@include ratelimit.lua
 --@include lifecycle.lua
 --@include stats.lua
+--@include events.lua
 
 redis.call('ZREM', KEYS[5], ARGV[1])  -- this attempt consumes any scheduled retry
 
@@ -28,6 +29,7 @@ local now = now_ms()
 local out = {'more', 0, now}
 local stats = sibling_key(KEYS[1], 'stats')  -- the dispatcher fixes KEYS
 local claimed = 0
+local changed = {}  -- ids whose status this run changes, published once at the end
 
 while true do
   if claimed >= n then break end
@@ -43,6 +45,7 @@ while true do
   elseif tf[2] and tonumber(tf[2]) <= now then
     -- Past its pending deadline: never runs, even if the sweep (expire-3.lua) is late.
     expire_pending(task, id, KEYS[1], stats, sibling_key(KEYS[1], 'outbox'), now)
+    changed[#changed + 1] = id
   else
     local token = token_prefix .. ':' .. claimed
     local wait = rl_acquire(kind, KEYS[3], rate, interval, guard, now, token)
@@ -59,6 +62,7 @@ while true do
     -- pending deadline that outlasts the rest of it must not lose its task mid-call.
     redis.call('PERSIST', task)
     claimed = claimed + 1
+    changed[#changed + 1] = id
     if attempts == 1 then  -- time in line before its first start (not after a hand-back)
       local created = tonumber(redis.call('HGET', task, 'created_at')) or now
       stats_observe(stats, 'queue_wait_ms', now - created)
@@ -80,4 +84,5 @@ if out[1] == 'limited' then
 elseif out[1] == 'more' then
   redis.call('ZADD', KEYS[4], 'NX', now, endpoint)
 end
+publish_changed(KEYS[1], changed)
 return out

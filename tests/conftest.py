@@ -18,7 +18,7 @@ from app import migrate
 from app.main import create_app
 from app.runtime import Runtime
 from app.settings import Settings
-from tests.servers import QGW, MariaDB, RedisServer, mock_upstream, stop
+from tests.servers import QGW, MariaDB, RedisServer, free_port, mock_upstream, stop, wait_port
 
 ADMIN = "test-admin-token"
 
@@ -189,3 +189,25 @@ def dispatcher_process(env: dict[str, str]) -> Iterator[Callable[..., subprocess
 def fresh_upstream() -> Iterator[str]:
     with mock_upstream() as base:
         yield base
+
+
+@pytest.fixture
+def start_api(
+    gateway: Gateway, env: dict[str, str]
+) -> Iterator[Callable[[], Awaitable[str]]]:
+    """Start `qgw api` processes beside the in-process gateway (same Redis, database and
+    prefix; set endpoints up first, or wait a second for them to spread); returns the base
+    URL. For clients that need a real server: streams, retries over real sockets."""
+    procs: list[subprocess.Popen[bytes]] = []
+
+    async def start() -> str:
+        port = free_port()
+        proc = subprocess.Popen([*QGW, "api", "--port", str(port)], env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        procs.append(proc)
+        await asyncio.to_thread(wait_port, port, 30.0, proc)
+        return f"http://127.0.0.1:{port}"
+
+    yield start
+    for proc in procs:
+        stop(proc)
