@@ -29,7 +29,10 @@ def create_app(
             if manage:
                 await runtime.stop()
 
-    app = FastAPI(title="queue-gateway", version=__version__, lifespan=lifespan)
+    # Operation ids are the handlers' names (`submit`, `status`, `follow_task`, ...): what a
+    # client generated from the OpenAPI document calls its methods.
+    app = FastAPI(title="queue-gateway", version=__version__, lifespan=lifespan,
+                  generate_unique_id_function=lambda route: route.name)
     app.state.runtime = runtime
     errors.install(app)
     for router in (tasks.router, follow.router, auth_check.router, admin.router, ops.router,

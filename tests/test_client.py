@@ -162,3 +162,12 @@ async def test_503_is_retried_after_retry_after_and_a_long_one_is_not(
             await limited.submit(f"{upstream}/cl-quota", idempotency_key="b")
     assert quota.value.status_code == 429 and time.monotonic() - started < 2
     assert isinstance(quota.value, QueueGatewayError)
+
+
+async def test_openapi_operation_ids_read_as_method_names(gateway: Gateway) -> None:
+    doc = (await gateway.http.get("/openapi.json")).json()
+    ops = {(path, method): op["operationId"] for path, methods in doc["paths"].items()
+           for method, op in methods.items()}
+    assert ops[("/api/v1/tasks", "post")] == "submit"
+    assert ops[("/api/v1/tasks/{task_id}/events", "get")] == "follow_task"
+    assert len(set(ops.values())) == len(ops)

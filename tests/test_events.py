@@ -171,3 +171,4 @@ class TestRedisOutage:
                         own_redis.start()
                         await eventually(lambda: _answers(gateway), 5, "redis to load")
         assert seen == ["pending", "processing", "completed"]
+
