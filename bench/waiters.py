@@ -19,6 +19,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections import Counter
 from datetime import datetime
 from pathlib import Path
 
@@ -33,24 +34,32 @@ from tests.servers import QGW, RedisServer, free_port, stop, wait_port
 ADMIN = "waiters-admin"
 LOAD_PER_S = 100  # submits a second to the busy endpoint
 LATENCY_MS = 20
+VERBOSE = "-v" in sys.argv  # which commands
+SETTLE_S = 3.0
 
 
-def commands(r: redis.Redis) -> int:
-    """Every command Redis has served (INFO commandstats, all commands summed)."""
+def commands(r: redis.Redis) -> Counter[str]:
+    """Commands Redis has served, by name (INFO commandstats)."""
     stats = r.info("commandstats")
-    return sum(int(v["calls"]) for v in stats.values())  # type: ignore[union-attr]
+    return Counter({k: int(v["calls"]) for k, v in stats.items()})  # type: ignore[index]
 
 
 def rate(r: redis.Redis, seconds: float) -> float:
     before, start = commands(r), time.monotonic()
     time.sleep(seconds)
-    return (commands(r) - before - 1) / (time.monotonic() - start)  # minus our INFO
+    delta = commands(r) - before
+    if VERBOSE:
+        print("   ", delta.most_common(6))
+    return (delta.total() - 1) / (time.monotonic() - start)  # minus our INFO
 
 
 async def waiter(http: httpx.AsyncClient, auth: dict[str, str], task_id: str,
                  stop_at: float) -> None:
     while time.monotonic() < stop_at:
-        r = await http.get(f"/api/v1/tasks/{task_id}", params={"wait": 30}, headers=auth)
+        try:
+            r = await http.get(f"/api/v1/tasks/{task_id}", params={"wait": 30}, headers=auth)
+        except httpx.TransportError:  # a pooled connection the server had just closed
+            continue
         r.raise_for_status()
 
 
@@ -65,7 +74,7 @@ async def load(http: httpx.AsyncClient, auth: dict[str, str], url: str, stop_at:
 
 
 async def measure(r: redis.Redis, seconds: float) -> float:
-    await asyncio.sleep(1.0)  # let the waiters and the load settle
+    await asyncio.sleep(SETTLE_S)  # past the waiters' first reads, and the load's ramp
     return await asyncio.to_thread(rate, r, seconds)
 
 
@@ -102,12 +111,12 @@ async def run(http: httpx.AsyncClient, r: redis.Redis, upstream: str, waiters: i
     await asyncio.sleep(1.0)
 
     idle = await measure(r, seconds)
-    stop_at = time.monotonic() + seconds + 1.5
+    stop_at = time.monotonic() + seconds + SETTLE_S + 0.5
     tasks = [asyncio.create_task(waiter(http, auth, t, stop_at)) for t in ids]
     idle_w = await measure(r, seconds)
     await asyncio.gather(*tasks)
 
-    stop_at = time.monotonic() + 2 * seconds + 4
+    stop_at = time.monotonic() + 2 * (seconds + SETTLE_S) + 1
     loader = asyncio.create_task(load(http, auth, busy, stop_at))
     busy_0 = await measure(r, seconds)
     tasks = [asyncio.create_task(waiter(http, auth, t, stop_at)) for t in ids]
@@ -155,5 +164,6 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--waiters", type=int, default=300)
     parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument("-v", action="store_true", help="print the commands counted")
     args = parser.parse_args()
     asyncio.run(main(args.waiters, args.seconds))
