@@ -2,15 +2,15 @@
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
-STAMP  := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
+STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml clients/python/pyproject.toml | cksum | cut -d' ' -f1)
 SYSDEPS := $(VENV)/.system-deps
 
 .PHONY: run test lint fuzz bench clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml clients/python/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q -e '.[test]' -e clients/python  # the client: its tests and mypy
 	rm -f $(VENV)/.installed-* && touch $@
 
 ## Start the gateway on embedded defaults (private Redis, SQLite in ./.qgw).
@@ -33,7 +33,7 @@ fuzz: $(STAMP)
 
 ## Lint and type-check; the Dockerfile (hadolint) and compose.yaml (the compose spec) too.
 lint: $(STAMP)
-	$(BIN)/ruff check app tests bench
+	$(BIN)/ruff check app tests bench clients
 	$(BIN)/mypy
 	$(BIN)/hadolint Dockerfile
 	$(BIN)/check-jsonschema -q --builtin-schema vendor.compose-spec compose.yaml

@@ -20,6 +20,7 @@ from app.lifecycle.jobs import LifecycleJobs
 from app.lifecycle.results import OutboxWriter, ResultStore
 from app.metrics import SharedScrape
 from app.queue.dispatcher import Dispatcher
+from app.queue.events import TaskEvents
 from app.queue.keys import Keys
 from app.queue.registry import SPREAD_S, EndpointRegistry, Mirror, cancel_all
 from app.queue.scripts import Scripts
@@ -49,6 +50,7 @@ class Runtime:
     endpoints: EndpointStore = field(init=False)
     key_store: KeyStore = field(init=False)
     queue: TaskQueue = field(init=False)
+    events: TaskEvents = field(init=False)  # waiters' status changes (?wait=, the SSE stream)
     dispatcher: Dispatcher | None = field(default=None, init=False)
     lifecycle: LifecycleJobs | None = field(default=None, init=False)
     http: aiohttp.ClientSession | None = field(default=None, init=False)
@@ -78,6 +80,7 @@ class Runtime:
         self.key_store = KeyStore(self.engine, self.api_keys)
         self.registry = EndpointRegistry(ep_mirror)
         self.queue = TaskQueue(self.redis, self.keys, scripts, s, ResultStore(self.engine))
+        self.events = TaskEvents(self.redis, self.keys)
         for mirror in (ep_mirror, self.api_keys):
             await mirror.refresh()
             self._watchers.append(asyncio.create_task(mirror.watch()))
@@ -117,6 +120,7 @@ class Runtime:
         if self.lifecycle:  # after the dispatcher: its last acks reach SQL too
             await self.lifecycle.stop()
         await cancel_all(self._watchers)
+        await self.events.stop()
         if self.http:
             await self.http.close()
         for client in (self._blocking, self.redis):

@@ -11,6 +11,7 @@ The finished task goes to the endpoint's outbox (key built from KEYS[2], see lif
 --@include stats.lua
 --@include lifecycle.lua
 --@include upstream.lua
+--@include events.lua
 
 if redis.call('HGET', KEYS[2], 'lease') ~= ARGV[2] then return 0 end
 local now = now_ms()
@@ -26,6 +27,7 @@ redis.call('HSET', KEYS[2], 'status', ARGV[3], 'result', ARGV[4],
 redis.call('HDEL', KEYS[2], 'lease', 'deadline')
 redis.call('PEXPIRE', KEYS[2], ARGV[6])
 to_outbox(sibling_key(KEYS[2], 'outbox'), KEYS[2], ARGV[1])
+publish_changed(KEYS[1], {ARGV[1]})
 
 local n = redis.call('HINCRBY', KEYS[5], ARGV[3], 1)
 local exec = tonumber(ARGV[8])

@@ -7,6 +7,7 @@ Returns {'cancelled'} | {'missing'} | {'conflict', current status}.
 --@include now.lua
 --@include lifecycle.lua
 --@include stats.lua
+--@include events.lua
 
 local f = redis.call('HMGET', KEYS[1], 'user_id', 'status', 'type')
 if not f[1] or f[1] ~= ARGV[2] then return {'missing'} end
@@ -26,5 +27,6 @@ end
 redis.call('HSET', KEYS[1], 'status', 'cancelled', 'ended_at', now)
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
 to_outbox(KEYS[5], KEYS[1], ARGV[1])
+publish_changed(KEYS[2], {ARGV[1]})
 redis.call('HINCRBY', sibling_key(KEYS[2], 'stats'), 'cancelled', 1)
 return {'cancelled'}

@@ -22,6 +22,7 @@ KEYS[5].
 --@include lifecycle.lua
 --@include stats.lua
 --@include upstream.lua
+--@include events.lua
 
 redis.call('ZREM', KEYS[5], ARGV[1])  -- this attempt consumes any scheduled retry
 
@@ -42,6 +43,7 @@ end
 local out = {'more', 0, now}
 local stats = sibling_key(KEYS[1], 'stats')  -- the dispatcher fixes KEYS
 local claimed = 0
+local changed = {}  -- ids whose status this run changes, published once at the end
 
 -- Paused by its upstream (upstream.lua): nothing until then, then one probe at a time.
 local paused, probing = tonumber(redis.call('HGET', stats, 'upause')), false
@@ -67,6 +69,7 @@ while true do
   elseif tf[2] and tonumber(tf[2]) <= now then
     -- Past its pending deadline: never runs, even if the sweep (expire-3.lua) is late.
     expire_pending(task, id, KEYS[1], stats, sibling_key(KEYS[1], 'outbox'), now)
+    changed[#changed + 1] = id
   else
     local token = token_prefix .. ':' .. claimed
     local wait = rl_acquire(kind, KEYS[3], rate, interval, guard, now, token)
@@ -83,6 +86,7 @@ while true do
     -- pending deadline that outlasts the rest of it must not lose its task mid-call.
     redis.call('PERSIST', task)
     claimed = claimed + 1
+    changed[#changed + 1] = id
     if attempts == 1 then  -- time in line before its first start (not after a hand-back)
       local created = tonumber(redis.call('HGET', task, 'created_at')) or now
       stats_observe(stats, 'queue_wait_ms', now - created)
@@ -110,4 +114,5 @@ elseif out[1] == 'more' then
 end
 local next_retry = redis.call('ZRANGE', retry, 0, 0, 'WITHSCORES')
 if #next_retry > 0 then redis.call('ZADD', KEYS[5], 'LT', next_retry[2], endpoint) end
+publish_changed(KEYS[1], changed)
 return out

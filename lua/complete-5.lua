@@ -7,6 +7,7 @@ Returns {'completed'} | {'missing'} | {'conflict', current status}.
 --@include now.lua
 --@include lifecycle.lua
 --@include stats.lua
+--@include events.lua
 
 local f = redis.call('HMGET', KEYS[1], 'user_id', 'status', 'type', 'started_at')
 if not f[1] or f[1] ~= ARGV[2] then return {'missing'} end
@@ -17,6 +18,7 @@ redis.call('HDEL', KEYS[1], 'lease', 'deadline')
 redis.call('HSET', KEYS[1], 'status', 'completed', 'result', ARGV[3], 'ended_at', now)
 redis.call('PEXPIRE', KEYS[1], ARGV[4])
 to_outbox(KEYS[5], KEYS[1], ARGV[1])
+publish_changed(KEYS[2], {ARGV[1]})
 local stats = sibling_key(KEYS[2], 'stats')
 redis.call('HINCRBY', stats, 'completed', 1)
 -- An online slot is held until its caller is done: that time is what the wait estimate needs.

@@ -9,16 +9,25 @@ Returns {expired, 1 if it stopped at a bound (more may be due) else 0}.
 ]]
 --@include now.lua
 --@include lifecycle.lua
+--@include stats.lua
+--@include events.lua
 
 local BAND = 8796093022208  -- 2^43, one priority step of the score (submit-6.lua)
 local now = now_ms()
 local max_expired, steps_left = tonumber(ARGV[3]), tonumber(ARGV[4])
 local from, expired = '-inf', 0
+local changed = {}
+
+local function done(more)
+  publish_changed(KEYS[1], changed)
+  return {expired, more}
+end
+
 while steps_left > 0 do
-  if expired >= max_expired then return {expired, 1} end
+  if expired >= max_expired then return done(1) end
   steps_left = steps_left - 1
   local head = redis.call('ZRANGEBYSCORE', KEYS[1], from, '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
-  if #head == 0 then return {expired, 0} end
+  if #head == 0 then return done(0) end
   local id, score = head[1], tonumber(head[2])
   local task = ARGV[1] .. id
   local f = redis.call('HMGET', task, 'status', 'pexp')
@@ -30,11 +39,12 @@ while steps_left > 0 do
     expire_pending(task, id, KEYS[1], KEYS[2], KEYS[3], now)
     redis.call('PEXPIRE', task, ARGV[2])
     expired = expired + 1
+    changed[expired] = id
   else
     -- Not due: neither is anything after it in this band. Jump to the next lower priority.
-    if score > 0 then return {expired, 0} end  -- priority 0 is the last band
+    if score > 0 then return done(0) end  -- priority 0 is the last band
     local priority = math.ceil(-score / BAND)
     from = int(-(priority - 1) * BAND + 1)
   end
 end
-return {expired, 1}
+return done(1)

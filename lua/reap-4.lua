@@ -9,17 +9,20 @@ is built from ARGV[2] (lifecycle.lua) since the dispatcher fixes KEYS.
 --@include now.lua
 --@include lifecycle.lua
 --@include stats.lua
+--@include events.lua
 
 local now = now_ms()
 local ids = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, tonumber(ARGV[5]))
 local requeued, failed, ended = 0, 0, 0
 local outbox = sibling_key(KEYS[1], 'outbox')
+local changed = {}
 for _, id in ipairs(ids) do
   redis.call('ZREM', KEYS[1], id)
   local task = ARGV[2] .. id
   local fields = redis.call('HMGET', task, 'type', 'attempts', 'score', 'status', 'started_at')
   if fields[1] and fields[4] == 'processing' then
     redis.call('HDEL', task, 'lease', 'deadline')
+    changed[#changed + 1] = id
     if fields[1] == 'online' then
       -- The permit lapsed without `complete`: the slot is free again.
       redis.call('HSET', task, 'status', 'expired', 'ended_at', now)
@@ -47,4 +50,5 @@ end
 if #ids > 0 and redis.call('ZCARD', KEYS[2]) > 0 then
   redis.call('ZADD', KEYS[3], 'NX', now, ARGV[1])
 end
+publish_changed(KEYS[1], changed)
 return {requeued, failed, ended}

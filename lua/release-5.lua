@@ -11,6 +11,7 @@ A failed task goes to the endpoint's outbox (key built from KEYS[2], see lifecyc
 --@include now.lua
 --@include lifecycle.lua
 --@include stats.lua
+--@include events.lua
 
 if redis.call('HGET', KEYS[2], 'lease') ~= ARGV[2] then return 0 end
 local now = now_ms()
@@ -24,10 +25,12 @@ if tonumber(f[1]) >= tonumber(ARGV[4]) then
   local n = redis.call('HINCRBY', KEYS[5], 'failed', 1)
   stats_failure(KEYS[5], n, now, ARGV[1], '', 'interrupted on attempt ' .. f[1])
   to_outbox(sibling_key(KEYS[2], 'outbox'), KEYS[2], ARGV[1])
+  publish_changed(KEYS[1], {ARGV[1]})
   return 2
 end
 redis.call('HSET', KEYS[2], 'status', 'pending')
 redis.call('ZADD', KEYS[3], f[2], ARGV[1])
 redis.call('HINCRBY', KEYS[5], 'released', 1)
 redis.call('ZADD', KEYS[4], 'NX', now, ARGV[3])
+publish_changed(KEYS[1], {ARGV[1]})
 return 1

@@ -12,6 +12,7 @@ the endpoint's stats (a sibling of KEYS[1], stats.lua).
 --@include now.lua
 --@include stats.lua
 --@include upstream.lua
+--@include events.lua
 
 if redis.call('HGET', KEYS[2], 'lease') ~= ARGV[2] then return 0 end
 local now = now_ms()
@@ -31,4 +32,5 @@ redis.call('ZADD', KEYS[4], 'LT', due, ARGV[4])  -- the earliest due retry wakes
 if redis.call('ZCARD', KEYS[5]) > 0 then
   redis.call('ZADD', KEYS[6], 'NX', now, ARGV[4])  -- its slot is free: worth a claim
 end
+publish_changed(KEYS[1], {ARGV[1]})  -- processing -> pending (app/queue/events.py)
 return due

@@ -19,7 +19,7 @@ from app.main import create_app
 from app.mock_upstream import CONTROL_HEADERS
 from app.runtime import Runtime
 from app.settings import Settings
-from tests.servers import QGW, MariaDB, RedisServer, mock_upstream, stop
+from tests.servers import QGW, MariaDB, RedisServer, free_port, mock_upstream, stop, wait_port
 
 ADMIN = "test-admin-token"
 
@@ -205,3 +205,25 @@ def pytest_runtest_makereport(
         report.outcome = "failed"
         report.longrepr = f"skipped, and the suite skips nothing: {report.longrepr}"
     return report
+
+
+@pytest.fixture
+def start_api(
+    gateway: Gateway, env: dict[str, str]
+) -> Iterator[Callable[[], Awaitable[str]]]:
+    """Start `qgw api` processes beside the in-process gateway (same Redis, database and
+    prefix; set endpoints up first, or wait a second for them to spread); returns the base
+    URL. For clients that need a real server: streams, retries over real sockets."""
+    procs: list[subprocess.Popen[bytes]] = []
+
+    async def start() -> str:
+        port = free_port()
+        proc = subprocess.Popen([*QGW, "api", "--port", str(port)], env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        procs.append(proc)
+        await asyncio.to_thread(wait_port, port, 30.0, proc)
+        return f"http://127.0.0.1:{port}"
+
+    yield start
+    for proc in procs:
+        stop(proc)

@@ -60,6 +60,11 @@ class Keys:
         """ZSet of finished task ids their owner has read; score = when the SQL row may go."""
         return f"{self.prefix}:{{{endpoint}}}:delivered"
 
+    def events(self, endpoint: str) -> str:
+        """Pub/sub channel of the endpoint's status changes (lua/includes/events.lua): the ids
+        a script changed. Hash-tagged like a key, so a Cluster port can use sharded pub/sub."""
+        return f"{self.prefix}:{{{endpoint}}}:ev"
+
     def task(self, task_id: str) -> str:
         return self.task_prefix(endpoint_of(task_id)) + task_id
 

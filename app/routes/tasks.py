@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import asyncio
 import re
 import time
+from functools import partial
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Query, Request
@@ -21,6 +21,7 @@ from app.models import (
     SubmitResponse,
     TaskView,
 )
+from app.queue.events import next_change
 from app.queue.keys import endpoint_of
 from app.routes.body import body_schema, parse, read_limited
 from app.runtime import Runtime
@@ -117,11 +118,10 @@ async def status(
     caller, rt = api_key(request), runtime_of(request)
     tid = _checked(task_id)
     endpoint = rt.registry.get(tid.partition(".")[2])
-    view = await rt.queue.status(caller.user_id, tid, endpoint)
-    deadline = time.monotonic() + wait
-    first = view.task_status
-    while view.task_status == first and not first.finished and time.monotonic() < deadline:
-        await asyncio.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
+    if wait > 0:  # woken by the scripts' status events, not by polling Redis
+        view = await next_change(rt.events, tid,
+                                 partial(rt.queue.status, caller.user_id, tid, endpoint), wait)
+    else:
         view = await rt.queue.status(caller.user_id, tid, endpoint)
     return JSONResponse(view.model_dump(mode="json"))
 

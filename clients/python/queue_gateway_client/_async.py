@@ -1,0 +1,175 @@
+"""`AsyncClient` and its `AsyncTask`: waiting follows the task's event stream (SSE)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping, Sequence
+from types import TracebackType
+from typing import Any
+
+import httpx
+
+from queue_gateway_client._common import (
+    STREAM_READ_S,
+    ApiError,
+    GatewayUnreachable,
+    Status,
+    TaskFailed,
+    WaitTimeout,
+    make_idempotency_key,
+    raise_for_error,
+    retry_after,
+    sse_status,
+    submit_body,
+    transport_delay,
+)
+
+
+class AsyncClient:
+    """`AsyncClient(base_url, api_key)`; use it as `async with`, or call `aclose()`.
+
+    Answers 429/503 are repeated after their `Retry-After` (up to `retries` times, and only
+    when that is at most `max_retry_after` seconds); so are requests a connection error cut
+    off, where repeating is safe (reads, and submits: they always carry an Idempotency-Key).
+    """
+
+    def __init__(self, base_url: str, api_key: str, *, timeout: float = 30.0, retries: int = 8,
+                 max_retry_after: float = 60.0, transport: httpx.AsyncBaseTransport | None = None
+                 ) -> None:
+        self.retries, self.max_retry_after = retries, max_retry_after
+        self._http = httpx.AsyncClient(
+            base_url=base_url.rstrip("/"), timeout=timeout, transport=transport,
+            headers={"Authorization": f"Bearer {api_key}"})
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: type[BaseException] | BaseException | TracebackType | None
+                        ) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def submit(
+        self, target_url: str, *, method: str = "POST", body: str = "", priority: int = 0,
+        task_type: str = "offline", headers: Mapping[str, str | Sequence[str]] | None = None,
+        query_params: Mapping[str, str | Sequence[str]] | None = None,
+        idempotency_key: str | None = None, **extra: Any,
+    ) -> AsyncTask:
+        """Queue a call of `target_url`; `extra` adds optional fields (`cost`, `max_wait_s`,
+        `callback_url`)."""
+        key = make_idempotency_key(idempotency_key)
+        payload = submit_body(target_url, method, body, priority, task_type, headers,
+                              query_params, extra)
+        r = await self.request("POST", "/api/v1/tasks", json=payload,
+                               headers={"Idempotency-Key": key}, safe=True)
+        data = r.json()
+        return AsyncTask(self, data["task_id"], Status.of({"task_type": task_type, **data}))
+
+    def task(self, task_id: str) -> AsyncTask:
+        """A task submitted earlier, by its id."""
+        return AsyncTask(self, task_id)
+
+    async def request(self, method: str, path: str, *, safe: bool, **kwargs: Any
+                      ) -> httpx.Response:
+        """One API call with the retries described above; an error answer raises ApiError."""
+        attempt = 0
+        while True:
+            try:
+                r = await self._http.request(method, path, **kwargs)
+            except httpx.TransportError as exc:
+                if attempt >= self.retries or not (safe or isinstance(exc, httpx.ConnectError)):
+                    raise GatewayUnreachable(f"{method} {path}: {exc!r}") from exc
+                await asyncio.sleep(transport_delay(attempt))
+                attempt += 1
+                continue
+            wait = retry_after(r, self.max_retry_after)
+            if wait is None or attempt >= self.retries:
+                raise_for_error(r)
+                return r
+            await asyncio.sleep(wait)
+            attempt += 1
+
+
+class AsyncTask:
+    """A submitted task: `status()`, `cancel()`, `wait(timeout)`, `result(timeout)`."""
+
+    def __init__(self, client: AsyncClient, task_id: str, submitted: Status | None = None
+                 ) -> None:
+        self.client, self.task_id, self.submitted = client, task_id, submitted
+        self._last = submitted
+
+    def __repr__(self) -> str:
+        return f"AsyncTask({self.task_id!r})"
+
+    async def status(self) -> Status:
+        r = await self.client.request("GET", f"/api/v1/tasks/{self.task_id}", safe=True)
+        self._last = Status.of(r.json())
+        return self._last
+
+    async def cancel(self) -> str:
+        """Cancel it; returns `cancelled`. ApiError 409 when it has ended already."""
+        try:
+            r = await self.client.request("POST", f"/api/v1/tasks/{self.task_id}/cancel",
+                                          safe=True)
+        except ApiError as exc:
+            if exc.status_code == 409 and exc.details.get("task_status") == "cancelled":
+                return "cancelled"  # a repeat of a cancel whose answer was lost
+            raise
+        return str(r.json()["task_status"])
+
+    # `timeout` as API.md names it, the same in both clients.
+    async def wait(self, timeout: float | None = None) -> Status:  # noqa: ASYNC109
+        """The final status; raises WaitTimeout after `timeout` seconds (None: no limit)."""
+        try:
+            async with asyncio.timeout(timeout):
+                return await self._follow()
+        except TimeoutError:
+            raise WaitTimeout(self._last, timeout or 0) from None
+
+    async def result(self, timeout: float | None = None) -> str:  # noqa: ASYNC109
+        """The business API's answer; TaskFailed if the task failed, was cancelled or expired."""
+        final = await self.wait(timeout)
+        if final.task_status != "completed":
+            raise TaskFailed(final)
+        return final.task_result or ""
+
+    async def _follow(self) -> Status:
+        """Read the event stream until a final status. A broken or ended stream is opened
+        again: it starts with the current status, so the end is never missed."""
+        http, path = self.client._http, f"/api/v1/tasks/{self.task_id}/events"
+        timeout = httpx.Timeout(self.client._http.timeout.connect, read=STREAM_READ_S)
+        attempt = 0
+        while True:
+            try:
+                async with http.stream("GET", path, timeout=timeout) as r:
+                    if r.status_code != 200:
+                        await r.aread()
+                        wait = retry_after(r, self.client.max_retry_after)
+                        if wait is None:
+                            raise_for_error(r)
+                        await asyncio.sleep(wait or 0)
+                        continue
+                    attempt = 0
+                    final = await self._read_events(r)
+                    if final is not None:
+                        return final
+            except httpx.TransportError as exc:
+                if attempt >= self.client.retries:
+                    raise GatewayUnreachable(f"GET {path}: {exc!r}") from exc
+                await asyncio.sleep(transport_delay(attempt))
+                attempt += 1
+
+    async def _read_events(self, r: httpx.Response) -> Status | None:
+        lines: list[str] = []
+        async for line in r.aiter_lines():
+            if line:
+                lines.append(line)
+                continue
+            status, lines = sse_status(lines), []
+            if status is not None:
+                self._last = status
+                if status.finished:
+                    return status
+        return None

@@ -1,0 +1,139 @@
+"""`Client` and its `Task`: waiting is a long poll (`?wait=`), which the gateway holds until the
+status changes, so a wait costs one request per change, not a loop of them."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from types import TracebackType
+from typing import Any
+
+import httpx
+
+from queue_gateway_client._common import (
+    LONG_POLL_S,
+    ApiError,
+    GatewayUnreachable,
+    Status,
+    TaskFailed,
+    WaitTimeout,
+    make_idempotency_key,
+    raise_for_error,
+    remaining,
+    retry_after,
+    submit_body,
+    transport_delay,
+)
+
+
+class Client:
+    """`Client(base_url, api_key)`; use it as `with`, or call `close()`.
+
+    Answers 429/503 are repeated after their `Retry-After` (up to `retries` times, and only
+    when that is at most `max_retry_after` seconds); so are requests a connection error cut
+    off, where repeating is safe (reads, and submits: they always carry an Idempotency-Key).
+    """
+
+    def __init__(self, base_url: str, api_key: str, *, timeout: float = 30.0, retries: int = 8,
+                 max_retry_after: float = 60.0, transport: httpx.BaseTransport | None = None
+                 ) -> None:
+        self.retries, self.max_retry_after = retries, max_retry_after
+        self._http = httpx.Client(
+            base_url=base_url.rstrip("/"), timeout=timeout, transport=transport,
+            headers={"Authorization": f"Bearer {api_key}"})
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: type[BaseException] | BaseException | TracebackType | None) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._http.close()
+
+    def submit(
+        self, target_url: str, *, method: str = "POST", body: str = "", priority: int = 0,
+        task_type: str = "offline", headers: Mapping[str, str | Sequence[str]] | None = None,
+        query_params: Mapping[str, str | Sequence[str]] | None = None,
+        idempotency_key: str | None = None, **extra: Any,
+    ) -> Task:
+        """Queue a call of `target_url`; `extra` adds optional fields (`cost`, `max_wait_s`,
+        `callback_url`)."""
+        key = make_idempotency_key(idempotency_key)
+        payload = submit_body(target_url, method, body, priority, task_type, headers,
+                              query_params, extra)
+        r = self.request("POST", "/api/v1/tasks", json=payload,
+                         headers={"Idempotency-Key": key}, safe=True)
+        data = r.json()
+        return Task(self, data["task_id"], Status.of({"task_type": task_type, **data}))
+
+    def task(self, task_id: str) -> Task:
+        """A task submitted earlier, by its id."""
+        return Task(self, task_id)
+
+    def request(self, method: str, path: str, *, safe: bool, **kwargs: Any) -> httpx.Response:
+        """One API call with the retries described above; an error answer raises ApiError."""
+        attempt = 0
+        while True:
+            try:
+                r = self._http.request(method, path, **kwargs)
+            except httpx.TransportError as exc:
+                if attempt >= self.retries or not (safe or isinstance(exc, httpx.ConnectError)):
+                    raise GatewayUnreachable(f"{method} {path}: {exc!r}") from exc
+                time.sleep(transport_delay(attempt))
+                attempt += 1
+                continue
+            wait = retry_after(r, self.max_retry_after)
+            if wait is None or attempt >= self.retries:
+                raise_for_error(r)
+                return r
+            time.sleep(wait)
+            attempt += 1
+
+
+class Task:
+    """A submitted task: `status()`, `cancel()`, `wait(timeout)`, `result(timeout)`."""
+
+    def __init__(self, client: Client, task_id: str, submitted: Status | None = None) -> None:
+        self.client, self.task_id, self.submitted = client, task_id, submitted
+
+    def __repr__(self) -> str:
+        return f"Task({self.task_id!r})"
+
+    def status(self, wait: float = 0) -> Status:
+        """The status now; with `wait` (seconds, at most 30), once it changes or then."""
+        params = {"wait": round(wait, 3)} if wait > 0 else None
+        timeout = self.client._http.timeout.read
+        if wait > 0 and timeout is not None:
+            timeout += wait
+        r = self.client.request("GET", f"/api/v1/tasks/{self.task_id}", safe=True,
+                                params=params, timeout=timeout)
+        return Status.of(r.json())
+
+    def cancel(self) -> str:
+        """Cancel it; returns `cancelled`. ApiError 409 when it has ended already."""
+        try:
+            r = self.client.request("POST", f"/api/v1/tasks/{self.task_id}/cancel", safe=True)
+        except ApiError as exc:
+            if exc.status_code == 409 and exc.details.get("task_status") == "cancelled":
+                return "cancelled"  # a repeat of a cancel whose answer was lost
+            raise
+        return str(r.json()["task_status"])
+
+    def wait(self, timeout: float | None = None) -> Status:
+        """The final status; raises WaitTimeout after `timeout` seconds (None: no limit)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        status = self.status()
+        while not status.finished:
+            left = remaining(deadline)
+            if left is not None and left <= 0:
+                raise WaitTimeout(status, timeout or 0)
+            status = self.status(wait=LONG_POLL_S if left is None else min(LONG_POLL_S, left))
+        return status
+
+    def result(self, timeout: float | None = None) -> str:
+        """The business API's answer; TaskFailed if the task failed, was cancelled or expired."""
+        final = self.wait(timeout)
+        if final.task_status != "completed":
+            raise TaskFailed(final)
+        return final.task_result or ""
