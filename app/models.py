@@ -80,7 +80,7 @@ class SubmitResponse(BaseModel):
     task_status: TaskStatus
     created_at: str | None
     wait_num: int
-    wait_time: float = 0.0  # estimated seconds until it starts (added to the go-zero fields)
+    wait_time: int = 0  # estimated whole seconds until it starts, rounded up (API.md)
 
 
 class Permit(BaseModel):
@@ -94,7 +94,7 @@ class TaskView(BaseModel):
     task_status: TaskStatus
     task_result: str | None = None
     wait_num: int = 0
-    wait_time: float = 0
+    wait_time: int = 0  # whole seconds: go-zero clients decode it as int64
     created_at: str | None = None
     started_at: str | None = None
     ended_at: str | None = None

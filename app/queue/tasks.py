@@ -6,6 +6,7 @@ make one SQL lookup, off the hot path."""
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import dataclass
 from functools import cached_property
@@ -77,7 +78,7 @@ class TaskQueue:
         ahead = int(res[2])
         return SubmitResponse(task_id=task_id, task_status=TaskStatus.PENDING,
                               created_at=rfc3339(res[3]), wait_num=ahead,
-                              wait_time=estimate_wait(endpoint, ahead, res[4]))
+                              wait_time=wait_seconds(endpoint, ahead, res[4]))
 
     async def status(self, user_id: int, task_id: str, endpoint: EndpointConfig | None,
                      deliver: bool = True) -> TaskView:
@@ -110,7 +111,7 @@ class TaskQueue:
         return TaskView(
             task_id=task_id, task_type=ttype, task_status=status,
             task_result=f.get("result"), wait_num=wait_num,
-            wait_time=estimate_wait(endpoint, wait_num, exec_ms) if rank is not None else 0,
+            wait_time=wait_seconds(endpoint, wait_num, exec_ms) if rank is not None else 0,
             created_at=rfc3339(f.get("created_at")), started_at=rfc3339(f.get("started_at")),
             ended_at=rfc3339(f.get("ended_at")),
             result_status_code=int(code) if code else None,
@@ -188,6 +189,13 @@ class TaskQueue:
             await self.redis.zadd(self.keys.delivered(endpoint_of(task_id)), {task_id: due},
                                   nx=True)
         return self._view(task_id, fields_of(row), None, None, endpoint)
+
+
+def wait_seconds(endpoint: EndpointConfig | None, ahead: int, measured: Any) -> int:
+    """`estimate_wait` as the answers carry it: whole seconds, rounded up. The go-zero
+    service's clients decode `wait_time` as an int64, and Go refuses `1.75` (even `2.0`)
+    for one, failing the whole answer."""
+    return math.ceil(estimate_wait(endpoint, ahead, measured))
 
 
 def estimate_wait(endpoint: EndpointConfig | None, ahead: int, measured: Any) -> float:
