@@ -54,6 +54,7 @@ class EndpointSettings(StrictInput):
     permit_ttl_s: int = Field(20, ge=1, le=86_400)
     permit_max_uses: int = Field(3, ge=1, le=1_000_000)
     enabled: bool = True
+    paused: bool = Field(False, description="stop dispatching; submits are still accepted")
 
     @field_validator("methods", mode="before")
     @classmethod
@@ -83,3 +84,9 @@ class EndpointConfig(EndpointSettings):
         assert key is not None  # validated
         return key
 
+
+class EndpointPatch(EndpointSettings):
+    """PATCH (and `qgw endpoints update`): every field optional; the merged result is
+    validated in full."""
+
+    target_url: TargetUrl | None = None  # type: ignore[assignment]

@@ -75,6 +75,16 @@ class SubmitRequest(StrictInput):
 
 
 
+class ApiKeyCreate(StrictInput):
+    """The body of POST /admin/v1/api-keys, and `qgw keys create`'s options."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    user_id: int = Field(ge=0, le=2**53, description="up to 2^53: exact in every JSON parser")
+    tier: str = Field("standard", min_length=1, max_length=32)
+    max_priority: int = Field(0, ge=0, le=MAX_PRIORITY)
+    daily_quota: int = Field(0, ge=0, le=2**31 - 1, description="0 = unlimited")
+
+
 class SubmitResponse(BaseModel):
     task_id: str
     task_status: TaskStatus

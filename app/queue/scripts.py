@@ -73,6 +73,7 @@ class Scripts:
     expire: Lua
     oldest: Lua
     sent: Lua
+    retry: Lua
 
     @classmethod
     def register(cls, redis: Redis) -> Scripts:
