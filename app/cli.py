@@ -96,7 +96,7 @@ def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
     before uvicorn serves, so `qgw serve` can wait for Redis first."""
     import uvicorn
 
-    return uvicorn.Config("app.main:create_app").get_loop_factory()
+    return uvicorn.Config("app.main:create_app", log_config=None).get_loop_factory()
 
 
 async def _serve_until_stopped(settings: Settings, sock: Any, dispatcher: bool) -> None:
