@@ -118,9 +118,13 @@ async def _run(settings: Settings, job: Job, needs_runtime: bool) -> Any:
     from redis.exceptions import RedisError
     from sqlalchemy.exc import SQLAlchemyError
 
-    from app.runtime import Runtime
+    target: Runtime | _SqlOnly
+    if needs_runtime:  # the runtime's imports (aiohttp, the dispatcher...) cost a read time
+        from app.runtime import Runtime
 
-    target: Runtime | _SqlOnly = Runtime(settings) if needs_runtime else _SqlOnly.of(settings)
+        target = Runtime(settings)
+    else:
+        target = _SqlOnly.of(settings)
     try:
         try:
             await target.start()
