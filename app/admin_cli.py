@@ -1,120 +1,288 @@
-"""`qgw endpoints ...` and `qgw keys ...`: the admin API's rules, from the shell."""
+"""`qgw endpoints ...`, `qgw keys ...`, `qgw tasks ...`: the admin API from the shell, with its
+models' validation (app/cli_options.py) and its stores.
+
+Read-only commands read SQL only: no migration, no Redis, no embedded server started. Every
+command works on the gateway's own database (app/startup.py require_db), and says what went
+wrong in one line: the API's error message, or which server could not be reached.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
-import sys
 from collections.abc import Awaitable, Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
 
-from pydantic import ValidationError
-
-from app.endpoints import EndpointConfig
-from app.errors import ApiError, describe
-from app.runtime import Runtime
+from app.cli_options import add_options, given, validate
+from app.endpoints import EndpointConfig, EndpointPatch
+from app.models import ApiKeyCreate
 from app.settings import Settings
+from app.startup import Refused, hide_password, one_line, require_db
 
-_FIELDS = {name: f for name, f in EndpointConfig.model_fields.items() if name != "id"}
+if TYPE_CHECKING:
+    from sqlalchemy.ext.asyncio import AsyncEngine
+
+    from app.runtime import Runtime
+    from app.store import EndpointStore, KeyStore
+
+
+class Stores(Protocol):
+    """What the read-only commands use: a Runtime has it, and so has `_SqlOnly`."""
+
+    endpoints: EndpointStore
+    key_store: KeyStore
+
+
+#: A command, once its arguments are validated: what it does with the stores or the runtime.
+Job = Callable[[Any], Awaitable[Any]]
+Prepare = Callable[[argparse.Namespace], Job]
 
 
 def add_parsers(sub: Any) -> None:
-    ep = sub.add_parser("endpoints", help="the endpoint table").add_subparsers(
-        required=True, metavar="action")
-    add = ep.add_parser("add", help="register an endpoint")
-    add.add_argument("id")
-    add.add_argument("target_url")
-    for name, field in _FIELDS.items():
-        if name == "target_url":
-            continue
-        kind = field.annotation
-        if name in ("methods", "forward_headers"):
-            add.add_argument(f"--{name.replace('_', '-')}", type=lambda s: s.split(","),
-                             help="comma-separated, e.g. POST,GET or X-Tenant,X-Request-Id")
-        elif kind is bool:
-            add.add_argument(f"--{name.replace('_', '-')}", type=lambda s: s == "true",
-                             metavar="true|false")
-        else:
-            add.add_argument(f"--{name.replace('_', '-')}", type=int if kind is int else str)
-    add.set_defaults(run=_run(_endpoint_add))
-    ep.add_parser("list").set_defaults(run=_run(_endpoint_list))
-    for action, fn in (("show", _endpoint_show), ("rm", _endpoint_rm)):
-        p = ep.add_parser(action)
-        p.add_argument("id")
-        p.set_defaults(run=_run(fn))
+    eps = _group(sub, "endpoints", "the endpoint table: the business APIs behind the gateway")
+    add = _action(eps, "add", "register an endpoint", _endpoint_add, needs_runtime=True)
+    add.add_argument("id", help="endpoint id: lower-case letters, digits, _ and -")
+    add.add_argument("target_url", help="the business API's URL, e.g. http://svc:9000/api/gen")
+    add_options(add, EndpointConfig, skip=("id", "target_url"))
+    _action(eps, "list", "every endpoint, as JSON", _endpoint_list)
+    _with_id(_action(eps, "show", "one endpoint, as JSON", _endpoint_show), "endpoint id")
+    update = _with_id(_action(eps, "update", "change some fields of an endpoint (others stay)",
+                              _endpoint_update, needs_runtime=True), "endpoint id")
+    add_options(update, EndpointPatch, all_optional=True)
+    for name, doc, paused in (("pause", "stop dispatching; submits are still accepted", True),
+                              ("resume", "dispatch again after pause", False)):
+        _with_id(_action(eps, name, doc, _set_paused(paused), needs_runtime=True), "endpoint id")
+    _with_id(_action(eps, "rm", "delete an idle endpoint (disables it first)", _endpoint_rm,
+                     needs_runtime=True), "endpoint id")
 
-    keys = sub.add_parser("keys", help="API keys").add_subparsers(required=True, metavar="action")
-    create = keys.add_parser("create", help="create a key; it is printed once")
-    create.add_argument("--user-id", type=int, required=True)
-    create.add_argument("--tier", default="standard")
-    create.add_argument("--max-priority", type=int, default=0)
-    create.add_argument("--daily-quota", type=int, default=0)
-    create.set_defaults(run=_run(_key_create))
-    keys.add_parser("list").set_defaults(run=_run(_key_list))
-    revoke = keys.add_parser("revoke")
-    revoke.add_argument("id")
-    revoke.set_defaults(run=_run(_key_revoke))
+    keys = _group(sub, "keys", "API keys of the callers")
+    create = _action(keys, "create", "create a key; it is printed once, stored only as a hash",
+                     _key_create, needs_runtime=True)
+    add_options(create, ApiKeyCreate)
+    _action(keys, "list", "every key (never the key itself), as JSON", _key_list)
+    _with_id(_action(keys, "revoke", "revoke a key at once, on every replica", _key_revoke,
+                     needs_runtime=True), "key id (from `qgw keys list`)")
+
+    tasks = _group(sub, "tasks", "any user's task, for operators")
+    _with_id(_action(tasks, "show", "status, owner, endpoint and request of a task",
+                     _task_show, needs_runtime=True), "task id", "task_id")
+    _with_id(_action(tasks, "retry", "run a failed or expired task again", _task_retry,
+                     needs_runtime=True), "task id", "task_id")
+    _with_id(_action(tasks, "cancel", "cancel a pending task, or an admitted online one",
+                     _task_cancel, needs_runtime=True), "task id", "task_id")
 
 
-Action = Callable[[Runtime, argparse.Namespace], Awaitable[Any]]
+def _group(sub: Any, name: str, doc: str) -> Any:
+    parser = sub.add_parser(name, help=doc, description=doc)
+    return parser.add_subparsers(title="actions", metavar="<action>", required=True)
 
 
-def _run(action: Action) -> Callable[[Settings, argparse.Namespace], None]:
+def _action(group: Any, name: str, doc: str, prepare: Prepare,
+            needs_runtime: bool = False) -> argparse.ArgumentParser:
+    """An action; writes (and reads of Redis) start a runtime, the others read SQL only."""
+    parser: argparse.ArgumentParser = group.add_parser(name, help=doc, description=doc)
+    parser.set_defaults(run=_runner(prepare, needs_runtime), quiet=True)
+    return parser
+
+
+def _with_id(parser: argparse.ArgumentParser, doc: str, dest: str = "id") -> Any:
+    parser.add_argument(dest, help=doc)
+    return parser
+
+
+def _runner(prepare: Prepare, needs_runtime: bool) -> Callable[[Settings, Any], None]:
     def run(settings: Settings, args: argparse.Namespace) -> None:
-        from app.cli import prepare_db
+        from pydantic import ValidationError
 
-        prepare_db(settings)
+        from app.errors import ApiError, describe
+
         try:
-            result = asyncio.run(_with_runtime(settings, args, action))
-        except ApiError as exc:
-            print(f"qgw: {exc.message}", file=sys.stderr)
-            sys.exit(1)
+            job = prepare(args)  # bad input is refused before any server is asked
         except ValidationError as exc:
-            print(f"qgw: {describe(exc)}", file=sys.stderr)
-            sys.exit(2)
+            raise Refused(describe(exc), exit_code=2) from None
+        require_db(settings)
+        try:
+            result = asyncio.run(_run(settings, job, needs_runtime))
+        except ApiError as exc:
+            raise Refused(exc.message) from None
         if result is not None:
             print(json.dumps(result, indent=2, default=str))
 
     return run
 
 
-async def _with_runtime(settings: Settings, args: argparse.Namespace, action: Action) -> Any:
-    rt = Runtime(settings)
-    await rt.start()
+async def _run(settings: Settings, job: Job, needs_runtime: bool) -> Any:
+    from redis.exceptions import RedisError
+    from sqlalchemy.exc import SQLAlchemyError
+
+    target: Runtime | _SqlOnly
+    if needs_runtime:  # the runtime's imports (aiohttp, the dispatcher...) cost a read time
+        from app.runtime import Runtime
+
+        target = Runtime(settings)
+    else:
+        target = _SqlOnly.of(settings)
     try:
-        return await action(rt, args)
-    finally:
-        await rt.stop()
+        try:
+            await target.start()
+        except BaseException:
+            with contextlib.suppress(Exception):  # whatever part of it had started
+                await target.stop()
+            raise
+        try:
+            return await job(target)
+        finally:
+            await target.stop()
+    except (RedisError, OSError) as exc:
+        url = getattr(target, "redis_url", None) or settings.redis_url or "(embedded)"
+        raise Refused(f"cannot reach Redis at {hide_password(url)}: {one_line(exc)}; is the "
+                      "gateway's Redis running (QGW_REDIS_URL)?") from None
+    except SQLAlchemyError as exc:
+        raise Refused(f"database {hide_password(settings.db_url)}: {one_line(exc)} (is it "
+                      "running, and migrated: `qgw migrate`?)") from None
 
 
-async def _endpoint_add(rt: Runtime, args: argparse.Namespace) -> Any:
-    given = {k: v for k, v in vars(args).items() if k in _FIELDS and v is not None}
-    config = EndpointConfig.model_validate({"id": args.id, **given})
-    return (await rt.endpoints.create(config)).model_dump()
+@dataclass
+class _SqlOnly:
+    """The stores over SQL alone. Their Redis mirrors are never touched by reads (SQL is the
+    source of truth), so they get a client that never connects."""
+
+    engine: AsyncEngine
+    endpoints: EndpointStore
+    key_store: KeyStore
+
+    @classmethod
+    def of(cls, settings: Settings) -> _SqlOnly:
+        from redis.asyncio import Redis
+
+        from app.db import make_engine
+        from app.queue.keys import Keys
+        from app.queue.registry import Mirror
+        from app.store import EndpointStore, KeyStore
+
+        engine, unused = make_engine(settings.db_url), Redis()
+        keys = Keys(settings.key_prefix)
+        no_mirror: Mirror[Any] = Mirror(unused, keys, "endpoints", dict, _never)
+        return cls(engine, EndpointStore(engine, no_mirror), KeyStore(engine, no_mirror))
+
+    async def start(self) -> None:
+        pass
+
+    async def stop(self) -> None:
+        await self.engine.dispose()
 
 
-async def _endpoint_list(rt: Runtime, args: argparse.Namespace) -> Any:
-    return [e.model_dump() for e in await rt.endpoints.list()]
+async def _never() -> dict[str, str]:
+    raise AssertionError("read-only commands do not rebuild mirrors")
 
 
-async def _endpoint_show(rt: Runtime, args: argparse.Namespace) -> Any:
-    return (await rt.endpoints.get(args.id)).model_dump()
+# -- endpoints -------------------------------------------------------------------------------
+
+def _endpoint_add(args: argparse.Namespace) -> Job:
+    config = validate(EndpointConfig, {"id": args.id, "target_url": args.target_url,
+                                       **given(args, EndpointConfig)})
+
+    async def job(rt: Runtime) -> Any:
+        return (await rt.endpoints.create(config)).model_dump()
+
+    return job
 
 
-async def _endpoint_rm(rt: Runtime, args: argparse.Namespace) -> None:
-    await rt.retire_endpoint(args.id)
+def _endpoint_list(args: argparse.Namespace) -> Job:
+    async def job(s: Stores) -> Any:
+        return [e.model_dump() for e in await s.endpoints.list()]
+
+    return job
 
 
-async def _key_create(rt: Runtime, args: argparse.Namespace) -> Any:
-    plain, view = await rt.key_store.create(args.user_id, args.tier, args.max_priority,
-                                            args.daily_quota)
-    return {**view, "key": plain}
+def _endpoint_show(args: argparse.Namespace) -> Job:
+    async def job(s: Stores) -> Any:
+        return (await s.endpoints.get(args.id)).model_dump()
+
+    return job
 
 
-async def _key_list(rt: Runtime, args: argparse.Namespace) -> Any:
-    return await rt.key_store.list()
+def _endpoint_update(args: argparse.Namespace) -> Job:
+    changes = given(args, EndpointPatch)
+    if not changes:
+        raise Refused("nothing to change: give at least one option (qgw endpoints update -h)",
+                      exit_code=2)
+    patch = validate(EndpointPatch, changes).model_dump(exclude_unset=True, exclude_none=True)
+    return _update(args.id, patch)
 
 
-async def _key_revoke(rt: Runtime, args: argparse.Namespace) -> None:
-    await rt.key_store.revoke(args.id)
+def _set_paused(paused: bool) -> Prepare:
+    return lambda args: _update(args.id, {"paused": paused})
+
+
+def _update(endpoint_id: str, changes: dict[str, Any]) -> Job:
+    async def job(rt: Runtime) -> Any:
+        return (await rt.endpoints.update(endpoint_id, changes)).model_dump()
+
+    return job
+
+
+def _endpoint_rm(args: argparse.Namespace) -> Job:
+    async def job(rt: Runtime) -> None:
+        await rt.retire_endpoint(args.id)
+
+    return job
+
+
+# -- keys ------------------------------------------------------------------------------------
+
+def _key_create(args: argparse.Namespace) -> Job:
+    body = validate(ApiKeyCreate, given(args, ApiKeyCreate))
+
+    async def job(rt: Runtime) -> Any:
+        plain, view = await rt.key_store.create(**body.model_dump())
+        return {**view, "key": plain}
+
+    return job
+
+
+def _key_list(args: argparse.Namespace) -> Job:
+    async def job(s: Stores) -> Any:
+        return await s.key_store.list()
+
+    return job
+
+
+def _key_revoke(args: argparse.Namespace) -> Job:
+    async def job(rt: Runtime) -> None:
+        await rt.key_store.revoke(args.id)
+
+    return job
+
+
+# -- tasks -----------------------------------------------------------------------------------
+
+def _task_show(args: argparse.Namespace) -> Job:
+    async def job(rt: Runtime) -> Any:
+        from app.queue import operator
+
+        return await operator.show(rt.queue, rt.registry, args.task_id)
+
+    return job
+
+
+def _task_retry(args: argparse.Namespace) -> Job:
+    async def job(rt: Runtime) -> Any:
+        from app.queue import operator
+
+        return await operator.retry(rt.queue, args.task_id)
+
+    return job
+
+
+def _task_cancel(args: argparse.Namespace) -> Job:
+    async def job(rt: Runtime) -> Any:
+        from app.queue import operator
+
+        status = await operator.cancel(rt.queue, args.task_id)
+        return {"task_id": args.task_id, "task_status": status.value}
+
+    return job

@@ -1,36 +1,48 @@
-"""`qgw`: serve, api, dispatcher, migrate, mock-upstream, and admin from the shell."""
+"""`qgw`: serve, api, dispatcher, migrate, mock-upstream, and admin from the shell
+(app/admin_cli.py).
+
+A command is a subparser whose defaults carry `run(settings, args)`; add one in `build_parser`.
+Heavy modules (uvicorn, the runtime, alembic) are imported by the commands that use them, so
+`qgw --help` and the admin commands start quickly.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import logging
-import re
 import signal
 import sys
+from collections.abc import Callable
 from typing import Any
 
-import uvicorn
-
-from app import admin_cli, healthcheck, logs, migrate
+from app import __version__, admin_cli, healthcheck, logs
 from app.settings import Settings, SettingsError, load_settings
+from app.startup import Refused, bind, hide_password, migrate_db, prepare_db, start_runtime
 
+Run = Callable[[Settings, argparse.Namespace], None]
 log = logging.getLogger("qgw")
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = _parser().parse_args(argv)
-    overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None} \
-        if hasattr(args, "host") else {}
+    args = build_parser().parse_args(argv)
+    overrides = {k: getattr(args, k) for k in getattr(args, "settings_flags", ())
+                 if getattr(args, k) is not None}
     try:
         settings = load_settings(**overrides)
     except SettingsError as exc:
         print(f"qgw: {exc}", file=sys.stderr)
         sys.exit(2)
-    logs.setup(settings.log_level)
+    level = settings.log_level
+    if getattr(args, "quiet", False) and level != "debug":
+        level = "warning"  # a shell command prints its answer; progress lines are noise there
+    logs.setup(level)
     _raise_open_files_limit()
     try:
         args.run(settings, args)
+    except Refused as exc:
+        print(f"qgw: {exc}", file=sys.stderr)
+        sys.exit(exc.exit_code)
     except KeyboardInterrupt:
         pass
 
@@ -52,55 +64,76 @@ def _raise_open_files_limit() -> None:
             log.warning("could not raise the open files limit from %d: %s", soft, exc)
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="qgw", description="queue-gateway")
-    sub = p.add_subparsers(required=True, metavar="command")
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="qgw", description="queue-gateway: a queueing gateway for slow, rate-limited APIs.",
+        epilog="Settings come from QGW_* environment variables or a .env file (README.md).")
+    p.add_argument("--version", action="version", version=f"qgw {__version__}")
+    sub = p.add_subparsers(title="commands", metavar="<command>", required=True)
 
     for name, run, doc in (
-        ("serve", _serve, "API + dispatcher + reaper in one process"),
-        ("api", _api, "the HTTP API only"),
+        ("serve", _serve, "API + dispatcher + reaper + janitor in one process"),
+        ("api", _api, "the HTTP API only (scale it apart from the dispatchers)"),
     ):
-        sp = sub.add_parser(name, help=doc)
-        sp.add_argument("--host")
-        sp.add_argument("--port", type=int)
-        sp.set_defaults(run=run)
-    sub.add_parser("dispatcher", help="dispatcher + reaper only").set_defaults(run=_dispatcher)
-    sub.add_parser("migrate", help="run database migrations").set_defaults(run=_migrate)
+        sp = sub.add_parser(name, help=doc, description=doc)
+        sp.add_argument("--host", help="listen address (default: QGW_HOST, else 127.0.0.1)")
+        sp.add_argument("--port", type=int, help="listen port (default: QGW_PORT, else 8080)")
+        sp.set_defaults(run=run, settings_flags=("host", "port"))
+    command(sub, "dispatcher", _dispatcher,
+            "dispatcher + reaper + janitor only: calls the business APIs")
+    command(sub, "migrate", _migrate, "bring the database (QGW_DATABASE_URL) to the newest schema")
 
-    mock = sub.add_parser("mock-upstream", help="a slow business API for tests and demos")
-    mock.add_argument("--host", default="127.0.0.1")
-    mock.add_argument("--port", type=int, default=9000)
-    mock.add_argument("--concurrency", type=int, default=0)
-    mock.add_argument("--latency-ms", type=float, default=0)
-    mock.add_argument("--fail-rate", type=float, default=0)
-    mock.set_defaults(run=_mock)
+    mock = command(sub, "mock-upstream", _mock,
+                   "a slow business API for tests and demos; answers 429 past --concurrency")
+    mock.add_argument("--host", default="127.0.0.1", help="listen address (default: %(default)s)")
+    mock.add_argument("--port", type=int, default=9000, help="listen port (default: %(default)s)")
+    mock.add_argument("--concurrency", type=int, default=0, metavar="C",
+                      help="requests in flight before it answers 429 (default: 0 = unlimited)")
+    mock.add_argument("--latency-ms", type=float, default=0, metavar="T",
+                      help="how long each answer takes (default: %(default)s)")
+    mock.add_argument("--fail-rate", type=float, default=0, metavar="F",
+                      help="share of requests answered 503, 0..1 (default: %(default)s)")
     admin_cli.add_parsers(sub)
     healthcheck.add_parser(sub)
     return p
 
 
-def prepare_db(settings: Settings) -> None:
-    """Migrate on start (the default): one command takes a fresh machine to a running gateway."""
-    settings.data_dir.mkdir(parents=True, exist_ok=True)
-    if settings.auto_migrate:
-        _migrate(settings, None, quiet=True)
-        return
-    try:
-        behind = migrate.pending(settings.db_url)
-    except Exception as exc:  # whatever the driver raises, the operator gets one line
-        behind = _one_line(exc)
-    if behind:  # QGW_AUTO_MIGRATE=false: refuse rather than fail later on a missing table
-        print(f"qgw: {behind}; run `qgw migrate` (database {_hide_password(settings.db_url)})",
-              file=sys.stderr)
-        sys.exit(1)
+def command(sub: Any, name: str, run: Run, doc: str) -> argparse.ArgumentParser:
+    """A subcommand with its one-line help (shown in `qgw --help`) and what it runs."""
+    parser: argparse.ArgumentParser = sub.add_parser(name, help=doc, description=doc)
+    parser.set_defaults(run=run)
+    return parser
 
 
-def _serve(settings: Settings, args: Any, dispatcher: bool = True) -> None:
-    from app.main import create_app
-    from app.runtime import Runtime
-
+def _serve(settings: Settings, args: argparse.Namespace, dispatcher: bool = True) -> None:
+    sock = bind(settings.host, settings.port)  # first: a port in use is all there is to say
     prepare_db(settings)
-    runtime = Runtime(settings, with_dispatcher=dispatcher)
+    with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+        runner.run(_serve_until_stopped(settings, sock, dispatcher))
+
+
+def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """The loop uvicorn.run would choose (uvloop when installed): the runtime starts on it
+    before uvicorn serves, so `qgw serve` can wait for Redis first."""
+    import uvicorn
+
+    return uvicorn.Config("app.main:create_app", log_config=None).get_loop_factory()
+
+
+async def _serve_until_stopped(settings: Settings, sock: Any, dispatcher: bool) -> None:
+    import uvicorn
+
+    from app.main import create_app
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    # Ours until uvicorn takes the signals over (and gives them back, re-raising the one that
+    # stopped it, which then only sets `stop` again): SIGTERM while Redis is awaited exits.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    rt = await start_runtime(settings, dispatcher, stop)
+    if rt is None:
+        return
 
     def banner() -> None:
         # The generated token is shown so a fresh install can be used at once; one the
@@ -108,50 +141,31 @@ def _serve(settings: Settings, args: Any, dispatcher: bool = True) -> None:
         token = "(QGW_ADMIN_TOKEN)" if settings.admin_token else settings.admin_secret
         print(f"queue-gateway listening on http://{settings.host}:{settings.port}\n"
               f"  admin token: {token}\n"
-              f"  redis: {_hide_password(runtime.redis_url)}\n"
-              f"  database: {_hide_password(settings.db_url)}", flush=True)
+              f"  redis: {hide_password(rt.redis_url)}\n"
+              f"  database: {hide_password(settings.db_url)}", flush=True)
 
-    app = create_app(runtime, on_started=banner)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_config=None,
-                access_log=False, timeout_graceful_shutdown=5)
-
-
-def _hide_password(url: str) -> str:
-    """`scheme://user:***@host/...`: the URL as an operator needs to see it, minus the secret."""
-    return re.sub(r"^([a-z0-9+.-]+://[^:/@]*):[^/]*@", r"\1:***@", url)
+    config = uvicorn.Config(create_app(rt, manage=False, on_started=banner), log_config=None,
+                            access_log=False, timeout_graceful_shutdown=5)
+    try:
+        await uvicorn.Server(config).serve(sockets=[sock])
+    finally:
+        await rt.stop()
 
 
-def _api(settings: Settings, args: Any) -> None:
+def _api(settings: Settings, args: argparse.Namespace) -> None:
     _serve(settings, args, dispatcher=False)
 
 
-def _dispatcher(settings: Settings, args: Any) -> None:
+def _dispatcher(settings: Settings, args: argparse.Namespace) -> None:
     """Run until SIGTERM/SIGINT, then stop gracefully; a second signal cuts the grace short.
 
     Redis being down at start is waited out with back-off, like an outage later on.
     """
-    import contextlib
-
-    from redis.exceptions import RedisError
+    import logging
 
     from app.runtime import Runtime
 
-    async def start(stop: asyncio.Event) -> Runtime | None:
-        tries = 0
-        while not stop.is_set():
-            tries += 1
-            rt = Runtime(settings, with_dispatcher=True)
-            try:
-                await rt.start()
-                return rt
-            except (RedisError, OSError) as exc:
-                with contextlib.suppress(Exception):
-                    await rt.stop(0)
-                delay = min(0.2 * 2 ** min(tries - 1, 4), 2.0)
-                log.warning("cannot start (%s); retrying in %.1f s", exc, delay)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), delay)
-        return None
+    log = logging.getLogger("qgw")
 
     async def run() -> None:
         stop = asyncio.Event()
@@ -165,7 +179,7 @@ def _dispatcher(settings: Settings, args: Any) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, on_signal)
-        rt = await start(stop)
+        rt = await start_runtime(settings, True, stop)
         if rt is None:
             return
         log.info("dispatcher running")
@@ -177,25 +191,14 @@ def _dispatcher(settings: Settings, args: Any) -> None:
     asyncio.run(run())
 
 
-def _migrate(settings: Settings, args: Any, quiet: bool = False) -> None:
-    settings.data_dir.mkdir(parents=True, exist_ok=True)
-    try:
-        migrate.upgrade(settings.db_url)
-    except Exception as exc:  # whatever the driver raises, the operator gets one line
-        print(f"qgw: cannot migrate {_hide_password(settings.db_url)}: {_one_line(exc)}",
-              file=sys.stderr)
-        sys.exit(1)
-    if not quiet:
-        print(f"database at head: {_hide_password(settings.db_url)}")
+def _migrate(settings: Settings, args: argparse.Namespace) -> None:
+    migrate_db(settings)
+    print(f"database at head: {hide_password(settings.db_url)}")
 
 
-def _one_line(exc: BaseException) -> str:
-    """An error for a one-line message: drivers' messages run over several lines."""
-    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-    return f"{type(exc).__name__}: {first}"
+def _mock(settings: Settings, args: argparse.Namespace) -> None:
+    import uvicorn
 
-
-def _mock(settings: Settings, args: Any) -> None:
     from app.mock_upstream import MockUpstream
 
     app = MockUpstream(args.concurrency, args.latency_ms, args.fail_rate)

@@ -45,6 +45,7 @@ class EndpointRow(Base):
     enabled: Mapped[bool] = mapped_column(Boolean, default=True)
     forward_headers: Mapped[list[str]] = mapped_column(JSON, nullable=True, default=list)
     honor_upstream_limits: Mapped[bool] = mapped_column(Boolean, default=True)
+    paused: Mapped[bool] = mapped_column(Boolean, default=False)
     created_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow, onupdate=utcnow)
 

@@ -81,6 +81,7 @@ class EndpointSettings(StrictInput):
         description="request headers a task may carry to this endpoint besides Accept, "
                     "Accept-Language, Content-Type, Content-Language, User-Agent and trace "
                     "context (traceparent, tracestate, baggage); names, case-insensitive")
+    paused: bool = Field(False, description="stop dispatching; submits are still accepted")
 
     @field_validator("methods", mode="before")
     @classmethod
@@ -133,3 +134,9 @@ class EndpointConfig(EndpointSettings):
         query = urlsplit(task_url).query
         return f"{self.target_url}?{query}" if query else self.target_url
 
+
+class EndpointPatch(EndpointSettings):
+    """PATCH (and `qgw endpoints update`): every field optional; the merged result is
+    validated in full."""
+
+    target_url: TargetUrl | None = None  # type: ignore[assignment]

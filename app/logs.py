@@ -89,5 +89,8 @@ def setup(level: str = "info") -> None:
     root.setLevel(level.upper())
     # Debug means ours: the drivers' debug lines carry SQL parameters (key hashes, results)
     # and no task id, and outnumber ours many times over.
-    for noisy in ("httpx", "aiosqlite", "asyncio", "sqlalchemy", "aiomysql", "aiohttp"):
+    # alembic.runtime.plugins says at import (commands import alembic lazily) which of its
+    # own plugins it set up: a line each, on every start.
+    for noisy in ("httpx", "aiosqlite", "asyncio", "sqlalchemy", "aiomysql", "aiohttp",
+                  "alembic.runtime.plugins"):
         logging.getLogger(noisy).setLevel(max(logging.WARNING, root.level))

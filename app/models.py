@@ -75,12 +75,22 @@ class SubmitRequest(StrictInput):
 
 
 
+class ApiKeyCreate(StrictInput):
+    """The body of POST /admin/v1/api-keys, and `qgw keys create`'s options."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    user_id: int = Field(ge=0, le=2**53, description="up to 2^53: exact in every JSON parser")
+    tier: str = Field("standard", min_length=1, max_length=32)
+    max_priority: int = Field(0, ge=0, le=MAX_PRIORITY)
+    daily_quota: int = Field(0, ge=0, le=2**31 - 1, description="0 = unlimited")
+
+
 class SubmitResponse(BaseModel):
     task_id: str
     task_status: TaskStatus
     created_at: str | None
     wait_num: int
-    wait_time: float = 0.0  # estimated seconds until it starts (added to the go-zero fields)
+    wait_time: int = 0  # estimated whole seconds until it starts, rounded up (API.md)
 
 
 class Permit(BaseModel):
@@ -94,7 +104,7 @@ class TaskView(BaseModel):
     task_status: TaskStatus
     task_result: str | None = None
     wait_num: int = 0
-    wait_time: float = 0
+    wait_time: int = 0  # whole seconds: go-zero clients decode it as int64
     created_at: str | None = None
     started_at: str | None = None
     ended_at: str | None = None

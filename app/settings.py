@@ -21,7 +21,8 @@ class Settings(BaseSettings):
     data_dir: Path = Path(".qgw")
     host: str = "127.0.0.1"
     port: int = Field(8080, ge=0, le=65535)
-    admin_token: str | None = None
+    #: At least 16 characters: the admin API must not be guessable (unset: one is generated).
+    admin_token: str | None = Field(None, min_length=16)
     permit_secret: str | None = None
     key_prefix: str = Field("qgw", pattern=r"^[A-Za-z0-9_.:-]{1,32}$")
 
@@ -68,7 +69,12 @@ class Settings(BaseSettings):
     #: agree, so a header a client added can refuse a call but never let one through.
     auth_check_headers: Literal["both", "nginx", "traefik"] = "both"
     auto_migrate: bool = True
-    log_level: str = "info"
+    log_level: Literal["debug", "info", "warning", "error", "critical"] = "info"
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _lower(cls, v: object) -> object:
+        return v.lower() if isinstance(v, str) else v
 
     @field_validator("redis_url")
     @classmethod

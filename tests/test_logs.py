@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 
 from app import logs
-from app.cli import _hide_password
+from app.startup import hide_password
 from tests.conftest import ADMIN, Gateway
 from tests.servers import QGW, free_port, stop, wait_port
 
@@ -126,10 +126,10 @@ def test_formatters_scrub_what_looks_like_a_secret() -> None:
 
 
 def test_the_start_banner_hides_url_passwords() -> None:
-    assert _hide_password("mysql+aiomysql://qgw:pw@db:3306/qgw") == (
+    assert hide_password("mysql+aiomysql://qgw:pw@db:3306/qgw") == (
         "mysql+aiomysql://qgw:***@db:3306/qgw")
-    assert _hide_password("redis://:p@ss@cache:6379/0") == "redis://:***@cache:6379/0"
-    assert _hide_password("redis://127.0.0.1:6379/0") == "redis://127.0.0.1:6379/0"
+    assert hide_password("redis://:p@ss@cache:6379/0") == "redis://:***@cache:6379/0"
+    assert hide_password("redis://127.0.0.1:6379/0") == "redis://127.0.0.1:6379/0"
 
 
 def test_a_failed_migration_says_why_in_one_line_without_the_password(tmp_path: Path) -> None:

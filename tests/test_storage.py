@@ -33,7 +33,7 @@ from app.queue.scripts import LUA_DIR
 from app.runtime import Runtime
 from app.settings import Settings
 from tests.conftest import Gateway
-from tests.servers import QGW, MariaDB
+from tests.servers import QGW, MariaDB, free_port
 
 T = TaskResultRow.__table__
 Start = Callable[[], Awaitable[Runtime]]
@@ -564,7 +564,7 @@ def test_qgw_migrate_on_mariadb_from_three_replicas_at_once(db_url: str) -> None
 def test_serve_refuses_an_unmigrated_database_when_auto_migrate_is_off(tmp_path: Path) -> None:
     env = {**os.environ, "QGW_AUTO_MIGRATE": "false", "QGW_DATA_DIR": str(tmp_path),
            "QGW_DATABASE_URL": f"sqlite+aiosqlite:///{tmp_path}/empty.db"}
-    proc = subprocess.run([*QGW, "serve", "--port", "1"], env=env, capture_output=True,
-                          text=True, timeout=60)
+    proc = subprocess.run([*QGW, "serve", "--port", str(free_port())], env=env,
+                          capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1
-    assert "run `qgw migrate`" in proc.stderr and "needs 0003" in proc.stderr
+    assert "run `qgw migrate`" in proc.stderr and "needs 0006" in proc.stderr

@@ -200,8 +200,8 @@ class Dispatcher:
     async def claim(self, endpoint_id: str) -> None:
         """Claim what this endpoint may start now, and start it."""
         endpoint = self.registry.get(endpoint_id)
-        if endpoint is None or not endpoint.enabled or self.stopping.is_set():
-            return  # re-enabling it wakes it again (_on_config_change)
+        if endpoint is None or not endpoint.enabled or endpoint.paused or self.stopping.is_set():
+            return  # re-enabling (resuming) it wakes it again (_on_config_change)
         room = self._room_for(endpoint_id)
         if room <= 0:
             # Its wake marker is spent, and the ack that re-added it may have landed before

@@ -93,6 +93,7 @@ class Scripts:
     oldest: Lua
     sent: Lua
     retry: Lua
+    requeue: Lua
 
     @classmethod
     def register(cls, redis: Redis) -> Scripts:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from dataclasses import dataclass
 from functools import cached_property
@@ -83,7 +84,7 @@ class TaskQueue:
         ahead = int(res[2])
         return SubmitResponse(task_id=task_id, task_status=TaskStatus.PENDING,
                               created_at=rfc3339(res[3]), wait_num=ahead,
-                              wait_time=estimate_wait(endpoint, ahead, res[4]))
+                              wait_time=wait_seconds(endpoint, ahead, res[4]))
 
     async def _enqueue(self, task_id: str, keys: list[str], args: list[Any]) -> Any:
         """The submit script; with QGW_REDIS_WAIT_REPLICAS, answered only once that many
@@ -136,8 +137,8 @@ class TaskQueue:
         return TaskView(
             task_id=task_id, task_type=ttype, task_status=status,
             task_result=f.get("result"), wait_num=wait_num,
-            wait_time=(estimate_wait(endpoint, wait_num, exec_ms) if rank is not None
-                       else _retry_wait(f.get("retry_at"))),
+            wait_time=(wait_seconds(endpoint, wait_num, exec_ms) if rank is not None
+                       else math.ceil(_retry_wait(f.get("retry_at")))),
             created_at=rfc3339(f.get("created_at")), started_at=rfc3339(f.get("started_at")),
             ended_at=rfc3339(f.get("ended_at")),
             result_status_code=int(code) if code else None,
@@ -232,6 +233,13 @@ def _maybe_queued(task_id: str, e: str, idem_key: str | None, exc: Exception) ->
     return ApiError(503, "redis_unavailable",
                     f"the queue store did not answer; the task may have been queued as "
                     f"{task_id}: {how}", {"Retry-After": "1"}, task_id=task_id)
+
+
+def wait_seconds(endpoint: EndpointConfig | None, ahead: int, measured: Any) -> int:
+    """`estimate_wait` as the answers carry it: whole seconds, rounded up. The go-zero
+    service's clients decode `wait_time` as an int64, and Go refuses `1.75` (even `2.0`)
+    for one, failing the whole answer."""
+    return math.ceil(estimate_wait(endpoint, ahead, measured))
 
 
 def estimate_wait(endpoint: EndpointConfig | None, ahead: int, measured: Any) -> float:

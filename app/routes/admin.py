@@ -5,11 +5,11 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request, Response
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel
 
 from app.auth import admin, runtime
-from app.endpoints import EndpointConfig, EndpointSettings, TargetUrl
-from app.models import MAX_PRIORITY, ErrorResponse, StrictInput
+from app.endpoints import EndpointConfig, EndpointPatch, EndpointSettings
+from app.models import ApiKeyCreate, ErrorResponse
 from app.queue.stats import queue_stats
 from app.routes.body import body_schema, parse, read_limited
 from app.runtime import Runtime
@@ -21,14 +21,6 @@ router = APIRouter(prefix="/admin/v1", tags=["admin"], dependencies=[Depends(adm
                    responses=ERRORS)
 Rt = Annotated[Runtime, Depends(runtime)]
 ADMIN_BODY_LIMIT = 64 * 1024
-
-
-class ApiKeyCreate(StrictInput):
-    model_config = ConfigDict(extra="forbid", strict=True)
-    user_id: int = Field(ge=0, le=2**53, description="up to 2^53: exact in every JSON parser")
-    tier: str = Field("standard", min_length=1, max_length=32)
-    max_priority: int = Field(0, ge=0, le=MAX_PRIORITY)
-    daily_quota: int = Field(0, ge=0, le=2**31 - 1, description="0 = unlimited")
 
 
 class ApiKeyView(BaseModel):
@@ -64,12 +56,6 @@ async def get_endpoint(endpoint_id: str, rt: Rt) -> EndpointConfig:
 async def replace_endpoint(endpoint_id: str, request: Request, rt: Rt) -> EndpointConfig:
     config = parse(EndpointSettings, await read_limited(request, ADMIN_BODY_LIMIT))
     return await rt.endpoints.update(endpoint_id, config.model_dump())
-
-
-class EndpointPatch(EndpointSettings):
-    """PATCH: every field optional; the merged result is validated in full."""
-
-    target_url: TargetUrl | None = None  # type: ignore[assignment]
 
 
 @router.patch("/endpoints/{endpoint_id}", response_model=EndpointConfig,

@@ -1,0 +1,27 @@
+--[[ Run a failed or expired task again (an operator's retry, of any user's task): back into its
+queue at its original place, pending with a fresh deadline and no attempts counted.
+KEYS[1] task    KEYS[2] queue    KEYS[3] wake    KEYS[4] outbox    KEYS[5] delivered
+ARGV[1] task id    ARGV[2] endpoint id    ARGV[3] pending TTL (ms)    ARGV[4] done TTL (ms)
+Its copy still waiting in the outbox (the old ending) is dropped, and it is taken off the
+delivered set, so the next ending reaches SQL and its owner like a first one.
+Returns {'retried', rank} | {'missing'} | {'conflict', current status}.
+]]
+--@include now.lua
+--@include stats.lua
+--@include events.lua
+
+local f = redis.call('HMGET', KEYS[1], 'status', 'score')
+if not f[1] then return {'missing'} end
+if f[1] ~= 'failed' and f[1] ~= 'expired' then return {'conflict', f[1]} end
+local now = now_ms()
+local pending_ttl = tonumber(ARGV[3])
+redis.call('HDEL', KEYS[1], 'result', 'result_status_code', 'started_at', 'ended_at', 'lease',
+  'deadline')
+redis.call('HSET', KEYS[1], 'status', 'pending', 'attempts', 0, 'pexp', now + pending_ttl)
+redis.call('PEXPIRE', KEYS[1], pending_ttl + tonumber(ARGV[4]))
+redis.call('ZADD', KEYS[2], f[2], ARGV[1])
+redis.call('ZADD', KEYS[3], 'NX', now, ARGV[2])
+redis.call('HDEL', KEYS[4], ARGV[1])
+redis.call('ZREM', KEYS[5], ARGV[1])
+publish_changed(KEYS[2], {ARGV[1]})
+return {'retried', redis.call('ZRANK', KEYS[2], ARGV[1])}

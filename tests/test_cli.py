@@ -1,0 +1,166 @@
+"""`qgw` from the shell: every command listed with help, the admin API's validation, admin
+commands on the gateway's own data (never a new empty one), operator actions on tasks."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from app import __version__
+from app.cli import build_parser
+from app.runtime import Runtime
+from tests.conftest import Gateway
+from tests.servers import QGW, free_port, mock_log
+
+
+def qgw(
+    env: dict[str, str], *args: str, cwd: Path | None = None
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*QGW, *args], env=env, cwd=cwd, capture_output=True, text=True,
+                          timeout=60)
+
+
+def answer(r: subprocess.CompletedProcess[str]) -> Any:
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def refusal(r: subprocess.CompletedProcess[str], code: int = 1) -> str:
+    """The one line a refused command says (and nothing on stdout)."""
+    assert r.returncode == code, (r.returncode, r.stdout, r.stderr)
+    assert r.stdout == "" and r.stderr.count("\n") == 1, r.stderr
+    return r.stderr
+
+
+def test_help_lists_every_command_and_option() -> None:
+    env = dict(os.environ)
+    for group, actions in (("endpoints", "add list show update pause resume rm"),
+                           ("keys", "create list revoke"), ("tasks", "show retry cancel")):
+        out = qgw(env, group, "--help").stdout
+        for action in actions.split():
+            assert f"    {action} " in out, (group, action, out)
+    top = qgw(env, "--help").stdout
+    for command in "serve api dispatcher migrate mock-upstream endpoints keys tasks".split():
+        assert f"    {command}" in top
+    version = qgw(env, "--version")
+    assert version.returncode == 0 and __version__ in version.stdout
+    assert "{sliding_window,fixed_window,token_bucket}" in qgw(env, "endpoints", "add",
+                                                               "--help").stdout
+
+    def walk(parser: argparse.ArgumentParser, path: str) -> None:
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, child in action.choices.items():
+                    walk(child, f"{path} {name}")
+            elif not isinstance(action, argparse._HelpAction):
+                assert action.help, f"{path} {action.option_strings or action.dest} has no help"
+
+    walk(build_parser(), "qgw")
+
+
+async def test_endpoint_commands_apply_the_api_rules(gateway: Gateway, env: dict[str, str]) -> None:
+    url = "http://127.0.0.1:9/cli"
+    added = answer(qgw(env, "endpoints", "add", "cli", url, "--rate", "5", "--methods",
+                       "post,get", "--enabled", "no"))
+    assert added["enabled"] is False and added["methods"] == ["POST", "GET"]
+    assert answer(qgw(env, "endpoints", "update", "cli", "--enabled", "yes"))["enabled"] is True
+    assert answer(qgw(env, "endpoints", "show", "cli"))["rate"] == 5
+    r = await gateway.http.get("/admin/v1/endpoints/cli", headers=gateway.admin)
+    assert r.json()["enabled"] is True and r.json()["methods"] == ["POST", "GET"]
+
+    # What the admin API answers 422 to, the CLI refuses with the same message (exit 2).
+    api = await gateway.http.post("/admin/v1/api-keys", headers=gateway.admin,
+                                  json={"user_id": -3})
+    assert api.status_code == 422
+    line = refusal(qgw(env, "keys", "create", "--user-id", "-3"), code=2)
+    assert api.json()["error"]["message"] in line
+    assert "target_url" in refusal(qgw(env, "endpoints", "add", "x", "ftp://a/b"), code=2)
+    assert "rate" in refusal(qgw(env, "endpoints", "update", "cli", "--rate", "-1"), code=2)
+    for bad in (("--enabled", "maybe"), ("--limiter", "leaky")):
+        r = qgw(env, "endpoints", "update", "cli", *bad)
+        assert r.returncode == 2 and bad[0] in r.stderr
+    assert "exists" in refusal(qgw(env, "endpoints", "add", "cli", url))
+    assert [k["user_id"] for k in answer(qgw(env, "keys", "list"))] == []
+    assert answer(qgw(env, "endpoints", "pause", "cli"))["paused"] is True
+    assert answer(qgw(env, "endpoints", "resume", "cli"))["paused"] is False
+    assert qgw(env, "endpoints", "rm", "cli").returncode == 0
+    assert "no endpoint 'cli'" in refusal(qgw(env, "endpoints", "show", "cli"))
+
+
+async def test_read_only_commands_read_sql_only_and_say_nothing_else(
+    gateway: Gateway, env: dict[str, str]
+) -> None:
+    await gateway.add_endpoint("ro", "http://127.0.0.1:9/ro")
+    nowhere = {**env, "QGW_REDIS_URL": f"redis://127.0.0.1:{free_port()}/0"}
+    for args in (("endpoints", "list"), ("endpoints", "show", "ro"), ("keys", "list")):
+        r = qgw(nowhere, *args)
+        assert r.returncode == 0 and r.stderr == "", r.stderr  # no INFO lines, no migration
+    assert [e["id"] for e in answer(qgw(nowhere, "endpoints", "list"))] == ["ro"]
+    # A write needs Redis (every replica must hear of it): one line saying so.
+    line = refusal(qgw(nowhere, "keys", "create", "--user-id", "1"))
+    assert "cannot reach Redis" in line and "QGW_REDIS_URL" in line
+
+
+def test_admin_commands_elsewhere_refuse_instead_of_a_new_data_dir(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("QGW_")}
+    for args in (("endpoints", "list"), ("keys", "create", "--user-id", "1")):
+        line = refusal(qgw(env, *args, cwd=tmp_path))
+        assert "no database" in line and "QGW_DATA_DIR" in line
+    assert list(tmp_path.iterdir()) == []
+
+
+async def test_operator_shows_retries_and_cancels_any_users_task(
+    gateway: Gateway, env: dict[str, str], fresh_upstream: str,
+    start_dispatcher: Callable[[], Awaitable[Runtime]],
+) -> None:
+    url = f"{fresh_upstream}/op"
+    await gateway.add_endpoint("op", url)
+    auth = await gateway.new_key(user_id=42)
+    failing = await gateway.submit(auth, url, body="b", headers={"X-Mock-Status": ["400"]})
+    waiting = await gateway.submit(auth, url, body="w", priority=1)
+    tid, wid = failing["task_id"], waiting["task_id"]
+
+    shown = answer(qgw(env, "tasks", "show", wid))
+    assert shown["user_id"] == 42 and shown["endpoint"] == "op"
+    assert shown["task_status"] == "pending" and shown["request"]["priority"] == 1
+    assert answer(qgw(env, "tasks", "cancel", wid))["task_status"] == "cancelled"
+    assert "cancelled" in refusal(qgw(env, "tasks", "cancel", wid))
+    assert "pending" in refusal(qgw(env, "tasks", "retry", tid))  # not failed: nothing to retry
+
+    await start_dispatcher()
+    (first,) = await gateway.wait_finished(auth, [tid])
+    assert first["task_status"] == "failed" and first["attempts"] == 1
+    retried = answer(qgw(env, "tasks", "retry", tid))
+    assert retried["task_status"] == "pending"
+    for _ in range(100):  # it runs again, counted afresh
+        if len(mock_log(fresh_upstream)) == 2:
+            break
+        await asyncio.sleep(0.05)
+    (again,) = await gateway.wait_finished(auth, [tid])
+    assert again["task_status"] == "failed" and again["attempts"] == 1
+    assert [c["body"] for c in mock_log(fresh_upstream)] == ["b", "b"]
+    assert "no task" in refusal(qgw(env, "tasks", "show", "0" * 32 + ".op"))
+
+
+async def test_paused_endpoint_accepts_submits_and_dispatches_after_resume(
+    gateway: Gateway, env: dict[str, str], upstream: str,
+    start_dispatcher: Callable[[], Awaitable[Runtime]],
+) -> None:
+    url = f"{upstream}/paused"
+    await gateway.add_endpoint("paused", url)
+    auth = await gateway.new_key()
+    await start_dispatcher()
+    answer(qgw(env, "endpoints", "pause", "paused"))
+    await asyncio.sleep(1.2)  # every replica has seen it (registry SPREAD_S)
+    task = await gateway.submit(auth, url)
+    await asyncio.sleep(1.0)
+    assert (await gateway.status(auth, task["task_id"]))["task_status"] == "pending"
+    answer(qgw(env, "endpoints", "resume", "paused"))
+    (done,) = await gateway.wait_finished(auth, [task["task_id"]], timeout=10)
+    assert done["task_status"] == "completed"

@@ -1,0 +1,63 @@
+"""Start-up: each refusal is one line naming the cause and the fix (exit code != 0), and
+`qgw serve` waits for a Redis that is not up yet, like `qgw dispatcher`."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.servers import QGW, RedisServer, free_port, stop, wait_port
+
+
+def _serve(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*QGW, "serve", *args], env=env, capture_output=True, text=True,
+                          timeout=60)
+
+
+@pytest.mark.parametrize(("name", "value"), [("QGW_LOG_LEVEL", "verbose"),
+                                             ("QGW_ADMIN_TOKEN", "abc")])
+def test_bad_setting_is_one_line(env: dict[str, str], name: str, value: str) -> None:
+    r = _serve({**env, name: value})
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.count("\n") == 1 and name in r.stderr, r.stderr
+
+
+def test_port_in_use_is_one_line_before_anything_starts(env: dict[str, str]) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        r = _serve(env, "--port", str(port))
+    assert r.returncode == 1 and r.stdout == ""  # no "listening on" first
+    assert r.stderr.count("\n") == 1 and "in use" in r.stderr and "--port" in r.stderr
+
+
+def test_serve_waits_for_redis_with_one_line_warnings(env: dict[str, str],
+                                                      tmp_path: Path) -> None:
+    redis = RedisServer(tmp_path / "late-redis")
+    port = free_port()
+    proc = subprocess.Popen([*QGW, "serve", "--port", str(port)],
+                            env={**env, "QGW_REDIS_URL": redis.url}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        time.sleep(2.5)
+        assert proc.poll() is None  # still waiting, not dead
+        redis.start()
+        wait_port(port, timeout=20, proc=proc)
+        assert httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=5).status_code == 200
+    finally:
+        stop(proc)
+        redis.stop()
+    assert proc.returncode in (0, -15)
+    assert proc.stderr is not None
+    # One JSON object a line: nothing printed around the logs (no traceback, no uvicorn lines).
+    lines = [json.loads(line) for line in proc.stderr.read().splitlines() if line.strip()]
+    waits = [rec for rec in lines if "cannot reach Redis" in rec["msg"]]
+    assert waits and all(rec["level"] == "warning" and "exc" not in rec for rec in waits)
+    assert not any("Traceback" in str(rec) for rec in lines)
