@@ -54,7 +54,8 @@ def _touch(path: Path) -> None:
 
 def add_parser(sub: Any) -> None:
     hc = sub.add_parser("healthcheck", help="exit 0 when this container's process is healthy")
-    hc.add_argument("--role", choices=("http", "dispatcher"), default="http")
+    hc.add_argument("--role", choices=("http", "dispatcher"), default="http",
+                    help="http: GET a URL; dispatcher: its heartbeat file is fresh (default: http)")
     hc.add_argument("--url", help="http: what to GET (default: /healthz on QGW_HOST:QGW_PORT)")
     hc.add_argument("--max-age", type=float, default=10.0,
                     help="dispatcher: the oldest heartbeat that counts, in seconds")
