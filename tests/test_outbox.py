@@ -5,9 +5,11 @@ short the done TTL and however long SQL was away."""
 from __future__ import annotations
 
 import asyncio
+import signal
 import sqlite3
 import time
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,7 +19,8 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app.settings import Settings
 from tests.conftest import Gateway
-from tests.test_storage import Start, T, eventually, open_gateway, rows
+from tests.servers import MariaDB
+from tests.test_storage import Start, T, eventually, open_gateway, rows, run_dispatcher
 
 
 @pytest.fixture
@@ -29,10 +32,11 @@ def settings(settings: Settings, tmp_path: Path) -> Settings:
     })
 
 
-async def _submit_large(gw: Gateway, upstream: str, path: str, n: int, size: int
-                        ) -> tuple[dict[str, str], list[str]]:
-    await gw.add_endpoint(path, f"{upstream}/{path}", max_concurrency=16, timeout_ms=30_000)
-    auth = await gw.new_key(user_id=7)
+async def _submit_large(gw: Gateway, upstream: str, path: str, n: int, size: int,
+                        auth: dict[str, str] | None = None) -> tuple[dict[str, str], list[str]]:
+    if auth is None:
+        await gw.add_endpoint(path, f"{upstream}/{path}", max_concurrency=16, timeout_ms=30_000)
+        auth = await gw.new_key(user_id=7)
     big = {"X-Mock-Body-Bytes": [str(size)]}
     ids = [(await gw.submit(auth, f"{upstream}/{path}", headers=big))["task_id"]
            for _ in range(n)]
@@ -63,20 +67,60 @@ async def _statuses(gw: Gateway, auth: dict[str, str], ids: list[str]) -> Counte
     return seen
 
 
-async def test_large_results_held_back_by_a_locked_sqlite_all_reach_it(
-    settings: Settings, upstream: str, start_dispatcher: Start, tmp_path: Path
+class Hold:
+    """Holds the database back: SQLite in BEGIN EXCLUSIVE, or MariaDB stopped (SIGSTOP): it
+    accepts connections and answers nothing."""
+
+    def __init__(self, kind: str, tmp_path: Path) -> None:
+        self.sqlite = f"{tmp_path}/qgw.db"
+        self.server = MariaDB(tmp_path / "mdb") if kind == "mariadb" else None
+        self.lock: sqlite3.Connection | None = None
+
+    def url(self) -> str:
+        if self.server is None:
+            return f"sqlite+aiosqlite:///{self.sqlite}"
+        self.server.start()
+        return self.server.create_database("qgw")
+
+    def begin(self) -> None:
+        if self.server is not None and self.server.proc is not None:
+            self.server.proc.send_signal(signal.SIGSTOP)
+        else:
+            self.lock = sqlite3.connect(self.sqlite, timeout=1, isolation_level=None)
+            self.lock.execute("BEGIN EXCLUSIVE")
+
+    def end(self) -> None:
+        if self.server is not None and self.server.proc is not None:
+            self.server.proc.send_signal(signal.SIGCONT)
+        elif self.lock is not None:
+            self.lock.execute("ROLLBACK")
+            self.lock.close()
+
+
+@pytest.fixture(params=["sqlite", "mariadb"])
+def hold(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Hold]:
+    h = Hold(request.param, tmp_path)
+    yield h
+    if h.server is not None:
+        h.end()
+        h.server.stop()
+
+
+async def test_large_results_held_back_by_the_database_all_reach_it(
+    settings: Settings, upstream: str, hold: Hold
 ) -> None:
-    """SQLite held in BEGIN EXCLUSIVE while 400 tasks finish with 2 MB answers each, for longer
-    than the done TTL: they used to sit in the outbox for good (one HSCAN asked Redis for every
-    record at once, a reply never read within the socket timeout) and, their Redis copies
-    expired, answer 404. Now all reach SQL once it is back, each answering 200 with its result."""
+    """SQLite held in BEGIN EXCLUSIVE (or MariaDB stalled) while 400 tasks finish with 2 MB
+    answers each, for longer than the done TTL: they used to sit in the outbox for good (one
+    HSCAN asked Redis for every record at once, a reply never read within the socket timeout)
+    and, their Redis copies expired, answer 404. Now all reach SQL once it is back, each
+    answering 200 with its result."""
     n, size = 400, 2_000_000
-    async with open_gateway(settings) as gw:
-        auth, ids = await _submit_large(gw, upstream, "locked", n, size)
-        lock = sqlite3.connect(f"{tmp_path}/qgw.db", timeout=1, isolation_level=None)
-        lock.execute("BEGIN EXCLUSIVE")
+    settings = settings.model_copy(update={"database_url": hold.url()})
+    async with open_gateway(settings) as gw, run_dispatcher(settings):
+        auth, _ = await _submit_large(gw, upstream, "locked", 0, size)  # endpoint and key in SQL
+        hold.begin()
         try:
-            await start_dispatcher()
+            _, ids = await _submit_large(gw, upstream, "locked", n, size, auth)
 
             async def finished() -> bool:
                 try:
@@ -87,8 +131,7 @@ async def test_large_results_held_back_by_a_locked_sqlite_all_reach_it(
             await eventually(finished, timeout=60)
             await asyncio.sleep(settings.done_ttl_s + 1.5)  # the outage outlasts the done TTL
         finally:
-            lock.execute("ROLLBACK")
-            lock.close()
+            hold.end()
         began = time.monotonic()
         written = 0
         while time.monotonic() - began < 60 and written < n:
