@@ -46,6 +46,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/chaos.py
 	$(BIN)/python bench/eta.py
 	$(BIN)/python bench/purge.py
+	$(BIN)/python bench/outbox_drain.py --outage-s 30
 
 clean:
 	rm -rf $(VENV) .qgw .pytest_cache .mypy_cache .ruff_cache

@@ -110,7 +110,8 @@ class Runtime:
             await asyncio.sleep(SPREAD_S)
             await self.queue.ensure_idle(endpoint_id)
         store = self.queue.results or ResultStore(self.engine)
-        await OutboxWriter(self.redis, self.keys, self.registry, store).write(endpoint_id)
+        await OutboxWriter(self.redis, self.keys, self.registry, store,
+                           done_ms=self.queue.ttls.done_ms).write(endpoint_id)
         await self.endpoints.delete(endpoint_id)
 
     async def stop(self, grace_s: float | None = None) -> None:

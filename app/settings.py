@@ -33,6 +33,8 @@ class Settings(BaseSettings):
     #: How often finished tasks move from the Redis outbox to SQL, and rows per transaction.
     outbox_interval_ms: int = Field(500, ge=10)
     outbox_batch: int = Field(500, ge=1, le=5000)
+    #: Bytes of results per outbox transaction (one larger result goes alone).
+    outbox_batch_bytes: int = Field(16 << 20, ge=1 << 20, le=256 << 20)
     #: How often tasks pending past QGW_PENDING_TTL_S are marked `expired` (claims never
     #: start one anyway).
     expiry_interval_ms: int = Field(1000, ge=10)

@@ -1,7 +1,8 @@
 --[[ Finish a claimed task, if the caller still holds its lease.
 KEYS[1] active    KEYS[2] task    KEYS[3] queue    KEYS[4] wake    KEYS[5] stats
 ARGV[1] task id   ARGV[2] lease token   ARGV[3] final status ('completed' | 'failed')
-ARGV[4] result    ARGV[5] result status code ('' if none)    ARGV[6] done TTL (ms)
+ARGV[4] result    ARGV[5] result status code ('' if none)
+ARGV[6] unused (the done TTL: set once SQL has the row)
 ARGV[7] endpoint id    ARGV[8] exec time of the last attempt (ms)
 ARGV[9] pause the upstream asked for (ms; 0 = none), see upstream.lua
 Returns 1, or 0 when the lease was lost (reaped and claimed again): the newer attempt wins.
@@ -25,8 +26,7 @@ redis.call('ZREM', KEYS[1], ARGV[1])
 redis.call('HSET', KEYS[2], 'status', ARGV[3], 'result', ARGV[4],
   'result_status_code', ARGV[5], 'ended_at', now)
 redis.call('HDEL', KEYS[2], 'lease', 'deadline')
-redis.call('PEXPIRE', KEYS[2], ARGV[6])
-to_outbox(sibling_key(KEYS[2], 'outbox'), KEYS[2], ARGV[1])
+to_outbox(sibling_key(KEYS[2], 'tosql'), KEYS[2], ARGV[1], now)
 publish_changed(KEYS[1], {ARGV[1]})
 
 local n = redis.call('HINCRBY', KEYS[5], ARGV[3], 1)

@@ -1,7 +1,7 @@
 --[[ Cancel a task of this user: a pending one leaves its queue; an admitted online one loses
 its permit and frees its slot. Anything that already ended, or an offline call in flight, stays.
 KEYS[1] task    KEYS[2] queue    KEYS[3] active    KEYS[4] wake    KEYS[5] outbox
-ARGV[1] task id    ARGV[2] user id    ARGV[3] done TTL (ms)    ARGV[4] endpoint id
+ARGV[1] task id    ARGV[2] user id    ARGV[3] unused (the done TTL: set once SQL has the row)    ARGV[4] endpoint id
 Returns {'cancelled'} | {'missing'} | {'conflict', current status}.
 ]]
 --@include now.lua
@@ -25,8 +25,7 @@ else
   return {'conflict', f[2]}
 end
 redis.call('HSET', KEYS[1], 'status', 'cancelled', 'ended_at', now)
-redis.call('PEXPIRE', KEYS[1], ARGV[3])
-to_outbox(KEYS[5], KEYS[1], ARGV[1])
+to_outbox(KEYS[5], KEYS[1], ARGV[1], now)
 publish_changed(KEYS[2], {ARGV[1]})
 redis.call('HINCRBY', sibling_key(KEYS[2], 'stats'), 'cancelled', 1)
 return {'cancelled'}

@@ -68,7 +68,7 @@ while true do
     redis.call('ZREM', KEYS[1], id)  -- its hash is gone: never runs
   elseif tf[2] and tonumber(tf[2]) <= now then
     -- Past its pending deadline: never runs, even if the sweep (expire-3.lua) is late.
-    expire_pending(task, id, KEYS[1], stats, sibling_key(KEYS[1], 'outbox'), now)
+    expire_pending(task, id, KEYS[1], stats, sibling_key(KEYS[1], 'tosql'), now)
     changed[#changed + 1] = id
   else
     local token = token_prefix .. ':' .. claimed

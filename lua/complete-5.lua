@@ -1,7 +1,7 @@
 --[[ An online task's caller is done with the business API: free its slot before the permit
 expires, and keep the result it reports.
 KEYS[1] task    KEYS[2] active    KEYS[3] queue    KEYS[4] wake    KEYS[5] outbox
-ARGV[1] task id    ARGV[2] user id    ARGV[3] result    ARGV[4] done TTL (ms)    ARGV[5] endpoint
+ARGV[1] task id    ARGV[2] user id    ARGV[3] result    ARGV[4] unused (the done TTL: set once SQL has the row)    ARGV[5] endpoint
 Returns {'completed'} | {'missing'} | {'conflict', current status}.
 ]]
 --@include now.lua
@@ -16,8 +16,7 @@ local now = now_ms()
 redis.call('ZREM', KEYS[2], ARGV[1])
 redis.call('HDEL', KEYS[1], 'lease', 'deadline')
 redis.call('HSET', KEYS[1], 'status', 'completed', 'result', ARGV[3], 'ended_at', now)
-redis.call('PEXPIRE', KEYS[1], ARGV[4])
-to_outbox(KEYS[5], KEYS[1], ARGV[1])
+to_outbox(KEYS[5], KEYS[1], ARGV[1], now)
 publish_changed(KEYS[2], {ARGV[1]})
 local stats = sibling_key(KEYS[2], 'stats')
 redis.call('HINCRBY', stats, 'completed', 1)

@@ -4,7 +4,7 @@ is deadline order, so the script looks at the head of each priority band and jum
 band at the first task not yet due (a task handed back after a claim has no deadline; the
 walk steps past it). Bounded: at most ARGV[3] expirations and ARGV[4] steps.
 KEYS[1] queue    KEYS[2] stats    KEYS[3] outbox
-ARGV[1] task key prefix    ARGV[2] done TTL (ms)    ARGV[3] max expirations    ARGV[4] max steps
+ARGV[1] task key prefix    ARGV[2] unused (the done TTL: set once SQL has the row)    ARGV[3] max expirations    ARGV[4] max steps
 Returns {expired, 1 if it stopped at a bound (more may be due) else 0}.
 ]]
 --@include now.lua
@@ -37,7 +37,6 @@ while steps_left > 0 do
     from = '(' .. int(score)  -- started once and handed back: no pending deadline any more
   elseif tonumber(f[2]) <= now then
     expire_pending(task, id, KEYS[1], KEYS[2], KEYS[3], now)
-    redis.call('PEXPIRE', task, ARGV[2])
     expired = expired + 1
     changed[expired] = id
   else

@@ -21,7 +21,7 @@ redis.call('HSET', KEYS[1], 'status', 'pending', 'attempts', 0, 'pexp', now + pe
 redis.call('PEXPIRE', KEYS[1], pending_ttl + tonumber(ARGV[4]))
 redis.call('ZADD', KEYS[2], f[2], ARGV[1])
 redis.call('ZADD', KEYS[3], 'NX', now, ARGV[2])
-redis.call('HDEL', KEYS[4], ARGV[1])
+redis.call('ZREM', KEYS[4], ARGV[1])  -- its old ending no longer goes to SQL
 redis.call('ZREM', KEYS[5], ARGV[1])
 publish_changed(KEYS[2], {ARGV[1]})
 return {'retried', redis.call('ZRANK', KEYS[2], ARGV[1])}

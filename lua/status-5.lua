@@ -1,7 +1,7 @@
 --[[ A task as its owner sees it, with its place in line. A finished task read by its owner
-has been delivered: it keeps only a short TTL, its outbox copy is dropped (no need to write a
-row now), and its id is scheduled for deletion from SQL once that TTL has run out.
-KEYS[1] task    KEYS[2] queue    KEYS[3] stats of the endpoint    KEYS[4] outbox
+has been delivered: it keeps only a short TTL, it leaves the outbox (no need to write a row
+now), and its id is scheduled for deletion from SQL once that TTL has run out.
+KEYS[1] task    KEYS[2] queue    KEYS[3] stats of the endpoint    KEYS[4] outbox (ZSet)
 KEYS[5] delivered (ZSet of ids whose SQL row may go; score = from when)
 ARGV[1] task id    ARGV[2] user id    ARGV[3] read TTL (ms); 0 = a peek that delivers nothing
 Returns {rank or false, measured, field, value, ...}, or {} when missing or not this user's;
@@ -22,9 +22,10 @@ if not rank then
   local status = redis.call('HGET', KEYS[1], 'status')
   if status ~= 'pending' and status ~= 'processing' then
     local ttl = tonumber(ARGV[3])
-    if ttl > 0 and redis.call('PTTL', KEYS[1]) > ttl then
+    local left = redis.call('PTTL', KEYS[1])  -- -1: no TTL, still waiting for SQL
+    if ttl > 0 and (left > ttl or left == -1) then
       redis.call('PEXPIRE', KEYS[1], ttl)
-      redis.call('HDEL', KEYS[4], ARGV[1])
+      redis.call('ZREM', KEYS[4], ARGV[1])
       -- Deleting the row only after the TTL also covers a writer that had already taken the
       -- outbox copy and commits it just after this read.
       redis.call('ZADD', KEYS[5], now_ms() + ttl, ARGV[1])

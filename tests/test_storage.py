@@ -88,7 +88,7 @@ async def test_lua_finds_the_keys_keys_py_names(gateway: Gateway) -> None:
     they were given (sibling_key, lua/includes/stats.lua): the names must agree."""
     k = Keys("p")
     script = (LUA_DIR / "includes" / "stats.lua").read_text() + (
-        "return {sibling_key(KEYS[1], 'outbox'), sibling_key(KEYS[2], 'stats'),"
+        "return {sibling_key(KEYS[1], 'tosql'), sibling_key(KEYS[2], 'stats'),"
         " sibling_key(KEYS[3], 'active')}")
     found = await gateway.rt.redis.eval(
         script, 3, k.task("0193abc.gen.v2"), k.queue("gen.v2"), k.ratelimit("gen.v2", "x"))
@@ -115,15 +115,16 @@ async def test_migration_creates_task_results_with_created_at_index(db_url: str)
 async def test_finished_task_gets_a_row_and_a_one_hour_ttl(
     gateway: Gateway, upstream: str, start_dispatcher: Start
 ) -> None:
+    """The done TTL starts once SQL has the row: until then the task has none."""
     _, (tid,) = await finish(gateway, upstream, start_dispatcher, "row")
+    got = await eventually(lambda: rows(gateway.rt.engine))
     ttl = await gateway.rt.redis.pttl(gateway.rt.keys.task(tid))
     assert 0 < ttl <= gateway.rt.settings.done_ttl_s * 1000
-    got = await eventually(lambda: rows(gateway.rt.engine))
     row = got[tid]
     assert (row.user_id, row.endpoint, row.type, row.status) == (7, "row", "offline", "completed")
     assert row.result_status_code == 200 and row.attempts == 1 and '"#0"' in row.result
     assert row.created_at <= row.started_at <= row.ended_at
-    assert not await gateway.rt.redis.hlen(gateway.rt.keys.outbox("row"))  # moved, not copied
+    assert not await gateway.rt.redis.zcard(gateway.rt.keys.outbox("row"))
 
 
 async def test_read_by_owner_cuts_ttl_and_removes_the_row(
@@ -323,7 +324,7 @@ async def test_an_endpoint_goes_only_when_idle_and_its_results_reach_sql_first(
     r = await gateway.http.delete("/admin/v1/endpoints/bye", headers=gateway.admin)
     assert r.status_code == 204
     assert (await rows(gateway.rt.engine))[tid].status == "cancelled"
-    assert not await gateway.rt.redis.hlen(gateway.rt.keys.outbox("bye"))
+    assert not await gateway.rt.redis.zcard(gateway.rt.keys.outbox("bye"))
 
 
 async def test_a_call_that_outlasts_the_pending_ttl_keeps_its_task(
@@ -367,22 +368,23 @@ async def test_sql_down_results_wait_in_redis_and_nothing_is_lost(
                 return all(s == "completed" for s in got)
             await eventually(all_done)
             outbox = gw.rt.keys.outbox("out")
-            assert await gw.rt.redis.hlen(outbox) == 20
+            assert await gw.rt.redis.zcard(outbox) == 20
             # A status read from SQL cannot be served: 503 with Retry-After, not a hang or 500.
             r = await gw.http.get(f"/api/v1/tasks/{uuid.uuid4().hex}.out", headers=auth)
             assert r.status_code == 503 and r.headers["Retry-After"]
-            # The outage outlasts the tasks' own TTL: the outbox keeps the records anyway.
-            await gw.rt.redis.delete(*(gw.rt.keys.task(t) for t in during[:10]))
+            # However long the outage, no done TTL takes them before SQL has their rows.
+            assert {await gw.rt.redis.pttl(gw.rt.keys.task(t)) for t in during} == {-1}
             await outage.up()
 
             async def all_written() -> bool:
                 return await _has(gw.rt.engine, before + during)
             await eventually(all_written, timeout=15)
-            assert await gw.rt.redis.hlen(outbox) == 0
+            assert await gw.rt.redis.zcard(outbox) == 0
             got = await rows(gw.rt.engine)
             assert all(got[t].status == "completed" and f'"#{i}"' in got[t].result
                        for i, t in enumerate(during))
-            # And status of a task Redis forgot is served from SQL again.
+            # And status of a task Redis let go is served from SQL again.
+            await gw.rt.redis.delete(gw.rt.keys.task(during[0]))
             assert (await gw.status(auth, during[0]))["task_status"] == "completed"
         finally:
             for rt in dispatchers:
@@ -441,7 +443,8 @@ async def run_dispatcher(settings: Settings) -> AsyncIterator[Runtime]:
 @pytest.mark.parametrize("db_url", ["mariadb"], indirect=True)
 async def test_a_row_the_database_refuses_holds_back_no_other(gateway: Gateway) -> None:
     """Out of range for its column: written without its result, the batch around it intact,
-    and the outbox emptied (a refused row used to stay and block every later batch)."""
+    and the outbox emptied (a refused row used to stay and block every later batch). The
+    records are in the outbox hash of earlier versions: an upgrade drains it too."""
     await gateway.add_endpoint("poison", "http://127.0.0.1:9/poison")
     await eventually(lambda: _as_future(gateway.rt.registry.get("poison")))
     now = int(time.time() * 1000)
@@ -452,7 +455,7 @@ async def test_a_row_the_database_refuses_holds_back_no_other(gateway: Gateway) 
                            "result": "猫", "result_status_code": str(code), "attempts": "1",
                            "created_at": str(now), "ended_at": str(now)})
 
-    outbox = gateway.rt.keys.outbox("poison")
+    outbox = gateway.rt.keys.outbox_legacy("poison")
     await gateway.rt.redis.hset(outbox, mapping={good: record(200), bad: record(70_000)})
     writer = OutboxWriter(gateway.rt.redis, gateway.rt.keys, gateway.rt.registry,
                           ResultStore(gateway.rt.engine))

@@ -39,7 +39,8 @@ class LifecycleJobs:
               registry: EndpointRegistry, engine: AsyncEngine) -> LifecycleJobs:
         return cls(
             settings,
-            OutboxWriter(redis, keys, registry, ResultStore(engine), settings.outbox_batch),
+            OutboxWriter(redis, keys, registry, ResultStore(engine), settings.outbox_batch,
+                         settings.outbox_batch_bytes, Ttls.of(settings).done_ms),
             ExpirySweep(redis, scripts, keys, registry, Ttls.of(settings)),
             Janitor(engine, settings.db_retention_s, settings.janitor_batch, redis, keys),
         )

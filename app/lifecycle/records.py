@@ -1,5 +1,6 @@
-"""The outbox record (JSON written by lua/includes/lifecycle.lua) as a task_results row, and
-that row back as the fields a task hash has, so status reads both the same way."""
+"""A finished task's fields (from its hash, or a legacy outbox record in JSON) as a
+task_results row, and that row back as the fields a task hash has, so status reads both the
+same way."""
 
 from __future__ import annotations
 
@@ -10,6 +11,9 @@ from typing import Any
 from app.queue.keys import endpoint_of
 
 EPOCH = datetime(1970, 1, 1)
+#: The fields of a task hash a task_results row is made of.
+ROW_FIELDS = ("user_id", "type", "status", "result", "result_status_code", "attempts",
+              "created_at", "started_at", "ended_at")
 
 
 def from_ms(ms: Any) -> datetime | None:
@@ -34,8 +38,13 @@ def _opt_str(v: Any) -> str | None:
 
 
 def row_of(task_id: str, raw: str) -> dict[str, Any]:
-    """A row from an outbox record; raises ValueError (or KeyError) on a malformed one."""
-    rec = json.loads(raw)
+    """A row from a legacy outbox record (JSON); raises ValueError (or KeyError) on a
+    malformed one."""
+    return row_from(task_id, json.loads(raw))
+
+
+def row_from(task_id: str, rec: dict[str, Any]) -> dict[str, Any]:
+    """A row from a task's fields; raises ValueError (or KeyError) on a malformed record."""
     created = from_ms(rec.get("created_at")) or from_ms(rec.get("ended_at"))
     if created is None:
         raise ValueError("record has no time")

@@ -1,12 +1,14 @@
 """Finished tasks in SQL: the outbox writer and the store that status falls back to.
 
 Why an outbox: a task finishes inside a Lua script, when SQL may be slow or down. The script
-leaves a JSON copy of the task in its endpoint's outbox hash, atomically with the transition
-(lua/includes/lifecycle.lua), and this writer moves the copies to SQL in batches with
-idempotent upserts, deleting each copy only after its row committed. SQL down: copies wait in
-Redis, however long, and the API carries on. Several writers at once only repeat upserts.
+puts the task's id in its endpoint's outbox and takes its TTL away, atomically with the
+transition (lua/includes/lifecycle.lua), and this writer moves the tasks to SQL in batches
+bounded by rows and bytes, with idempotent upserts; a task leaves the outbox, and gets its done
+TTL, only after its row committed (app/lifecycle/outbox.py). SQL down: tasks wait in Redis,
+however long, status keeps answering from there, and the API carries on. Several writers at
+once only repeat upserts.
 
-A finished task its owner has read is delivered: status-5.lua drops its outbox copy and
+A finished task its owner has read is delivered: status-5.lua takes it out of the outbox and
 schedules its row for deletion once the read TTL has run out (the `delivered` ZSet); the writer
 deletes those rows too, in batches.
 """
@@ -16,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from redis.asyncio import Redis
@@ -28,7 +30,8 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app.db import SQL_JOB_TIMEOUT_S, TaskResultRow, bounded
 from app.lifecycle.loop import STORE_ERRORS
-from app.lifecycle.records import row_of
+from app.lifecycle.outbox import Outbox, Waiting, by_bytes
+from app.lifecycle.records import row_from
 from app.queue.keys import Keys
 from app.queue.registry import EndpointRegistry
 
@@ -121,6 +124,14 @@ class OutboxWriter:
     registry: EndpointRegistry
     store: ResultStore
     batch: int = 500
+    #: Results per SQL transaction, in bytes (a larger single result goes alone): a backlog of
+    #: large results moves in steps that each commit well within SQL_JOB_TIMEOUT_S.
+    batch_bytes: int = 16 << 20
+    done_ms: int = 3_600_000  # the done TTL a task gets once its row is written
+    outbox: Outbox = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.outbox = Outbox(self.redis, self.keys)
 
     async def flush(self) -> int:
         """Move every outbox record to SQL and delete delivered rows that are due; returns the
@@ -138,25 +149,33 @@ class OutboxWriter:
         return written
 
     async def write(self, endpoint_id: str) -> int:
-        """Move one endpoint's outbox to SQL; the number of rows written."""
-        outbox, cursor, written = self.keys.outbox(endpoint_id), 0, 0
+        """Move one endpoint's outbox to SQL; the number of rows written. Ids and sizes come
+        first (a small reply), then the tasks in transactions of at most `batch` rows and
+        `batch_bytes` of results, each fetched in bounded replies (app/lifecycle/outbox.py)."""
+        written = 0
         while True:
-            cursor, found = await self.redis.hscan(outbox, cursor, count=self.batch)
-            records: dict[str, str] = found  # type: ignore[assignment]  # decode_responses
-            if records:
-                written += await self._write_batch(outbox, records)
-            if cursor == 0:
+            waiting = await self.outbox.waiting(endpoint_id, self.batch)
+            for sizes in by_bytes(waiting.sizes, self.batch_bytes):
+                written += await self._write_batch(replace(waiting, sizes=sizes))
+            if not waiting.sizes or (not waiting.legacy and len(waiting.sizes) < self.batch):
                 return written
 
-    async def _write_batch(self, outbox: str, records: dict[str, str]) -> int:
-        rows, bad = [], []
-        for task_id, raw in records.items():
+    async def _write_batch(self, waiting: Waiting) -> int:
+        records = await self.outbox.fetch(waiting)
+        rows = []
+        for task_id, rec in records.items():
+            extra = {"task_id": task_id, "endpoint": waiting.endpoint}
+            if rec is None:  # not a TTL (it has none while here): somebody deleted it
+                log.error("a finished task left Redis before reaching SQL", extra=extra)
+                continue
             try:
-                rows.append(row_of(task_id, raw))
+                row = row_from(task_id, rec)
             except (ValueError, KeyError, TypeError) as exc:
-                bad.append(task_id)
                 log.error("dropping a malformed outbox record: %s", exc,
-                          extra={"task_id": task_id, "record": raw[:500]})
+                          extra={**extra, "record": str(rec)[:500]})
+                continue
+            if row["status"] in ("completed", "failed", "cancelled", "expired"):
+                rows.append(row)  # else it runs again: it comes back here when it ends
         for i in range(0, len(rows), self.batch):
             chunk = rows[i:i + self.batch]
             try:
@@ -169,10 +188,10 @@ class OutboxWriter:
                 # without their result.
                 for row in chunk:
                     if not await self._write_alone(row):
-                        await self.redis.hset(self.keys.outbox_refused(row["endpoint"]),
-                                              row["task_id"], records[row["task_id"]])
+                        await self.outbox.refused(row["endpoint"], row["task_id"],
+                                                  records[row["task_id"]] or {})
         # Only now, after the commit: a crash before this line only repeats the upserts.
-        await self.redis.hdel(outbox, *records)
+        await self.outbox.saved(waiting, list(records), self.done_ms)
         return len(rows)
 
     async def _write_alone(self, row: dict[str, Any]) -> bool:

@@ -45,10 +45,16 @@ class Keys:
         return f"{self.prefix}:{{{endpoint}}}:stats"
 
     def outbox(self, endpoint: str) -> str:
-        """Hash task id -> JSON of a finished task not yet written to SQL (app/lifecycle).
+        """ZSet of finished task ids whose SQL row is not written yet; score = when each ended
+        (app/lifecycle/outbox.py). Their task hashes have no TTL until it is.
 
         Scripts whose KEYS their callers fix find it as a sibling of a key they were given
-        (sibling_key, lua/includes/stats.lua), so it must stay `<prefix>:{e}:outbox`."""
+        (sibling_key, lua/includes/stats.lua), so it must stay `<prefix>:{e}:tosql`."""
+        return f"{self.prefix}:{{{endpoint}}}:tosql"
+
+    def outbox_legacy(self, endpoint: str) -> str:
+        """Hash task id -> JSON copy of a finished task, the outbox of earlier versions: the
+        writer drains what an upgrade finds there."""
         return f"{self.prefix}:{{{endpoint}}}:outbox"
 
     def outbox_refused(self, endpoint: str) -> str:

@@ -1,16 +1,13 @@
--- Task lifecycle (app/lifecycle). Every terminal transition copies the finished task into its
--- endpoint's outbox in the same script, so the copy SQL gets is atomic with the transition and
--- outlives the task's own TTL through a long SQL outage. Include now.lua first.
+-- Task lifecycle (app/lifecycle). Every terminal transition puts the finished task's id in its
+-- endpoint's outbox (a ZSet, score = when it ended) in the same script, and takes the task's
+-- TTL away: the task hash itself is the record SQL gets, and it stays until SQL has its row,
+-- however long an outage lasts; the writer sets the done TTL then (lua/saved-1.lua). No copy
+-- of a result is made here: an 8 MB answer is neither doubled in Redis nor JSON-encoded inside
+-- the script that acks it. Include now.lua first.
 
--- The fields of a task_results row, in the order the writer (app/lifecycle/results.py) reads.
-local OUTBOX_FIELDS = {'user_id', 'type', 'status', 'result', 'result_status_code', 'attempts',
-  'created_at', 'started_at', 'ended_at'}
-
-local function to_outbox(outbox, task, id)
-  local v = redis.call('HMGET', task, unpack(OUTBOX_FIELDS))
-  local rec = {id = id}
-  for i, name in ipairs(OUTBOX_FIELDS) do rec[name] = v[i] end
-  redis.call('HSET', outbox, id, cjson.encode(rec))
+local function to_outbox(outbox, task, id, now)
+  redis.call('PERSIST', task)
+  redis.call('ZADD', outbox, now, id)
 end
 
 -- A task still pending at its deadline never runs: `expired`, out of its queue, counted.
@@ -18,5 +15,5 @@ local function expire_pending(task, id, queue, stats, outbox, now)
   redis.call('ZREM', queue, id)
   redis.call('HSET', task, 'status', 'expired', 'ended_at', now)
   redis.call('HINCRBY', stats, 'expired', 1)
-  to_outbox(outbox, task, id)
+  to_outbox(outbox, task, id, now)
 end
