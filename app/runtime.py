@@ -13,7 +13,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from app.db import make_engine
+from app.db import bounded, make_engine
 from app.embedded import EmbeddedRedis
 from app.endpoints import EndpointConfig
 from app.lifecycle.jobs import LifecycleJobs
@@ -113,7 +113,7 @@ class Runtime:
             await asyncio.sleep(SPREAD_S)
             await self.queue.ensure_idle(endpoint_id)
         store = self.queue.results or ResultStore(self.engine)
-        await OutboxWriter(self.redis, self.keys, self.registry, store).write(endpoint_id)
+        await bounded(OutboxWriter(self.redis, self.keys, self.registry, store).write(endpoint_id))
         await self.endpoints.delete(endpoint_id)
 
     async def stop(self, grace_s: float | None = None) -> None:
