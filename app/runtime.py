@@ -89,6 +89,7 @@ class Runtime:
         for mirror in (ep_mirror, self.api_keys):
             await mirror.refresh()
             self._watchers.append(asyncio.create_task(mirror.watch()))
+            self._watchers.append(asyncio.create_task(mirror.keep_reconciled()))
         if self.with_dispatcher:
             self._blocking = redis_client(self.redis_url, s.redis_timeout_s + 2)
             self.http = upstream_client(s.dispatch_concurrency)
