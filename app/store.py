@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import secrets
+from collections.abc import Awaitable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
@@ -20,9 +22,12 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from app.db import SQL_JOB_TIMEOUT_S, ApiKeyRow, EndpointRow, bounded, sessions, utcnow
 from app.endpoints import EndpointConfig
 from app.errors import ApiError
+from app.lifecycle.loop import STORE_ERRORS
 from app.models import MAX_PRIORITY
 from app.queue.registry import Mirror
 
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 ENDPOINT_FIELDS = tuple(EndpointConfig.model_fields)
 
 
@@ -43,9 +48,22 @@ def _endpoint(row: EndpointRow) -> EndpointConfig:
     return EndpointConfig.model_validate({f: getattr(row, f) for f in ENDPOINT_FIELDS})
 
 
-class EndpointStore:
-    def __init__(self, engine: AsyncEngine, mirror: Mirror[EndpointConfig]) -> None:
+class _Store:
+    def __init__(self, engine: AsyncEngine, mirror: Mirror[Any]) -> None:
         self.sessions, self.mirror = sessions(engine), mirror
+
+    async def _write(self, work: Awaitable[T]) -> T:
+        """`work` (an SQL write), bounded. Past the bound its commit may still land, unseen
+        by the mirror: the mirror is then reconciled with SQL as soon as SQL answers."""
+        try:
+            return await bounded(work)
+        except TimeoutError:
+            self.mirror.mark_stale()
+            raise
+
+
+class EndpointStore(_Store):
+    mirror: Mirror[EndpointConfig]
 
     async def load_all(self) -> dict[str, str]:
         """Rows as the mirror stores them (id -> JSON)."""
@@ -77,7 +95,7 @@ class EndpointStore:
 
     async def create(self, config: EndpointConfig) -> EndpointConfig:
         self._check_url_free(config)
-        await bounded(self._insert(config))
+        await self._write(self._insert(config))
         await self.mirror.put(config.id, config.model_dump())
         return config
 
@@ -89,7 +107,7 @@ class EndpointStore:
             raise ApiError(409, "endpoint_exists", f"endpoint {config.id!r} exists") from None
 
     async def update(self, endpoint_id: str, changes: dict[str, Any]) -> EndpointConfig:
-        config = await bounded(self._update(endpoint_id, changes))
+        config = await self._write(self._update(endpoint_id, changes))
         await self.mirror.put(endpoint_id, config.model_dump())
         return config
 
@@ -106,7 +124,7 @@ class EndpointStore:
         return config
 
     async def delete(self, endpoint_id: str) -> None:
-        await bounded(self._delete(endpoint_id))
+        await self._write(self._delete(endpoint_id))
         await self.mirror.put(endpoint_id, None)
 
     async def _delete(self, endpoint_id: str) -> None:
@@ -115,6 +133,18 @@ class EndpointStore:
             if row is None:
                 raise ApiError(404, "endpoint_not_found", f"no endpoint {endpoint_id!r}")
             await s.delete(row)
+
+    async def restore(self, endpoint_id: str) -> None:
+        """Publish the endpoint again as SQL has it (after a delete that did not go through);
+        if that fails too, the mirror's reconcile does it once the stores answer."""
+        try:
+            row = await bounded(self._row(endpoint_id))
+            if row is not None:
+                await self.mirror.put(endpoint_id, _endpoint(row).model_dump())
+        except STORE_ERRORS as exc:
+            self.mirror.mark_stale()
+            log.warning("endpoint %s: not put back yet (%s); the reconcile will", endpoint_id,
+                        exc)
 
     def _check_url_free(self, config: EndpointConfig) -> None:
         """One URL, one endpoint: otherwise a submit could not tell which queue it joins."""
@@ -125,9 +155,8 @@ class EndpointStore:
                 )
 
 
-class KeyStore:
-    def __init__(self, engine: AsyncEngine, mirror: Mirror[ApiKey]) -> None:
-        self.sessions, self.mirror = sessions(engine), mirror
+class KeyStore(_Store):
+    mirror: Mirror[ApiKey]
 
     async def load_all(self) -> dict[str, str]:
         return await bounded(self._load_all(), SQL_JOB_TIMEOUT_S)
@@ -148,7 +177,7 @@ class KeyStore:
             id=secrets.token_hex(8), key_hash=hash_key(plain), user_id=user_id, tier=tier,
             max_priority=max_priority, daily_quota=daily_quota, created_at=utcnow(),
         )
-        await bounded(self._insert(row))
+        await self._write(self._insert(row))
         view = _key_view(row)
         await self.mirror.put(row.key_hash, view)
         return plain, view
@@ -170,7 +199,7 @@ class KeyStore:
         return await bounded(self._list())
 
     async def revoke(self, key_id: str) -> None:
-        await self.mirror.put(await bounded(self._revoke(key_id)), None)
+        await self.mirror.put(await self._write(self._revoke(key_id)), None)
 
     async def _revoke(self, key_id: str) -> str:
         """Marks the key revoked; returns its hash (the mirror's id for it)."""

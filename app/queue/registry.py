@@ -59,6 +59,10 @@ class Mirror(Generic[T]):
         self._stale = asyncio.Event()
         self._stale.set()
 
+    def mark_stale(self) -> None:
+        """Reconcile with SQL as soon as the stores answer."""
+        self._stale.set()
+
     async def put(self, item_id: str, value: dict[str, Any] | None) -> None:
         """Publish one row (None removes it); call after the SQL write has committed."""
         try:

@@ -58,7 +58,8 @@ class TaskQueue:
         ]
         idem = k.idempotency(user_id, idem_key) if idem_key else k.idempotency(user_id, "-")
         res = await self.scripts.submit(
-            keys=[k.queue(e), k.task(task_id), k.seq(e), k.wake, idem, k.quota(user_id, day)],
+            keys=[k.queue(e), k.task(task_id), k.seq(e), k.wake, idem, k.quota(user_id, day),
+                  k.endpoints],
             args=[task_id, e, req.priority, endpoint.max_queue_len,
                   self.ttls.pending_ms, "1" if idem_key else "0",
                   IDEMPOTENCY_TTL_MS, key.daily_quota, (day + 1) * 86_400_000,
@@ -66,6 +67,9 @@ class TaskQueue:
         )
         if res[0] == "dup":
             return str(res[1])
+        if res[0] == "gone":  # deleted; this process has not heard yet
+            raise ApiError(404, "endpoint_not_registered",
+                           "target_url matches no registered, enabled endpoint")
         if res[0] == "quota":
             retry = max(1, int(res[1]) // 1000 + 1)
             raise ApiError(429, "quota_exceeded",
