@@ -29,6 +29,9 @@ from app.settings import Settings
 from app.store import ApiKey, EndpointStore, KeyStore
 
 log = logging.getLogger(__name__)
+#: A delete under way keeps its endpoint out of the registry for this long at most: well past
+#: its steps' bounds (a few seconds each), short enough if the deleting process dies.
+RETIRE_HOLD_S = 30.0
 
 
 def redis_client(url: str, timeout_s: float | None, max_connections: int = 512) -> Redis:
@@ -110,7 +113,7 @@ class Runtime:
         tasks reach SQL before it goes: the outbox writer serves the endpoints that exist."""
         await self.queue.ensure_idle(endpoint_id)
         await self.endpoints.get(endpoint_id)  # 404 before anything changes
-        await self.endpoints.mirror.put(endpoint_id, None)
+        await self.endpoints.mirror.put(endpoint_id, None, hold_s=RETIRE_HOLD_S)
         try:
             await self.queue.ensure_idle(endpoint_id)
             store = self.queue.results or ResultStore(self.engine)

@@ -9,6 +9,7 @@ import signal
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -129,6 +130,8 @@ async def test_every_admin_route_answers_503_quickly_while_the_database_hangs(
         assert mariadb.proc is not None
         mariadb.proc.send_signal(signal.SIGSTOP)
         try:
+            pid = mariadb.proc.pid
+            await within(2, lambda: asyncio.to_thread(_stopped, pid), "the server to stop")
             bound = SQL_REQUEST_TIMEOUT_S + 2
             for method, path, body in routes:
                 began = time.monotonic()
@@ -149,6 +152,13 @@ async def test_every_admin_route_answers_503_quickly_while_the_database_hangs(
         # never half-done: whatever SQL holds, the registry every process serves comes to agree.
         took = await within(RECONCILE_S + 5, lambda: _mirrored(gw), "the mirror to agree")
         print(f"registry agreed with SQL {took:.2f} s after the database resumed")
+
+
+def _stopped(pid: int) -> bool:
+    """Every thread of the process is stopped (a signal reaches them one by one)."""
+    tasks = Path(f"/proc/{pid}/task")
+    return all((t / "stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
+               for t in tasks.iterdir())
 
 
 async def _mirrored(gw: Gateway) -> bool:
@@ -192,3 +202,18 @@ async def _ended(gw: Gateway, auth: dict[str, str], task_id: str) -> bool:
     r = await gw.http.get(f"/api/v1/tasks/{task_id}", headers=auth)
     return r.status_code == 200 and r.json()["task_status"] not in ("pending", "processing")
 
+
+
+async def test_a_reconcile_leaves_out_an_endpoint_whose_delete_is_under_way(
+    gateway: Gateway,
+) -> None:
+    """DELETE takes the endpoint out of the registry before its SQL row goes: a reconcile
+    in that window must not put it back (a stale replica could then admit into it)."""
+    await gateway.add_endpoint("w", "http://127.0.0.1:9/w")
+    mirror, keys = gateway.rt.endpoints.mirror, gateway.rt.keys
+    await mirror.put("w", None, hold_s=0.5)
+    assert not await mirror.reconcile()
+    assert not await gateway.rt.redis.hexists(keys.endpoints, "w")
+    await asyncio.sleep(0.6)  # the deleting process died: once the hold lapses, SQL wins
+    assert await mirror.reconcile()
+    assert await gateway.rt.redis.hexists(keys.endpoints, "w")

@@ -55,6 +55,7 @@ class Mirror(Generic[T]):
         self.version: str | None = None
         self.listeners: list[Callable[[set[str]], None]] = []
         self.turn_key = keys.lock(f"reconcile:{table}")
+        self._held_prefix = keys.lock(f"withdrawn:{table}:")
         # Set: reconcile as soon as Redis answers (at start, after an outage, a failed put).
         self._stale = asyncio.Event()
         self._stale.set()
@@ -63,14 +64,20 @@ class Mirror(Generic[T]):
         """Reconcile with SQL as soon as the stores answer."""
         self._stale.set()
 
-    async def put(self, item_id: str, value: dict[str, Any] | None) -> None:
-        """Publish one row (None removes it); call after the SQL write has committed."""
+    async def put(self, item_id: str, value: dict[str, Any] | None, hold_s: float = 0) -> None:
+        """Publish one row (None removes it); call after the SQL write has committed.
+        With `hold_s`, a removal comes ahead of its SQL delete: the reconcile leaves the row
+        out meanwhile (for `hold_s` at most, should the deleting process die)."""
         try:
             async with self.redis.pipeline(transaction=True) as pipe:
                 if value is None:
                     pipe.hdel(self.hash_key, item_id)
                 else:
                     pipe.hset(self.hash_key, item_id, json.dumps(value))
+                if value is None and hold_s > 0:
+                    pipe.set(self._held_prefix + item_id, "1", px=int(hold_s * 1000))
+                else:
+                    pipe.delete(self._held_prefix + item_id)
                 pipe.incr(self.version_key)
                 pipe.publish(self.channel, item_id)
                 await pipe.execute()
@@ -129,6 +136,12 @@ class Mirror(Generic[T]):
             want = {k: json.loads(v) for k, v in rows.items()}
             gone = [k for k in raw if k not in want]
             changed = {k: v for k, v in rows.items() if _parsed(raw.get(k)) != want[k]}
+            back = [k for k in changed if k not in raw]
+            if back:  # rows withdrawn ahead of their delete stay out
+                held = await pipe.mget([self._held_prefix + k for k in back])
+                for k, h in zip(back, held, strict=True):
+                    if h is not None:
+                        del changed[k]
             if not gone and not changed:
                 return False
             pipe.multi()  # type: ignore[no-untyped-call]
