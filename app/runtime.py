@@ -12,7 +12,7 @@ from redis.asyncio import Redis
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app import redis_url
-from app.db import make_engine
+from app.db import bounded, make_engine
 from app.embedded import EmbeddedRedis
 from app.endpoints import EndpointConfig
 from app.healthcheck import beat, heartbeat_path
@@ -22,7 +22,7 @@ from app.metrics import SharedScrape
 from app.queue.dispatcher import Dispatcher
 from app.queue.events import TaskEvents
 from app.queue.keys import Keys
-from app.queue.registry import SPREAD_S, EndpointRegistry, Mirror, cancel_all
+from app.queue.registry import EndpointRegistry, Mirror, cancel_all
 from app.queue.scripts import Scripts
 from app.queue.tasks import TaskQueue
 from app.queue.upstream import upstream_client
@@ -30,6 +30,9 @@ from app.settings import Settings
 from app.store import ApiKey, EndpointStore, KeyStore
 
 log = logging.getLogger(__name__)
+#: A delete under way keeps its endpoint out of the registry for this long at most: well past
+#: its steps' bounds (a few seconds each), short enough if the deleting process dies.
+RETIRE_HOLD_S = 30.0
 
 
 def redis_client(url: str, timeout_s: float | None, max_connections: int = 512) -> Redis:
@@ -84,6 +87,7 @@ class Runtime:
         for mirror in (ep_mirror, self.api_keys):
             await mirror.refresh()
             self._watchers.append(asyncio.create_task(mirror.watch()))
+            self._watchers.append(asyncio.create_task(mirror.keep_reconciled()))
         if self.with_dispatcher:
             self._blocking = redis_client(self.redis_url, s.redis_timeout_s + 2)
             self.http = upstream_client(s.dispatch_concurrency)
@@ -99,20 +103,24 @@ class Runtime:
 
     async def retire_endpoint(self, endpoint_id: str) -> None:
         """Delete an endpoint, only an idle one (409 otherwise), so no task is stranded in a
-        queue nobody serves any more. An enabled one is disabled first and, once every replica
-        has seen that (a registry change spreads within a second), checked again: a submit
-        that came in meanwhile shows there (409; the endpoint stays disabled). Its finished
+        queue nobody serves any more. It leaves the Redis registry first: from then on no
+        submit is admitted for it, however stale a process's own copy (submit-7.lua checks
+        the registry in the script that enqueues), so the idle check that follows is final.
+        If that check (or anything after it) fails, it is put back from SQL. Its finished
         tasks reach SQL before it goes: the outbox writer serves the endpoints that exist."""
         await self.queue.ensure_idle(endpoint_id)
-        endpoint = self.registry.get(endpoint_id)
-        if endpoint is not None and endpoint.enabled:
-            await self.endpoints.update(endpoint_id, {"enabled": False})
-            await asyncio.sleep(SPREAD_S)
+        await self.endpoints.get(endpoint_id)  # 404 before anything changes
+        await self.endpoints.mirror.put(endpoint_id, None, hold_s=RETIRE_HOLD_S)
+        try:
             await self.queue.ensure_idle(endpoint_id)
-        store = self.queue.results or ResultStore(self.engine)
-        await OutboxWriter(self.redis, self.keys, self.registry, store,
-                           done_ms=self.queue.ttls.done_ms).write(endpoint_id)
-        await self.endpoints.delete(endpoint_id)
+            store = self.queue.results or ResultStore(self.engine)
+            writer = OutboxWriter(self.redis, self.keys, self.registry, store,
+                                  done_ms=self.queue.ttls.done_ms)
+            await bounded(writer.write(endpoint_id))
+            await self.endpoints.delete(endpoint_id)
+        except BaseException:
+            await self.endpoints.restore(endpoint_id)
+            raise
 
     async def stop(self, grace_s: float | None = None) -> None:
         """Stop; in-flight calls get `grace_s` (default QGW_SHUTDOWN_GRACE_S) to finish."""

@@ -1,23 +1,33 @@
-"""Admin writes: endpoints and API keys in SQL first, then published to the Redis mirrors."""
+"""Admin writes: endpoints and API keys in SQL first, then published to the Redis mirrors.
+
+Every statement here is bounded (app/db.py `bounded`): a database that stops answering costs
+an admin call a 503 within seconds, not a hang until TCP gives up. A write whose commit
+outcome that leaves unknown, or whose publication fails (Redis down), is still made good:
+the mirrors converge to SQL (app/queue/registry.py, Mirror.reconcile)."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import secrets
+from collections.abc import Awaitable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from app.db import ApiKeyRow, EndpointRow, sessions, utcnow
+from app.db import SQL_JOB_TIMEOUT_S, ApiKeyRow, EndpointRow, bounded, sessions, utcnow
 from app.endpoints import EndpointConfig
 from app.errors import ApiError
+from app.lifecycle.loop import STORE_ERRORS
 from app.models import MAX_PRIORITY
 from app.queue.registry import Mirror
 
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 ENDPOINT_FIELDS = tuple(EndpointConfig.model_fields)
 
 
@@ -38,39 +48,70 @@ def _endpoint(row: EndpointRow) -> EndpointConfig:
     return EndpointConfig.model_validate({f: getattr(row, f) for f in ENDPOINT_FIELDS})
 
 
-class EndpointStore:
-    def __init__(self, engine: AsyncEngine, mirror: Mirror[EndpointConfig]) -> None:
+class _Store:
+    def __init__(self, engine: AsyncEngine, mirror: Mirror[Any]) -> None:
         self.sessions, self.mirror = sessions(engine), mirror
+
+    async def _write(self, work: Awaitable[T]) -> T:
+        """`work` (an SQL write), bounded. Past the bound its commit may still land, unseen
+        by the mirror: the mirror is then reconciled with SQL as soon as SQL answers."""
+        try:
+            return await bounded(work)
+        except TimeoutError:
+            self.mirror.mark_stale()
+            raise
+
+
+class EndpointStore(_Store):
+    mirror: Mirror[EndpointConfig]
 
     async def load_all(self) -> dict[str, str]:
         """Rows as the mirror stores them (id -> JSON)."""
+        return await bounded(self._load_all(), SQL_JOB_TIMEOUT_S)
+
+    async def _load_all(self) -> dict[str, str]:
         async with self.sessions() as s:
             rows = (await s.scalars(select(EndpointRow))).all()
         return {r.id: _endpoint(r).model_dump_json() for r in rows}
 
-    async def list(self) -> list[EndpointConfig]:
+    async def _list(self) -> list[EndpointConfig]:
         async with self.sessions() as s:
             rows = (await s.scalars(select(EndpointRow).order_by(EndpointRow.id))).all()
         return [_endpoint(r) for r in rows]
 
+    async def list(self) -> list[EndpointConfig]:
+        return await bounded(self._list())
+
     async def get(self, endpoint_id: str) -> EndpointConfig:
-        async with self.sessions() as s:
-            row = await s.get(EndpointRow, endpoint_id)
+        row = await bounded(self._row(endpoint_id))
         if row is None:
             raise ApiError(404, "endpoint_not_found", f"no endpoint {endpoint_id!r}")
         return _endpoint(row)
 
+    async def _row(self, endpoint_id: str) -> EndpointRow | None:
+        async with self.sessions() as s:
+            row: EndpointRow | None = await s.get(EndpointRow, endpoint_id)
+        return row
+
     async def create(self, config: EndpointConfig) -> EndpointConfig:
         self._check_url_free(config)
+        await self._write(self._insert(config))
+        await self.mirror.put(config.id, config.model_dump())
+        return config
+
+    async def _insert(self, config: EndpointConfig) -> None:
         try:
             async with self.sessions.begin() as s:
                 s.add(EndpointRow(**config.model_dump()))
         except IntegrityError:
             raise ApiError(409, "endpoint_exists", f"endpoint {config.id!r} exists") from None
-        await self.mirror.put(config.id, config.model_dump())
-        return config
 
     async def update(self, endpoint_id: str, changes: dict[str, Any]) -> EndpointConfig:
+        config = await self._write(self._update(endpoint_id, changes))
+        await self.mirror.put(endpoint_id, config.model_dump())
+        return config
+
+    async def _update(self, endpoint_id: str, changes: dict[str, Any]) -> EndpointConfig:
         async with self.sessions.begin() as s:
             row = await s.get(EndpointRow, endpoint_id, with_for_update=True)
             if row is None:
@@ -80,16 +121,30 @@ class EndpointStore:
             self._check_url_free(config)
             for field, value in config.model_dump().items():
                 setattr(row, field, value)
-        await self.mirror.put(endpoint_id, config.model_dump())
         return config
 
     async def delete(self, endpoint_id: str) -> None:
+        await self._write(self._delete(endpoint_id))
+        await self.mirror.put(endpoint_id, None)
+
+    async def _delete(self, endpoint_id: str) -> None:
         async with self.sessions.begin() as s:
             row = await s.get(EndpointRow, endpoint_id)
             if row is None:
                 raise ApiError(404, "endpoint_not_found", f"no endpoint {endpoint_id!r}")
             await s.delete(row)
-        await self.mirror.put(endpoint_id, None)
+
+    async def restore(self, endpoint_id: str) -> None:
+        """Publish the endpoint again as SQL has it (after a delete that did not go through);
+        if that fails too, the mirror's reconcile does it once the stores answer."""
+        try:
+            row = await bounded(self._row(endpoint_id))
+            if row is not None:
+                await self.mirror.put(endpoint_id, _endpoint(row).model_dump())
+        except STORE_ERRORS as exc:
+            self.mirror.mark_stale()
+            log.warning("endpoint %s: not put back yet (%s); the reconcile will", endpoint_id,
+                        exc)
 
     def _check_url_free(self, config: EndpointConfig) -> None:
         """One URL, one endpoint: otherwise a submit could not tell which queue it joins."""
@@ -100,11 +155,13 @@ class EndpointStore:
                 )
 
 
-class KeyStore:
-    def __init__(self, engine: AsyncEngine, mirror: Mirror[ApiKey]) -> None:
-        self.sessions, self.mirror = sessions(engine), mirror
+class KeyStore(_Store):
+    mirror: Mirror[ApiKey]
 
     async def load_all(self) -> dict[str, str]:
+        return await bounded(self._load_all(), SQL_JOB_TIMEOUT_S)
+
+    async def _load_all(self) -> dict[str, str]:
         async with self.sessions() as s:
             rows = (await s.scalars(select(ApiKeyRow).where(ApiKeyRow.revoked_at.is_(None)))).all()
         return {r.key_hash: json.dumps(_key_view(r)) for r in rows}
@@ -120,13 +177,16 @@ class KeyStore:
             id=secrets.token_hex(8), key_hash=hash_key(plain), user_id=user_id, tier=tier,
             max_priority=max_priority, daily_quota=daily_quota, created_at=utcnow(),
         )
-        async with self.sessions.begin() as s:
-            s.add(row)
+        await self._write(self._insert(row))
         view = _key_view(row)
         await self.mirror.put(row.key_hash, view)
         return plain, view
 
-    async def list(self) -> list[dict[str, Any]]:
+    async def _insert(self, row: ApiKeyRow) -> None:
+        async with self.sessions.begin() as s:
+            s.add(row)
+
+    async def _list(self) -> list[dict[str, Any]]:
         async with self.sessions() as s:
             rows = (await s.scalars(select(ApiKeyRow).order_by(ApiKeyRow.created_at))).all()
         return [
@@ -135,14 +195,21 @@ class KeyStore:
             for r in rows
         ]
 
+    async def list(self) -> list[dict[str, Any]]:
+        return await bounded(self._list())
+
     async def revoke(self, key_id: str) -> None:
+        await self.mirror.put(await self._write(self._revoke(key_id)), None)
+
+    async def _revoke(self, key_id: str) -> str:
+        """Marks the key revoked; returns its hash (the mirror's id for it)."""
         async with self.sessions.begin() as s:
             row = await s.get(ApiKeyRow, key_id)
             if row is None:
                 raise ApiError(404, "api_key_not_found", f"no API key {key_id!r}")
             row.revoked_at = row.revoked_at or utcnow()
-            key_hash = row.key_hash
-        await self.mirror.put(key_hash, None)
+            key_hash: str = row.key_hash
+        return key_hash
 
 
 def _key_view(row: ApiKeyRow) -> dict[str, Any]:

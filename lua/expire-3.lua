@@ -12,7 +12,7 @@ Returns {expired, 1 if it stopped at a bound (more may be due) else 0}.
 --@include stats.lua
 --@include events.lua
 
-local BAND = 8796093022208  -- 2^43, one priority step of the score (submit-6.lua)
+local BAND = 8796093022208  -- 2^43, one priority step of the score (submit-7.lua)
 local now = now_ms()
 local max_expired, steps_left = tonumber(ARGV[3]), tonumber(ARGV[4])
 local from, expired = '-inf', 0

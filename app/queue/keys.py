@@ -79,7 +79,7 @@ class Keys:
 
     def quota(self, user_id: int) -> str:
         """Tasks the user submitted today; expires at the end of the day on the Redis clock
-        (lua/submit-6.lua), so no day in the name: an API host's clock never picks the day."""
+        (lua/submit-7.lua), so no day in the name: an API host's clock never picks the day."""
         return f"{self.prefix}:quota:{user_id}"
 
     @property

@@ -5,6 +5,13 @@ publishes on a channel.  Each process keeps a local copy: it reloads when a mess
 and polls the version twice a second in case a message was missed (pub/sub does not queue).
 If the mirror is gone (a Redis that lost its data), the first process to notice rebuilds it
 from SQL.  The hot paths (submit, claim, auth) then read only process memory.
+
+A write can reach SQL and not the mirror: Redis down (or restarted from an append-only file
+that missed it) between the two, or a commit whose answer never came. So the mirror is also
+reconciled with SQL: at once in every process when Redis comes back after an outage (or a
+publication failed), and every RECONCILE_S in one process. An admin call that answered 503
+after its SQL write has committed is therefore applied everywhere within seconds of Redis
+answering again, never half-done for good.
 """
 
 from __future__ import annotations
@@ -16,9 +23,10 @@ from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, Generic, TypeVar
 
 from redis.asyncio import Redis
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, WatchError
 
 from app.endpoints import EndpointConfig, url_key
+from app.lifecycle.loop import STORE_ERRORS
 from app.queue.keys import Keys
 
 log = logging.getLogger(__name__)
@@ -26,6 +34,9 @@ T = TypeVar("T")
 POLL_S = 0.5
 #: How long a change takes to reach every process, at most: two polls and a margin.
 SPREAD_S = 2 * POLL_S + 0.1
+#: How often the mirror is checked against SQL when nothing went wrong (one process a turn).
+RECONCILE_S = 10.0
+RECONCILE_RETRY_S = 1.0
 
 
 class Mirror(Generic[T]):
@@ -43,17 +54,36 @@ class Mirror(Generic[T]):
         self.items: dict[str, T] = {}
         self.version: str | None = None
         self.listeners: list[Callable[[set[str]], None]] = []
+        self.turn_key = keys.lock(f"reconcile:{table}")
+        self._held_prefix = keys.lock(f"withdrawn:{table}:")
+        # Set: reconcile as soon as Redis answers (at start, after an outage, a failed put).
+        self._stale = asyncio.Event()
+        self._stale.set()
 
-    async def put(self, item_id: str, value: dict[str, Any] | None) -> None:
-        """Publish one row (None removes it); call after the SQL write has committed."""
-        async with self.redis.pipeline(transaction=True) as pipe:
-            if value is None:
-                pipe.hdel(self.hash_key, item_id)
-            else:
-                pipe.hset(self.hash_key, item_id, json.dumps(value))
-            pipe.incr(self.version_key)
-            pipe.publish(self.channel, item_id)
-            await pipe.execute()
+    def mark_stale(self) -> None:
+        """Reconcile with SQL as soon as the stores answer."""
+        self._stale.set()
+
+    async def put(self, item_id: str, value: dict[str, Any] | None, hold_s: float = 0) -> None:
+        """Publish one row (None removes it); call after the SQL write has committed.
+        With `hold_s`, a removal comes ahead of its SQL delete: the reconcile leaves the row
+        out meanwhile (for `hold_s` at most, should the deleting process die)."""
+        try:
+            async with self.redis.pipeline(transaction=True) as pipe:
+                if value is None:
+                    pipe.hdel(self.hash_key, item_id)
+                else:
+                    pipe.hset(self.hash_key, item_id, json.dumps(value))
+                if value is None and hold_s > 0:
+                    pipe.set(self._held_prefix + item_id, "1", px=int(hold_s * 1000))
+                else:
+                    pipe.delete(self._held_prefix + item_id)
+                pipe.incr(self.version_key)
+                pipe.publish(self.channel, item_id)
+                await pipe.execute()
+        except (RedisError, OSError):
+            self._stale.set()  # the SQL write stands: the mirror catches up with it
+            raise
         await self.refresh()
 
     async def refresh(self) -> None:
@@ -91,7 +121,73 @@ class Mirror(Generic[T]):
                         await self.refresh()
             except (RedisError, OSError) as exc:
                 log.warning("%s mirror: redis error %s; retrying", self.table, exc)
+                self._stale.set()  # an admin write may have missed the mirror meanwhile
                 await asyncio.sleep(1)
+
+    async def reconcile(self) -> bool:
+        """Make the Redis hash what SQL says; True if it had to change.
+
+        WATCH on the version: an admin write published between the reads and this write
+        (its SQL state possibly newer than what was read here) makes this one give way."""
+        async with self.redis.pipeline(transaction=True) as pipe:
+            await pipe.watch(self.version_key)
+            raw: dict[str, str] = await pipe.hgetall(self.hash_key)  # type: ignore[assignment]
+            rows = await self._load_sql()
+            want = {k: json.loads(v) for k, v in rows.items()}
+            gone = [k for k in raw if k not in want]
+            changed = {k: v for k, v in rows.items() if _parsed(raw.get(k)) != want[k]}
+            back = [k for k in changed if k not in raw]
+            if back:  # rows withdrawn ahead of their delete stay out
+                held = await pipe.mget([self._held_prefix + k for k in back])
+                for k, h in zip(back, held, strict=True):
+                    if h is not None:
+                        del changed[k]
+            if not gone and not changed:
+                return False
+            pipe.multi()  # type: ignore[no-untyped-call]
+            if gone:
+                pipe.hdel(self.hash_key, *gone)
+            if changed:
+                pipe.hset(self.hash_key, mapping=changed)  # type: ignore[arg-type]
+            pipe.incr(self.version_key)
+            pipe.publish(self.channel, "*")
+            await pipe.execute()
+        log.warning("the %s mirror disagreed with SQL (%d gone, %d changed): put right",
+                    self.table, len(gone), len(changed))
+        await self.refresh()
+        return True
+
+    async def keep_reconciled(self) -> None:
+        """Until cancelled: reconcile when marked stale (in every process, retried until
+        it succeeds) and every RECONCILE_S (in the one process that takes the turn)."""
+        while True:
+            try:
+                async with asyncio.timeout(RECONCILE_S):
+                    await self._stale.wait()
+            except TimeoutError:
+                pass
+            forced = self._stale.is_set()
+            self._stale.clear()
+            try:
+                if forced or await self.redis.set(self.turn_key, "1", nx=True,
+                                                  px=int(RECONCILE_S * 1000)):
+                    await self.reconcile()
+            except WatchError:  # an admin write came in between: look again shortly
+                self._stale.set()
+            except STORE_ERRORS as exc:
+                self._stale.set()
+                log.debug("%s mirror: reconcile failed (%s); retrying", self.table, exc)
+            except Exception:  # a bug must not end the loop silently and for good
+                log.exception("%s mirror: reconcile failed", self.table)
+            if self._stale.is_set():
+                await asyncio.sleep(RECONCILE_RETRY_S)
+
+
+def _parsed(raw: str | None) -> Any:
+    try:
+        return json.loads(raw) if raw is not None else None
+    except ValueError:  # a damaged entry: SQL's copy replaces it
+        return None
 
 
 class EndpointRegistry:

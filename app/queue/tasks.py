@@ -64,7 +64,8 @@ class TaskQueue:
         try:
             res = await self._enqueue(
                 task_id,
-                [k.queue(e), k.task(task_id), k.seq(e), k.wake, idem, k.quota(user_id)],
+                [k.queue(e), k.task(task_id), k.seq(e), k.wake, idem, k.quota(user_id),
+                 k.endpoints],
                 [task_id, e, req.priority, endpoint.max_queue_len,
                  self.ttls.pending_ms, "1" if idem_key else "0",
                  IDEMPOTENCY_TTL_MS, key.daily_quota, self.ttls.done_ms, *fields],
@@ -73,6 +74,9 @@ class TaskQueue:
             raise _maybe_queued(task_id, e, idem_key, exc) from None
         if res[0] == "dup":
             return str(res[1])
+        if res[0] == "gone":  # deleted; this process has not heard yet
+            raise ApiError(404, "endpoint_not_registered",
+                           "target_url matches no registered, enabled endpoint")
         if res[0] == "quota":
             retry = max(1, int(res[1]) // 1000 + 1)
             raise ApiError(429, "quota_exceeded",

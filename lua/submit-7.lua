@@ -6,17 +6,21 @@ KEYS[4] wake       ZSet of endpoints worth a claim attempt
 KEYS[5] idem       idempotency key (unused unless ARGV[6] == '1')
 KEYS[6] quota      the caller's counter for today (seed 000: INCR, expiring at the day's end;
                    the day is the Redis clock's, so an API host's skewed clock cannot move it)
+KEYS[7] endpoints  Hash of the endpoint registry (app/queue/registry.py): a process whose own
+                   copy is stale (paused, overloaded) must not fill the queue of an endpoint
+                   that is gone, which nobody would claim, reap or expire
 ARGV[1] task id    ARGV[2] endpoint id    ARGV[3] priority    ARGV[4] max queue length
 ARGV[5] pending TTL (ms)    ARGV[6] '1' to honour KEYS[5]    ARGV[7] idempotency TTL (ms)
 ARGV[8] daily quota (0 = none)    ARGV[9] done TTL (ms)    ARGV[10..] field, value pairs
 The task is pending until `pexp` (now + pending TTL; then lua/expire-3.lua or the claim expires
 it), and its hash lives a done TTL longer, so its status can still say `expired`.
 Returns {'ok', task id, rank, created_at} | {'dup', first task id} | {'full'} |
-{'quota', ms until the quota resets}
+{'quota', ms until the quota resets} | {'gone'} (the endpoint is deleted)
 ]]
 --@include now.lua
 --@include stats.lua
 
+if redis.call('HEXISTS', KEYS[7], ARGV[2]) == 0 then return {'gone'} end
 if ARGV[6] == '1' then
   local first = redis.call('GET', KEYS[5])
   if first then return {'dup', first} end
