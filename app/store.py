@@ -100,11 +100,16 @@ class EndpointStore(_Store):
         return config
 
     async def _insert(self, config: EndpointConfig) -> None:
+        exists = ApiError(409, "endpoint_exists", f"endpoint {config.id!r} exists")
         try:
             async with self.sessions.begin() as s:
+                # Looked up first: a commit that fails on the key leaves its connection to be
+                # reset by the garbage collector, which a short-lived CLI loop has closed.
+                if await s.get(EndpointRow, config.id) is not None:
+                    raise exists
                 s.add(EndpointRow(**config.model_dump()))
-        except IntegrityError:
-            raise ApiError(409, "endpoint_exists", f"endpoint {config.id!r} exists") from None
+        except IntegrityError:  # created by someone else meanwhile
+            raise exists from None
 
     async def update(self, endpoint_id: str, changes: dict[str, Any]) -> EndpointConfig:
         config = await self._write(self._update(endpoint_id, changes))
