@@ -63,6 +63,10 @@ class SubmitRequest(StrictInput):
     timestamp: int | None = Field(None, description="client clock (ms); informative only")
     # A Literal, not the enum, keeps the OpenAPI schema of this body free of $refs.
     task_type: Literal["online", "offline"] = "offline"
+    max_wait_s: int | None = Field(
+        None, gt=0, le=30 * 86_400,
+        description="start within this many seconds or not at all: 409 deadline_unreachable "
+                    "when the estimate already exceeds it, else the task expires unstarted")
     # Header names are checked when the call is made (invalid ones are dropped), not here:
     # JSON Schema cannot state a pattern for keys in a way every client honours.
     headers: MultiDict = Field(default_factory=dict)

@@ -103,6 +103,7 @@ if probing and claimed > 0 then
     math.max(lease, permit_ttl))
 end
 if claimed > 0 then
+  redis.call('HSET', stats, 'last_admit', now)  -- when the limiter admits next (estimate_wait)
   redis.call('HINCRBY', stats, 'admitted', claimed)
   stats_tick(stats, 'admitted', now, claimed)
 end

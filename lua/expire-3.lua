@@ -23,6 +23,21 @@ local function done(more)
   return {expired, more}
 end
 
+-- Tasks with a deadline of their caller's (max_wait_s, submit-7.lua) may be due before tasks
+-- ahead of them in their band: their own set names them. Entries of tasks that started or
+-- ended meanwhile are dropped on the way.
+local deadlines = sibling_key(KEYS[1], 'deadlines')
+for _, id in ipairs(redis.call('ZRANGEBYSCORE', deadlines, '-inf', now, 'LIMIT', 0, max_expired)) do
+  redis.call('ZREM', deadlines, id)
+  local task = ARGV[1] .. id
+  local f = redis.call('HMGET', task, 'status', 'pexp')
+  if f[1] == 'pending' and f[2] and tonumber(f[2]) <= now then
+    expire_pending(task, id, KEYS[1], KEYS[2], KEYS[3], now)
+    changed[#changed + 1] = id
+    expired = expired + 1
+  end
+end
+
 while steps_left > 0 do
   if expired >= max_expired then return done(1) end
   steps_left = steps_left - 1

@@ -11,11 +11,15 @@ KEYS[7] endpoints  Hash of the endpoint registry (app/queue/registry.py): a proc
                    that is gone, which nobody would claim, reap or expire
 ARGV[1] task id    ARGV[2] endpoint id    ARGV[3] priority    ARGV[4] max queue length
 ARGV[5] pending TTL (ms)    ARGV[6] '1' to honour KEYS[5]    ARGV[7] idempotency TTL (ms)
-ARGV[8] daily quota (0 = none)    ARGV[9] done TTL (ms)    ARGV[10..] field, value pairs
+ARGV[8] daily quota (0 = none)    ARGV[9] done TTL (ms)
+ARGV[10] '1' when the pending TTL is the caller's deadline (max_wait_s), which may come before
+         that of tasks ahead: the deadline set (a sibling of KEYS[1]) holds it for the sweep
+ARGV[11..] field, value pairs
 The task is pending until `pexp` (now + pending TTL; then lua/expire-3.lua or the claim expires
 it), and its hash lives a done TTL longer, so its status can still say `expired`.
 Returns {'ok', task id, rank, created_at} | {'dup', first task id} | {'full'} |
 {'quota', ms until the quota resets} | {'gone'} (the endpoint is deleted)
+measured = {exec ms, slot ms, in flight, last admission, upstream pause until, now}
 ]]
 --@include now.lua
 --@include stats.lua
@@ -42,9 +46,12 @@ local score = int(-tonumber(ARGV[3]) * 8796093022208 + seq)
 
 local pending_ttl = tonumber(ARGV[5])
 redis.call('HSET', KEYS[2], 'status', 'pending', 'created_at', now, 'score', score,
-  'attempts', 0, 'pexp', now + pending_ttl, unpack(ARGV, 10))
+  'attempts', 0, 'pexp', now + pending_ttl, unpack(ARGV, 11))
 redis.call('PEXPIRE', KEYS[2], pending_ttl + tonumber(ARGV[9]))
 redis.call('ZADD', KEYS[1], score, ARGV[1])
+if ARGV[10] == '1' then  -- the caller's own deadline (max_wait_s): expire-3.lua sweeps it
+  redis.call('ZADD', sibling_key(KEYS[1], 'deadlines'), now + pending_ttl, ARGV[1])
+end
 redis.call('ZADD', KEYS[4], 'NX', now, ARGV[2])
 redis.call('HINCRBY', sibling_key(KEYS[1], 'stats'), 'submitted', 1)
 if ARGV[6] == '1' then
@@ -55,6 +62,6 @@ if quota > 0 and redis.call('INCR', KEYS[6]) == 1 then
 end
 -- What the wait estimate needs (app/queue/tasks.py estimate_wait), in the same round trip.
 local stats = sibling_key(KEYS[1], 'stats')
-local measured = redis.call('HMGET', stats, 'exec_ms', 'slot_ms')
-measured[3] = redis.call('ZCARD', sibling_key(KEYS[1], 'active'))
+local m = redis.call('HMGET', stats, 'exec_ms', 'slot_ms', 'last_admit', 'upause')
+local measured = {m[1], m[2], redis.call('ZCARD', sibling_key(KEYS[1], 'active')), m[3], m[4], now}
 return {'ok', ARGV[1], redis.call('ZRANK', KEYS[1], ARGV[1]), now, measured}

@@ -32,6 +32,7 @@ from app.settings import Settings
 from app.store import ApiKey
 from app.timefmt import rfc3339
 
+PRIORITY_STEP = 8_796_093_022_208  # 2^43: one priority step of a queue score (submit-7.lua)
 IDEMPOTENCY_TTL_MS = 24 * 3600 * 1000
 log = logging.getLogger(__name__)
 
@@ -61,14 +62,20 @@ class TaskQueue:
             "client_ts", req.timestamp or "",
         ]
         idem = k.idempotency(user_id, idem_key) if idem_key else k.idempotency(user_id, "-")
+        pending_ms, own_deadline = self.ttls.pending_ms, False
+        if req.max_wait_s is not None:
+            await self._check_deadline(endpoint, req.priority, req.max_wait_s)
+            own_deadline = req.max_wait_s * 1000 < pending_ms
+            pending_ms = min(pending_ms, req.max_wait_s * 1000)
         try:
             res = await self._enqueue(
                 task_id,
                 [k.queue(e), k.task(task_id), k.seq(e), k.wake, idem, k.quota(user_id),
                  k.endpoints],
                 [task_id, e, req.priority, endpoint.max_queue_len,
-                 self.ttls.pending_ms, "1" if idem_key else "0",
-                 IDEMPOTENCY_TTL_MS, key.daily_quota, self.ttls.done_ms, *fields],
+                 pending_ms, "1" if idem_key else "0",
+                 IDEMPOTENCY_TTL_MS, key.daily_quota, self.ttls.done_ms,
+                 "1" if own_deadline else "0", *fields],
             )
         except (RedisConnectionError, RedisTimeoutError) as exc:
             raise _maybe_queued(task_id, e, idem_key, exc) from None
@@ -89,6 +96,27 @@ class TaskQueue:
         return SubmitResponse(task_id=task_id, task_status=TaskStatus.PENDING,
                               created_at=rfc3339(res[3]), wait_num=ahead,
                               wait_time=wait_seconds(endpoint, ahead, res[4]))
+
+    async def _check_deadline(self, endpoint: EndpointConfig, priority: int,
+                              max_wait_s: int) -> None:
+        """409 when a task submitted now would not start within `max_wait_s` by the estimate.
+        A read before the submit, only for callers who set a deadline: a task queued and then
+        withdrawn would already hold its Idempotency-Key."""
+        k, e = self.keys, endpoint.id
+        async with self.redis.pipeline(transaction=False) as pipe:
+            # Ahead of it: every task of its priority or higher (submit-7.lua's score).
+            pipe.zcount(k.queue(e), "-inf", f"({(1 - priority) * PRIORITY_STEP}")
+            pipe.zcard(k.active(e))
+            pipe.hmget(k.stats(e), "exec_ms", "slot_ms", "last_admit", "upause")
+            pipe.time()
+            ahead, in_flight, m, (secs, micros) = await pipe.execute()
+        now = int(secs) * 1000 + int(micros) // 1000
+        estimate = estimate_wait(endpoint, ahead, [m[0], m[1], in_flight, m[2], m[3], now])
+        if estimate > max_wait_s:
+            raise ApiError(409, "deadline_unreachable",
+                           f"the estimated wait ({math.ceil(estimate)} s) already exceeds "
+                           f"max_wait_s ({max_wait_s} s)", wait_time=math.ceil(estimate),
+                           wait_num=ahead)
 
     async def _enqueue(self, task_id: str, keys: list[str], args: list[Any]) -> Any:
         """The submit script; with QGW_REDIS_WAIT_REPLICAS, answered only once that many
@@ -259,13 +287,16 @@ def estimate_wait(endpoint: EndpointConfig | None, ahead: int, measured: Any) ->
       keeps the estimate unbiased for the first tasks in line.
     - the rate limit: the `ahead` admissions before it, at rate / interval.
     With neither, the tasks in flight stand for the cap (the dispatchers' capacity).
-    `measured` is status-5.lua's {exec ms, slot ms, in flight}; a bare exec time (in flight
-    unknown: taken as a full endpoint) is accepted too.
+    - the upstream's own pause (lua/includes/upstream.lua): nothing starts before it ends.
+    `measured` is status-5.lua's {exec ms, slot ms, in flight, last admission, upstream pause
+    until, now}; a shorter list, or a bare exec time (in flight unknown: taken as a full
+    endpoint) is accepted too.
     """
     if endpoint is None:
         return 0.0
+    last_admit = paused_until = now = None
     if isinstance(measured, (list, tuple)):
-        exec_ms, slot_ms, flight = [*measured, None, None, None][:3]
+        exec_ms, slot_ms, flight, last_admit, paused_until, now = [*measured, *[None] * 6][:6]
         in_flight = int(flight) if flight is not None else None
     else:
         exec_ms, slot_ms, in_flight = measured, None, None
@@ -282,7 +313,16 @@ def estimate_wait(endpoint: EndpointConfig | None, ahead: int, measured: Any) ->
         if behind > 0:
             wait = (behind - 0.5) * slot_s / cap
     if endpoint.rate > 0:
-        wait = max(wait, ahead * endpoint.interval_ms / 1000 / endpoint.rate)
+        # The limiter paces admissions one emission apart: the head of the line waits for the
+        # one after the last admission (a minute, on a 1-a-minute endpoint), the rest for one
+        # emission each.
+        emission = endpoint.interval_ms / 1000 / endpoint.rate
+        head = 0.0
+        if last_admit and now:
+            head = max(0.0, (int(last_admit) - int(now)) / 1000 + emission)
+        wait = max(wait, head + ahead * emission)
+    if paused_until and now and int(paused_until) > int(now):
+        wait += (int(paused_until) - int(now)) / 1000  # its upstream admits nothing till then
     return round(wait, 3)
 
 

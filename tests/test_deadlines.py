@@ -1,0 +1,83 @@
+"""Deadlines (max_wait_s) and an estimate that counts the limiter and the upstream's pause."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+
+from app.runtime import Runtime
+from tests.conftest import Gateway
+
+
+async def test_the_head_of_a_rate_held_line_waits_for_the_limiter(
+    gateway: Gateway, upstream: str, start_dispatcher: Callable[[], Awaitable[Runtime]]
+) -> None:
+    """1 a minute: the task after one just admitted is next in line, but a minute away."""
+    url = f"{upstream}/slow-rate"
+    await gateway.add_endpoint("slow-rate", url, rate=1, interval_ms=60_000)
+    auth = await gateway.new_key()
+    first = await gateway.submit(auth, url)
+    rt = await start_dispatcher()
+    (done,) = await gateway.wait_finished(auth, [first["task_id"]])
+    assert done["task_status"] == "completed"
+    await rt.stop(grace_s=0)
+    second = await gateway.submit(auth, url)
+    assert second["wait_num"] == 0 and 55 <= second["wait_time"] <= 60, second
+    status = await gateway.status(auth, second["task_id"])
+    assert 55 <= status["wait_time"] <= 60  # status says the same
+
+
+async def test_an_upstream_pause_counts_in_the_estimate(gateway: Gateway, upstream: str) -> None:
+    url = f"{upstream}/paused-eta"
+    await gateway.add_endpoint("paused-eta", url)
+    auth = await gateway.new_key()
+    seconds, micros = await gateway.rt.redis.time()
+    now_ms = seconds * 1000 + micros // 1000
+    await gateway.rt.redis.hset(gateway.rt.keys.stats("paused-eta"), "upause", now_ms + 30_000)
+    task = await gateway.submit(auth, url)
+    assert 29 <= task["wait_time"] <= 31, task
+
+
+async def test_max_wait_s_refuses_a_deadline_the_estimate_already_misses(
+    gateway: Gateway, upstream: str
+) -> None:
+    url = f"{upstream}/deadline"
+    await gateway.add_endpoint("deadline", url, max_concurrency=1, avg_exec_ms=10_000)
+    auth = await gateway.new_key()
+    for _ in range(3):
+        await gateway.submit(auth, url)
+    r = await gateway.http.post("/api/v1/tasks", headers=auth,
+                                json={"target_url": url, "max_wait_s": 5})
+    assert r.status_code == 409, r.text
+    error = r.json()["error"]
+    assert error["code"] == "deadline_unreachable" and error["wait_time"] == 25  # 3 ahead, one 10 s slot free
+    assert isinstance(error["wait_time"], int)
+    # Nothing was queued for it; a reachable deadline (or a VIP ahead of the line) is taken.
+    assert (await gateway.rt.redis.zcard(gateway.rt.keys.queue("deadline"))) == 3
+    r = await gateway.http.post("/api/v1/tasks", headers=auth,
+                                json={"target_url": url, "max_wait_s": 60})
+    assert r.status_code == 202, r.text
+    r = await gateway.http.post("/api/v1/tasks", headers=auth,
+                                json={"target_url": url, "max_wait_s": 5, "priority": 5})
+    assert r.status_code == 202, r.text
+
+
+async def test_a_task_not_started_by_its_deadline_expires_even_behind_older_ones(
+    gateway: Gateway, upstream: str, start_dispatcher: Callable[[], Awaitable[Runtime]]
+) -> None:
+    """The sweep finds it though the task ahead of it (same priority) is not due for hours."""
+    url = f"{upstream}/deadline-sweep"
+    await gateway.add_endpoint("deadline-sweep", url, enabled=True, paused=True)
+    auth = await gateway.new_key()
+    await gateway.submit(auth, url)
+    hurried = await gateway.submit(auth, url, max_wait_s=1)
+    started = time.monotonic()
+    await start_dispatcher()  # runs the sweep; the endpoint is paused, so nothing starts
+    for _ in range(100):
+        status = await gateway.status(auth, hurried["task_id"])
+        if status["task_status"] != "pending":
+            break
+        await asyncio.sleep(0.1)
+    assert status["task_status"] == "expired" and status["started_at"] is None
+    assert time.monotonic() - started < 5
