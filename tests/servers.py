@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import select
 import shutil
 import socket
 import subprocess
@@ -11,6 +12,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -38,6 +40,27 @@ def wait_port(
         except OSError:
             time.sleep(0.05)
     raise TimeoutError(f"nothing listens on {port}")
+
+
+def read_until(proc: subprocess.Popen[Any], text: str, timeout: float = 30.0) -> list[str]:
+    """Lines of `proc`'s stderr (a pipe) up to the first that contains `text`: a process
+    starting on a loaded machine is waited for by what it says, not for a fixed time."""
+    assert proc.stderr is not None
+    lines: list[str] = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([proc.stderr], [], [], 0.2)
+        if not ready:
+            if proc.poll() is not None:
+                break
+            continue
+        line = proc.stderr.readline()
+        if not line:
+            break
+        lines.append(line if isinstance(line, str) else line.decode(errors="replace"))
+        if text in lines[-1]:
+            return lines
+    raise TimeoutError(f"{text!r} not seen; the process said: {''.join(lines)[-2000:]}")
 
 
 def stop(proc: subprocess.Popen[bytes], timeout: float = 10) -> None:

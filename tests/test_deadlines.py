@@ -51,7 +51,8 @@ async def test_max_wait_s_refuses_a_deadline_the_estimate_already_misses(
                                 json={"target_url": url, "max_wait_s": 5})
     assert r.status_code == 409, r.text
     error = r.json()["error"]
-    assert error["code"] == "deadline_unreachable" and error["wait_time"] == 25  # 3 ahead, one 10 s slot free
+    # 3 ahead, one 10 s slot, which is free: 2.5 slot times.
+    assert error["code"] == "deadline_unreachable" and error["wait_time"] == 25
     assert isinstance(error["wait_time"], int)
     # Nothing was queued for it; a reachable deadline (or a VIP ahead of the line) is taken.
     assert (await gateway.rt.redis.zcard(gateway.rt.keys.queue("deadline"))) == 3

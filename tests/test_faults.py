@@ -24,7 +24,7 @@ from redis.exceptions import RedisError
 from app.runtime import Runtime
 from app.settings import Settings
 from tests.conftest import ADMIN, Gateway
-from tests.servers import QGW, RedisServer, mock_log, mock_upstream, stop
+from tests.servers import QGW, RedisServer, mock_log, mock_upstream, read_until, stop
 
 Spawn = Callable[..., subprocess.Popen[bytes]]
 
@@ -365,13 +365,12 @@ async def test_dispatcher_started_while_redis_is_down_waits_for_it(
     proc = subprocess.Popen([*QGW, "dispatcher"], env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE)
     try:
-        await asyncio.sleep(1.2)
+        await asyncio.to_thread(read_until, proc, "cannot reach Redis")  # it waits
         assert proc.poll() is None
         server.start()
-        await asyncio.sleep(0.8)
+        await asyncio.to_thread(read_until, proc, "dispatcher running")
         assert proc.poll() is None
     finally:
         stop(proc)
         server.stop()
     assert proc.returncode == 0
-    assert proc.stderr is not None and b"dispatcher running" in proc.stderr.read()

@@ -6,13 +6,12 @@ from __future__ import annotations
 import json
 import socket
 import subprocess
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.servers import QGW, RedisServer, free_port, stop, wait_port
+from tests.servers import QGW, RedisServer, free_port, read_until, stop, wait_port
 
 
 def _serve(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
@@ -46,7 +45,7 @@ def test_serve_waits_for_redis_with_one_line_warnings(env: dict[str, str],
                             env={**env, "QGW_REDIS_URL": redis.url}, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:
-        time.sleep(2.5)
+        said = read_until(proc, "cannot reach Redis")
         assert proc.poll() is None  # still waiting, not dead
         redis.start()
         wait_port(port, timeout=20, proc=proc)
@@ -57,7 +56,8 @@ def test_serve_waits_for_redis_with_one_line_warnings(env: dict[str, str],
     assert proc.returncode in (0, -15)
     assert proc.stderr is not None
     # One JSON object a line: nothing printed around the logs (no traceback, no uvicorn lines).
-    lines = [json.loads(line) for line in proc.stderr.read().splitlines() if line.strip()]
+    lines = [json.loads(line) for line in [*said, *proc.stderr.read().splitlines()]
+             if line.strip()]
     waits = [rec for rec in lines if "cannot reach Redis" in rec["msg"]]
     assert waits and all(rec["level"] == "warning" and "exc" not in rec for rec in waits)
     assert not any("Traceback" in str(rec) for rec in lines)
