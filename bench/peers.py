@@ -38,7 +38,8 @@ from tests.servers import free_port, stop, wait_port
 ROOT = Path(__file__).resolve().parent.parent
 
 BULLMQ = "bullmq@5"
-PY_PEERS = ("saq>=0.26", "arq>=0.26", "hiredis")  # hiredis: our redis-py client has it too
+PY_PEERS = ("saq>=0.26", "arq>=0.26", "typing_extensions", "hiredis")  # SAQ imports the
+# former without declaring it; our redis-py client has hiredis too
 RUN_TIMEOUT_S = 400  # one driver process, both phases and start-up
 COLUMNS = ("enqueue_per_s", "process_per_s", "cpu_enq_us", "cpu_proc_us", "max_gap_ms")
 LABELS = {"ours": "ours (submit script / Dispatcher)", "bullmq": "BullMQ (Queue.add / Worker)",
