@@ -121,6 +121,9 @@ class Runtime:
         except BaseException:
             await self.endpoints.restore(endpoint_id)
             raise
+        # Its counters and history go with it: an endpoint created again under this id
+        # starts from zero instead of showing the old one's numbers.
+        await self.redis.delete(self.keys.stats(endpoint_id), self.keys.history(endpoint_id))
 
     async def stop(self, grace_s: float | None = None) -> None:
         """Stop; in-flight calls get `grace_s` (default QGW_SHUTDOWN_GRACE_S) to finish."""
