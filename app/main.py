@@ -9,7 +9,7 @@ from fastapi import FastAPI
 from fastapi_offline import FastAPIOffline
 
 from app import __version__, errors, logs, openapi
-from app.routes import admin, admin_tasks, auth_check, dashboard, follow, ops, tasks
+from app.routes import admin, admin_ops, admin_tasks, auth_check, dashboard, follow, ops, tasks
 from app.runtime import Runtime
 
 
@@ -38,7 +38,7 @@ def create_app(
     app.state.runtime = runtime
     errors.install(app)
     for router in (tasks.router, follow.router, auth_check.router, admin.router,
-                   admin_tasks.router, ops.router,
+                   admin_tasks.router, admin_ops.router, ops.router,
                    dashboard.router):
         app.include_router(router)
     openapi.install(app)
