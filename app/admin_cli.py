@@ -55,6 +55,8 @@ def add_parsers(sub: Any) -> None:
     for name, doc, paused in (("pause", "stop dispatching; submits are still accepted", True),
                               ("resume", "dispatch again after pause", False)):
         _with_id(_action(eps, name, doc, _set_paused(paused), needs_runtime=True), "endpoint id")
+    _with_id(_action(eps, "purge", "cancel every pending task of an endpoint", _endpoint_purge,
+                     needs_runtime=True), "endpoint id")
     _with_id(_action(eps, "rm", "delete an idle endpoint (disables it first)", _endpoint_rm,
                      needs_runtime=True), "endpoint id")
 
@@ -67,6 +69,14 @@ def add_parsers(sub: Any) -> None:
                      needs_runtime=True), "key id (from `qgw keys list`)")
 
     tasks = _group(sub, "tasks", "any user's task, for operators")
+    listed = _with_id(_action(tasks, "list", "a page of an endpoint's tasks of one status, as "
+                              "JSON (pending in dispatch order)", _task_list,
+                              needs_runtime=True), "endpoint id")
+    listed.add_argument("--status", default="pending", choices=_STATUSES,
+                        help="which tasks (default: pending)")
+    listed.add_argument("--limit", type=int, default=50,
+                        help="tasks a page, 1 to 200 (default: 50)")
+    listed.add_argument("--cursor", help="the next_cursor of the previous page")
     _with_id(_action(tasks, "show", "status, owner, endpoint and request of a task",
                      _task_show, needs_runtime=True), "task id", "task_id")
     _with_id(_action(tasks, "retry", "run a failed or expired task again", _task_retry,
@@ -225,6 +235,16 @@ def _update(endpoint_id: str, changes: dict[str, Any]) -> Job:
     return job
 
 
+def _endpoint_purge(args: argparse.Namespace) -> Job:
+    async def job(rt: Runtime) -> Any:
+        from app.queue import operator
+
+        await rt.endpoints.get(args.id)  # 404 for an unknown one
+        return {"endpoint": args.id, "cancelled": await operator.purge(rt.queue, args.id)}
+
+    return job
+
+
 def _endpoint_rm(args: argparse.Namespace) -> Job:
     async def job(rt: Runtime) -> None:
         await rt.retire_endpoint(args.id)
@@ -259,6 +279,22 @@ def _key_revoke(args: argparse.Namespace) -> Job:
 
 
 # -- tasks -----------------------------------------------------------------------------------
+
+_STATUSES = ("pending", "processing", "completed", "failed", "cancelled", "expired")
+
+
+def _task_list(args: argparse.Namespace) -> Job:
+    if not 1 <= args.limit <= 200:
+        raise Refused("--limit must be from 1 to 200", exit_code=2)
+
+    async def job(rt: Runtime) -> Any:
+        from app.queue import listing
+
+        await rt.endpoints.get(args.id)
+        return await listing.list_tasks(rt.queue, args.id, args.status, args.limit, args.cursor)
+
+    return job
+
 
 def _task_show(args: argparse.Namespace) -> Job:
     async def job(rt: Runtime) -> Any:

@@ -8,7 +8,17 @@ from collections.abc import Awaitable
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 
-from sqlalchemy import JSON, BigInteger, Boolean, DateTime, Integer, SmallInteger, String, Text
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    DateTime,
+    Index,
+    Integer,
+    SmallInteger,
+    String,
+    Text,
+)
 from sqlalchemy.dialects import mysql
 from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker, create_async_engine
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
@@ -71,9 +81,12 @@ ResultText = Text().with_variant(mysql.MEDIUMTEXT(), "mysql", "mariadb")
 
 class TaskResultRow(Base):
     """A finished task, written from the Redis outbox; status falls back to it once Redis has
-    let the task go. `created_at` is indexed: the janitor deletes by it in batches."""
+    let the task go. `created_at` is indexed: the janitor deletes by it in batches; so is
+    (endpoint, status, ended_at): an operator lists an endpoint's failures newest first."""
 
     __tablename__ = "task_results"
+    __table_args__ = (Index("ix_task_results_endpoint_status_ended", "endpoint", "status",
+                            "ended_at"),)
 
     task_id: Mapped[str] = mapped_column(String(100), primary_key=True)
     user_id: Mapped[int] = mapped_column(BigInteger)

@@ -14,6 +14,7 @@ import logging
 import sys
 import time
 import urllib.request
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,12 +32,14 @@ def heartbeat_path(settings: Settings) -> Path:
     return settings.data_dir / HEARTBEAT_FILE
 
 
-async def beat(redis: Redis, path: Path) -> None:
-    """Touch `path` every HEARTBEAT_S while Redis answers (runs beside a dispatcher)."""
+async def beat(redis: Redis, path: Path,
+               announce: Callable[[], Awaitable[object]] | None = None) -> None:
+    """Touch `path` every HEARTBEAT_S while Redis answers (runs beside a dispatcher);
+    `announce` writes the dispatcher's heartbeat to Redis, in place of a PING."""
     failing = False
     while True:
         try:
-            await redis.ping()
+            await (announce() if announce else redis.ping())
             _touch(path)
             failing = False
         except (RedisError, OSError) as exc:

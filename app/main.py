@@ -9,7 +9,7 @@ from fastapi import FastAPI
 from fastapi_offline import FastAPIOffline
 
 from app import __version__, errors, logs, openapi
-from app.routes import admin, auth_check, dashboard, follow, ops, tasks
+from app.routes import admin, admin_ops, admin_tasks, auth_check, dashboard, follow, ops, tasks
 from app.runtime import Runtime
 
 
@@ -37,7 +37,8 @@ def create_app(
                          generate_unique_id_function=openapi.operation_id)
     app.state.runtime = runtime
     errors.install(app)
-    for router in (tasks.router, follow.router, auth_check.router, admin.router, ops.router,
+    for router in (tasks.router, follow.router, auth_check.router, admin.router,
+                   admin_tasks.router, admin_ops.router, ops.router,
                    dashboard.router):
         app.include_router(router)
     openapi.install(app)

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 from redis.asyncio import Redis
+from redis.exceptions import RedisError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app import redis_url
@@ -19,6 +21,7 @@ from app.healthcheck import beat, heartbeat_path
 from app.lifecycle.jobs import LifecycleJobs
 from app.lifecycle.results import OutboxWriter, ResultStore
 from app.metrics import SharedScrape
+from app.queue import heartbeats
 from app.queue.dispatcher import Dispatcher
 from app.queue.events import TaskEvents
 from app.queue.keys import Keys
@@ -99,7 +102,11 @@ class Runtime:
                                                  self.registry, self.engine)
             self.lifecycle.start()
             # Dispatchers have no port: the container's health check reads this heartbeat.
-            self._watchers.append(asyncio.create_task(beat(self.redis, heartbeat_path(s))))
+            # Its Redis heartbeat (who is alive, in flight) rides on the same beat.
+            dispatcher = self.dispatcher
+            self._watchers.append(asyncio.create_task(beat(
+                self.redis, heartbeat_path(s),
+                lambda: heartbeats.announce(self.redis, self.keys, dispatcher))))
 
     async def retire_endpoint(self, endpoint_id: str) -> None:
         """Delete an endpoint, only an idle one (409 otherwise), so no task is stranded in a
@@ -121,11 +128,16 @@ class Runtime:
         except BaseException:
             await self.endpoints.restore(endpoint_id)
             raise
+        # Its counters and history go with it: an endpoint created again under this id
+        # starts from zero instead of showing the old one's numbers.
+        await self.redis.delete(self.keys.stats(endpoint_id), self.keys.history(endpoint_id))
 
     async def stop(self, grace_s: float | None = None) -> None:
         """Stop; in-flight calls get `grace_s` (default QGW_SHUTDOWN_GRACE_S) to finish."""
         if self.dispatcher:
             await self.dispatcher.stop(grace_s)
+            with contextlib.suppress(RedisError, OSError):
+                await heartbeats.forget(self.redis, self.keys, self.dispatcher.ident)
         if self.lifecycle:  # after the dispatcher: its last acks reach SQL too
             await self.lifecycle.stop()
         await cancel_all(self._watchers)

@@ -164,3 +164,21 @@ async def test_paused_endpoint_accepts_submits_and_dispatches_after_resume(
     answer(qgw(env, "endpoints", "resume", "paused"))
     (done,) = await gateway.wait_finished(auth, [task["task_id"]], timeout=10)
     assert done["task_status"] == "completed"
+
+
+async def test_operator_lists_an_endpoints_tasks_and_purges_them(
+    gateway: Gateway, env: dict[str, str], upstream: str,
+) -> None:
+    url = f"{upstream}/cli-purge"
+    await gateway.add_endpoint("cli-purge", url)
+    auth = await gateway.new_key(user_id=9)
+    ids = [(await gateway.submit(auth, url, priority=p))["task_id"] for p in (0, 1, 0)]
+    page = answer(qgw(env, "tasks", "list", "cli-purge", "--limit", "2"))
+    assert [t["task_id"] for t in page["tasks"]] == [ids[1], ids[0]] and page["total"] == 3
+    rest = answer(qgw(env, "tasks", "list", "cli-purge", "--cursor", page["next_cursor"]))
+    assert [t["task_id"] for t in rest["tasks"]] == [ids[2]] and rest["next_cursor"] is None
+    assert answer(qgw(env, "endpoints", "purge", "cli-purge")) == {
+        "endpoint": "cli-purge", "cancelled": 3}
+    assert answer(qgw(env, "tasks", "list", "cli-purge"))["tasks"] == []
+    assert "no endpoint" in refusal(qgw(env, "endpoints", "purge", "nope"))
+    assert "--limit" in refusal(qgw(env, "tasks", "list", "cli-purge", "--limit", "0"), 2)

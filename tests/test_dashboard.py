@@ -4,13 +4,16 @@ the rows, and failures are told apart. Saves screenshots to .artifacts/."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import shutil
 import subprocess
+import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -18,7 +21,7 @@ import pytest
 from app import ROOT
 from app.settings import Settings
 from tests.conftest import ADMIN, Gateway
-from tests.servers import QGW, RedisServer, free_port, stop, wait_port
+from tests.servers import QGW, RedisServer, free_port, mock_log, stop, wait_port
 
 # `make test` installs chromium (scripts/system-deps): missing, these tests fail, not skip.
 CHROMIUM = os.environ.get("QGW_TEST_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
@@ -233,3 +236,103 @@ async def test_docs_render_without_internet(served: str, browser: object) -> Non
     ARTIFACTS.mkdir(exist_ok=True)
     await page.screenshot(path=str(ARTIFACTS / "docs.png"))
     assert elsewhere == []
+
+
+async def _admin(served: str, method: str, path: str) -> Any:
+    async with httpx.AsyncClient(base_url=served) as http:
+        r = await http.request(method, path, headers={"Authorization": f"Bearer {ADMIN}"})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+
+async def test_operator_acts_from_the_dashboard(
+    gateway: Gateway, served: str, fresh_upstream: str, browser: object
+) -> None:
+    """Pause, purge with a confirmation, retry from a task's drill-down, the dispatchers and
+    the database shown, and a reload that charts the history the server kept."""
+    from playwright.async_api import Browser, Dialog, expect
+
+    assert isinstance(browser, Browser)
+    url = f"{fresh_upstream}/act"
+    await gateway.add_endpoint("act", url)
+    auth = await gateway.new_key(user_id=5)
+    page = await browser.new_page(viewport={"width": 1400, "height": 1000})
+    errors: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    await page.goto(f"{served}/dashboard#token={ADMIN}")
+    row = page.locator('tr[data-endpoint="act"]')
+    pending = row.locator('td[data-field="pending"]')
+    pause = row.locator('button[data-action="pause"]')
+    await expect(row).to_be_visible(timeout=10_000)
+    await expect(page.locator("#dispatcher-count")).to_have_text("1 alive", timeout=10_000)
+    await expect(page.locator("#database-state")).to_have_text("ok")
+
+    # Paused: dispatch stops, submits are still accepted.
+    await pause.click()
+    await expect(pause).to_have_text("resume")
+    await expect(row.locator('td[data-field="id"]')).to_have_text("act (paused)")
+    assert (await _admin(served, "GET", "/admin/v1/endpoints/act"))["paused"] is True
+    waiting = [await gateway.submit(auth, url, body=str(i)) for i in range(5)]
+    await expect(pending).to_have_text("5")
+
+    # Purge asks first: dismissed, nothing happens; accepted, every pending task is cancelled.
+    answers = iter([False, True])
+
+    async def answer(dialog: Dialog) -> None:
+        assert "Cancel 5 pending tasks of act" in dialog.message
+        await (dialog.accept() if next(answers) else dialog.dismiss())
+
+    page.on("dialog", answer)
+    purge = row.locator('button[data-action="purge"]')
+    await purge.click()
+    await asyncio.sleep(0.5)
+    await expect(pending).to_have_text("5")
+    await purge.click()
+    await expect(page.locator("#notice")).to_have_text("act: 5 pending tasks cancelled")
+    await expect(pending).to_have_text("0")
+    for t in waiting:
+        assert (await gateway.status(auth, t["task_id"]))["task_status"] == "cancelled"
+    await pause.click()
+    await expect(pause).to_have_text("pause")
+    assert (await _admin(served, "GET", "/admin/v1/endpoints/act"))["paused"] is False
+
+    # A failed task, found in the endpoint's failed tasks, retried from its drill-down.
+    failing = await gateway.submit(auth, url, body="doomed", headers={"X-Mock-Status": ["400"]})
+    tid = failing["task_id"]
+    for _ in range(100):
+        if (await _admin(served, "GET", f"/admin/v1/tasks/{tid}"))["task_status"] == "failed":
+            break
+        await asyncio.sleep(0.1)
+    await row.locator('td[data-field="id"]').click()
+    await expect(page.locator("#tasks-panel")).to_be_visible()
+    await page.locator('#task-tabs button[data-status="failed"]').click()
+    task_row = page.locator(f'#task-rows tr[data-task="{tid}"]')
+    await expect(task_row).to_be_visible()
+    await task_row.click()
+    await expect(page.locator("#detail-status")).to_have_text("failed")
+    await expect(page.locator("#detail-request")).to_contain_text('"body": "doomed"')
+    await expect(page.locator("#detail-fields")).to_contain_text("attempts1")
+    ARTIFACTS.mkdir(exist_ok=True)
+    await page.screenshot(path=str(ARTIFACTS / "dashboard-drilldown.png"), full_page=True)
+    await page.locator("#detail-retry").click()
+    await expect(page.locator("#notice")).to_have_text(f"{tid}: runs again")
+    for _ in range(100):  # it ran again
+        if len(mock_log(fresh_upstream)) == 2:
+            break
+        await asyncio.sleep(0.1)
+    assert [c["body"] for c in mock_log(fresh_upstream)] == ["doomed", "doomed"]
+
+    # A reload charts the history the server sampled before this page was opened.
+    for _ in range(200):
+        samples = (await _admin(served, "GET", "/admin/v1/history"))["endpoints"]["act"]
+        if samples and time.time() * 1000 - samples[0][0] >= 8000:
+            break
+        await asyncio.sleep(0.1)
+    await page.reload()
+    await expect(page.locator("#chart-title")).to_have_text("act", timeout=10_000)
+    await expect(page.locator("#chart")).to_have_attribute(
+        "aria-label", re.compile(r"last (\d\d+|[89]) s"), timeout=3000)
+    await page.screenshot(path=str(ARTIFACTS / "dashboard-actions.png"), full_page=True)
+    print(f"\nscreenshots: {ARTIFACTS / 'dashboard-drilldown.png'}, "
+          f"{ARTIFACTS / 'dashboard-actions.png'}")
+    assert errors == []

@@ -1,6 +1,7 @@
 """The lifecycle jobs a dispatcher process runs beside its dispatcher: the outbox writer, the
-pending-expiry sweep and the janitor, each its own loop, so one store being down stalls only
-the jobs that need it. Stopping flushes the outbox once more (if SQL answers in time)."""
+pending-expiry sweep, the janitor and the dashboard's history sampler, each its own loop, so
+one store being down stalls only the jobs that need it. Stopping flushes the outbox once more
+(if SQL answers in time)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app.lifecycle import Ttls
 from app.lifecycle.expiry import ExpirySweep
+from app.lifecycle.history import TICK_S, HistorySampler
 from app.lifecycle.janitor import Janitor
 from app.lifecycle.loop import STORE_ERRORS, every
 from app.lifecycle.results import OutboxWriter, ResultStore
@@ -32,6 +34,7 @@ class LifecycleJobs:
     writer: OutboxWriter
     sweep: ExpirySweep
     janitor: Janitor
+    history: HistorySampler
     _loops: list[asyncio.Task[Any]] = field(default_factory=list)
 
     @classmethod
@@ -43,6 +46,7 @@ class LifecycleJobs:
                          settings.outbox_batch_bytes, Ttls.of(settings).done_ms),
             ExpirySweep(redis, scripts, keys, registry, Ttls.of(settings)),
             Janitor(engine, settings.db_retention_s, settings.janitor_batch, redis, keys),
+            HistorySampler(redis, keys, registry),
         )
 
     def start(self) -> None:
@@ -51,6 +55,7 @@ class LifecycleJobs:
             ("outbox writer", s.outbox_interval_ms / 1000, self.writer.flush),
             ("pending expiry", s.expiry_interval_ms / 1000, self.sweep.sweep),
             ("janitor", s.janitor_interval_s, self.janitor.run_once),
+            ("history", TICK_S, self.history.tick),
         ):
             self._loops.append(asyncio.create_task(every(name, interval_s, step), name=name))
 

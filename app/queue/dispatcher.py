@@ -117,6 +117,10 @@ class Dispatcher:
         return self._limiters[limit]
 
     @property
+    def ident(self) -> str:
+        return self._ident
+
+    @property
     def capacity(self) -> int:
         return self.settings.dispatch_concurrency
 

@@ -71,6 +71,11 @@ class Keys:
         a script changed. Hash-tagged like a key, so a Cluster port can use sharded pub/sub."""
         return f"{self.prefix}:{{{endpoint}}}:ev"
 
+    def history(self, endpoint: str) -> str:
+        """List of the endpoint's samples every 10 s, newest first, capped at an hour
+        (app/lifecycle/history.py); deleted with the endpoint, like its stats."""
+        return f"{self.prefix}:{{{endpoint}}}:hist"
+
     def task(self, task_id: str) -> str:
         return self.task_prefix(endpoint_of(task_id)) + task_id
 
@@ -91,6 +96,12 @@ class Keys:
     def delayed(self) -> str:
         """ZSet of rate-limited endpoints; score = when their limiter admits again."""
         return f"{self.prefix}:delayed"
+
+    @property
+    def dispatchers(self) -> str:
+        """Hash dispatcher ident -> JSON heartbeat (in flight, capacity, when), each written
+        every second by its process (app/queue/heartbeats.py); stale ones are pruned."""
+        return f"{self.prefix}:dispatchers"
 
     @property
     def endpoints(self) -> str:

@@ -1,5 +1,5 @@
-"""An operator's view of any user's task: show, cancel, retry (`qgw tasks ...`; the admin
-routes of API.md can call the same functions).
+"""An operator's view of any user's task: show, cancel, retry, and purge of an endpoint's
+pending tasks (`qgw tasks ...` and the admin routes of API.md call the same functions).
 
 Not hot paths: a task's owner is looked up first (one HGET), then the user's own logic runs
 on their behalf, so an operator's cancel is exactly a user's cancel.
@@ -21,6 +21,9 @@ from app.queue.keys import endpoint_of
 from app.queue.registry import EndpointRegistry
 from app.queue.tasks import TaskQueue
 
+#: Tasks one purge script run cancels (it blocks Redis meanwhile: about a millisecond), and
+#: runs at most per purge (ten million tasks; a queue refilled as fast as it empties ends too).
+PURGE_BATCH, PURGE_ROUNDS = 1000, 10_000
 _REQUEST = ("method", "url", "body", "headers", "query", "priority", "client_ts")
 
 
@@ -68,6 +71,19 @@ async def retry(queue: TaskQueue, task_id: str) -> dict[str, Any]:
     raise ApiError(409, "task_not_retryable",
                    f"task {task_id!r} ({row.status}) is no longer held in Redis and its request "
                    "is gone; submit it again", task_status=row.status)
+
+
+async def purge(queue: TaskQueue, endpoint_id: str) -> int:
+    """Cancel every pending task of the endpoint, a batch per script run; returns how many."""
+    k, e, total = queue.keys, endpoint_id, 0
+    for _ in range(PURGE_ROUNDS):
+        cancelled, more = await queue.scripts.purge(
+            keys=[k.queue(e), k.retry(e), k.stats(e), k.outbox(e)],
+            args=[k.task_prefix(e), PURGE_BATCH])
+        total += int(cancelled)
+        if not int(more):
+            break
+    return total
 
 
 async def owner(queue: TaskQueue, task_id: str) -> int:

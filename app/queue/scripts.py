@@ -94,6 +94,7 @@ class Scripts:
     sent: Lua
     retry: Lua
     requeue: Lua
+    purge: Lua
 
     @classmethod
     def register(cls, redis: Redis) -> Scripts:

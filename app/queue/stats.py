@@ -180,6 +180,7 @@ def _view(s: EndpointStats, now: int, oldest: int | None, admitted: int | None
              "code": f.get("code"), "reason": f.get("reason", "")}
             for f in _failures(s.raw)],
         "enabled": ep.enabled,
+        "paused": ep.paused,  # by an operator: dispatch stops, submits are still accepted
         # Paused by its upstream (429/503 with Retry-After, x-ratelimit-*: 0) until then, or
         # past that time and waiting for a probe call to succeed.
         "upstream_paused_until": rfc3339(s.upstream_paused_until),

@@ -1,7 +1,8 @@
 """`GET /dashboard`: one page, no build step, that shows every queue live.
 
-The page and its script hold no data, so they are served to anyone; the numbers come from the
-admin-protected `GET /admin/v1/queues`, which the script polls with `Authorization: Bearer`.
+The page and its scripts hold no data, so they are served to anyone; the numbers come from the
+admin-protected `GET /admin/v1/queues` (and /overview, /history), which the script polls with
+`Authorization: Bearer`, and the actions (pause, purge, retry, cancel) are admin routes too.
 The script takes the admin token from a prompt or from the URL fragment (`#token=...`, which
 browsers never send to a server, so it stays out of access logs), keeps it in sessionStorage
 (gone with the tab) and removes it from the address bar.
@@ -48,6 +49,7 @@ async def dashboard() -> Response:
 _ASSETS = {
     "chart.js": ("chart.js", "text/javascript"),
     "app.js": ("dashboard.js", "text/javascript"),
+    "actions.js": ("actions.js", "text/javascript"),
     "style.css": ("dashboard.css", "text/css"),
 }
 

@@ -8,14 +8,16 @@
 
 const POLL_MS = 1000;
 const TIMEOUT_MS = 5000; // a gateway that accepts and never answers must not stall the page
-// The server keeps only ~80 s of recent counts (10-second rings, lua/includes/stats.lua), so
-// the chart shows what this tab has recorded: one sample a poll, up to 10 minutes.
-const HISTORY_S = 600;
+// The server keeps an hour of samples 10 s apart (app/lifecycle/history.py), loaded once (by
+// actions.js); this tab adds one sample a poll.
+const HISTORY_S = 3600;
 const MIN_SPAN_S = 5; // the time axis spans the samples held, but no less than this
 // Throughput is completions over a sliding window: the difference between two one-second
 // polls jumps between 0 and twice the rate as tasks finish either side of a poll.
 const TPUT_WINDOW_S = 5;
-const GAP_S = 5; // samples further apart (tab asleep, gateway down) are not joined by a line
+// Samples further apart (tab asleep, gateway down) are not joined by a line; the server's
+// are 10 s apart.
+const GAP_S = 25;
 const MAX_ROWS = 200; // rows kept in the DOM: laying out a thousand every second is slow
 const KEY = "qgw-admin-token";
 const BAD_CHARS = "the token has characters a browser cannot send in a header " +
@@ -191,8 +193,10 @@ function throughput(h) {
   const out = [];
   let j = 0;
   for (let i = 0; i < h.t.length; i++) {
-    while (h.t[i] - h.t[j] > TPUT_WINDOW_S + 0.5) j++; // +0.5: polls drift past a second
-    out.push(i > j ? Math.max(0, (h.done[i] - h.done[j]) / (h.t[i] - h.t[j])) : null);
+    // +0.5: polls drift past a second; samples further apart (the server's) use the last one.
+    while (j < i - 1 && h.t[i] - h.t[j] > TPUT_WINDOW_S + 0.5) j++;
+    const span = h.t[i] - h.t[j];
+    out.push(i > j && span <= GAP_S ? Math.max(0, (h.done[i] - h.done[j]) / span) : null);
   }
   return out;
 }
@@ -214,6 +218,7 @@ function update(queues) {
   latest = queues;
   renderView();
   renderFailures(queues);
+  if (typeof afterUpdate === "function") afterUpdate(queues); // actions.js
 }
 
 // ---- table ----
@@ -256,7 +261,7 @@ function renderRows(queues, t, span) {
 }
 
 const FIELDS = ["id", "pending", "in_flight", "admitted", "throughput", "exec", "wait_new",
-  "oldest", "done_failed", "chart"];
+  "oldest", "done_failed", "chart", "actions"];
 
 function rowFor(id) {
   let row = rowCache.get(id);
@@ -268,7 +273,15 @@ function rowFor(id) {
   for (const field of FIELDS) {
     const td = (cells[field] = document.createElement("td"));
     td.dataset.field = field;
-    if (field !== "id") td.className = "num";
+    if (field === "actions") {
+      for (const action of ["pause", "purge"]) {
+        const b = document.createElement("button");
+        b.type = "button";
+        b.dataset.action = action;
+        b.textContent = action;
+        td.appendChild(b);
+      }
+    } else if (field !== "id") td.className = "num";
     tr.appendChild(td);
   }
   row = { tr, cells };
@@ -277,7 +290,8 @@ function rowFor(id) {
 }
 
 function fillRow(c, q, t, span) {
-  setText(c.id, q.enabled ? q.id : `${q.id} (disabled)`);
+  setText(c.id, !q.enabled ? `${q.id} (disabled)` : q.paused ? `${q.id} (paused)` : q.id);
+  setText(c.actions.firstChild, q.paused ? "resume" : "pause");
   c.id.title = q.id;
   setText(c.pending, fmt(q.pending, 0));
   const cap = q.max_concurrency;
@@ -326,7 +340,7 @@ function renderCounts(matching, total) {
 function renderFailures(queues) {
   const all = queues.flatMap((q) => q.recent_failures.map((f) => ({ ...f, endpoint: q.id })));
   all.sort((a, b) => a.at_s_ago - b.at_s_ago);
-  const shown = all.slice(0, 20);
+  const shown = all.slice(0, 200); // each endpoint's full list: its "failed" tasks
   // Rebuilt only when the failures change, so a task id can be selected and copied; hence a
   // clock time, not an age that would change every second.
   const key = shown.map((f) => f.task_id).join();
@@ -354,9 +368,10 @@ function renderFailures(queues) {
 
 function choose(ev) {
   const tr = ev.target.closest("tr[data-endpoint]");
-  if (!tr || (ev.type === "keydown" && ev.key !== "Enter")) return;
+  if (!tr || ev.target.closest("button") || (ev.type === "keydown" && ev.key !== "Enter")) return;
   pinned = tr.dataset.endpoint;
   renderView();
+  if (typeof openTasks === "function") openTasks(pinned); // actions.js
 }
 $("rows").addEventListener("click", choose);
 $("rows").addEventListener("keydown", choose);

@@ -1,0 +1,66 @@
+"""Admin routes over any user's tasks (API.md, "Tasks, for operators"): look one up, list an
+endpoint's by status, retry, cancel, and purge an endpoint's pending tasks (admin token)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Depends, Query
+
+from app.auth import admin, runtime
+from app.errors import ApiError
+from app.models import TaskStatus
+from app.queue import listing, operator
+from app.routes.admin import ERRORS
+from app.runtime import Runtime
+
+router = APIRouter(prefix="/admin/v1", tags=["admin"], dependencies=[Depends(admin)],
+                   responses={**ERRORS, 503: ERRORS[409]})
+Rt = Annotated[Runtime, Depends(runtime)]
+Status = Literal["pending", "processing", "completed", "failed", "cancelled", "expired"]
+
+
+def _known(rt: Runtime, endpoint_id: str) -> None:
+    if rt.registry.get(endpoint_id) is None:
+        raise ApiError(404, "endpoint_not_found", f"no endpoint {endpoint_id!r}")
+
+
+@router.get("/tasks/{task_id}", operation_id="show_task")
+async def show_task(task_id: str, rt: Rt) -> dict[str, Any]:
+    """Any user's task: the status fields, `user_id`, `endpoint`, and its request while Redis
+    holds it (null once only SQL has the task)."""
+    return await operator.show(rt.queue, rt.registry, task_id)
+
+
+@router.post("/tasks/{task_id}/retry", operation_id="retry_task")
+async def retry_task(task_id: str, rt: Rt) -> dict[str, Any]:
+    """A failed or expired task runs again from its old place in line (409 otherwise)."""
+    return await operator.retry(rt.queue, task_id)
+
+
+@router.post("/tasks/{task_id}/cancel", operation_id="cancel_any_task")
+async def cancel_task(task_id: str, rt: Rt) -> dict[str, str]:
+    """Cancel any user's task, as its owner would (409 with its status once it ended)."""
+    await operator.cancel(rt.queue, task_id)
+    return {"task_id": task_id, "task_status": TaskStatus.CANCELLED.value}
+
+
+@router.get("/endpoints/{endpoint_id}/tasks", operation_id="list_endpoint_tasks")
+async def list_endpoint_tasks(
+    endpoint_id: str, rt: Rt, status: Status = "pending",
+    limit: Annotated[int, Query(ge=1, le=listing.MAX_LIMIT)] = 50,
+    cursor: Annotated[str | None, Query(max_length=200)] = None,
+) -> dict[str, Any]:
+    """A page of the endpoint's tasks of one status: pending in dispatch order (with each
+    one's `wait_num`), processing by lease deadline, finished ones newest first. Pass
+    `next_cursor` back as `cursor` for the next page (null: no more)."""
+    _known(rt, endpoint_id)
+    return await listing.list_tasks(rt.queue, endpoint_id, status, limit, cursor)
+
+
+@router.post("/endpoints/{endpoint_id}/purge", operation_id="purge_endpoint")
+async def purge_endpoint(endpoint_id: str, rt: Rt) -> dict[str, Any]:
+    """Cancel every pending task of the endpoint (each as a user's cancel would); answers
+    how many. Submits go on being accepted: pause or disable the endpoint to stop them."""
+    _known(rt, endpoint_id)
+    return {"endpoint": endpoint_id, "cancelled": await operator.purge(rt.queue, endpoint_id)}
