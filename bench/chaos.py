@@ -35,7 +35,7 @@ from app.runtime import Runtime
 from app.settings import Settings
 from tests.servers import QGW, RedisServer, mock_log, mock_upstream, stop
 
-ADMIN = "chaos-admin"
+ADMIN = "chaos-admin-token-0123"  # QGW_ADMIN_TOKEN: 16 characters at least
 EP = "chaos"
 LEASE_MS, LATENCY_MS, CONCURRENCY = 3000, 200, 48
 SUBMIT_S, KILL_EVERY_S, REDIS_RESTART_AT_S, REDIS_DOWN_S = 24.0, 3.0, 10.0, 4.0

@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench._load import spawn
 from tests.servers import QGW, RedisServer, free_port, stop, wait_port
 
-ADMIN = "eta-admin"
+ADMIN = "eta-admin-token-01234"  # QGW_ADMIN_TOKEN: 16 characters at least
 LATENCY_MS = 250
 BURSTS, BURST_GAP_S = 10, 0.6
 MIN_WAIT_S = 0.05  # below this a task did not wait for a slot: it is reported apart

@@ -35,7 +35,7 @@ from app.runtime import Runtime
 from app.settings import Settings
 from tests.servers import QGW, RedisServer, mock_upstream, stop
 
-ADMIN = "drain-admin"
+ADMIN = "drain-admin-token-0123"  # QGW_ADMIN_TOKEN: 16 characters at least
 SMALL_BYTES = 100
 
 

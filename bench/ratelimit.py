@@ -147,7 +147,7 @@ class Api:
 
     async def admin(self, method: str, path: str, **body: Any) -> dict[str, Any]:
         r = await self.http.request(method, path, json=body,
-                                    headers={"Authorization": "Bearer bench"})
+                                    headers={"Authorization": "Bearer bench-admin-token-0123"})
         r.raise_for_status()
         out: dict[str, Any] = r.json()
         return out
@@ -272,10 +272,10 @@ async def main(rates: tuple[int, ...], impls: tuple[str, ...], procs_list: tuple
     mock_port = free_port()
     mock_proc = spawn([*QGW, "mock-upstream", "--port", str(mock_port)])
     settings = Settings(redis_url=redis_server.url, database_url=f"sqlite+aiosqlite:///{tmp}/db",
-                        data_dir=tmp, key_prefix="bench", admin_token="bench",
+                        data_dir=tmp, key_prefix="bench", admin_token="bench-admin-token-0123",
                         permit_secret="bench")
     env = {"QGW_REDIS_URL": redis_server.url, "QGW_DATABASE_URL": settings.db_url,
-           "QGW_DATA_DIR": str(tmp), "QGW_KEY_PREFIX": "bench", "QGW_ADMIN_TOKEN": "bench",
+           "QGW_DATA_DIR": str(tmp), "QGW_KEY_PREFIX": "bench", "QGW_ADMIN_TOKEN": "bench-admin-token-0123",
            "QGW_PERMIT_SECRET": "bench", "QGW_LOG_LEVEL": "warning"}
     rt = Runtime(settings)
     rows: list[Row] = []

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench._load import spawn
 from tests.servers import QGW, RedisServer, free_port, stop, wait_port
 
-ADMIN = "waiters-admin"
+ADMIN = "waiters-admin-token-01"  # QGW_ADMIN_TOKEN: 16 characters at least
 LOAD_PER_S = 100  # submits a second to the busy endpoint
 LATENCY_MS = 20
 VERBOSE = "-v" in sys.argv  # which commands

@@ -4,7 +4,7 @@
 Pending tasks come from the queue in dispatch order, processing ones from the active set
 (soonest lease deadline first): a cursor names the last task shown by its score and id, so a
 page never repeats or skips a task as the queue moves (an offset would). Finished tasks come
-from SQL (index by endpoint, status and end, migration 0008), newest first, together with the
+from SQL (index by endpoint, status and end, migration 0007), newest first, together with the
 ones still waiting in the endpoint's outbox for SQL: with the database down, the list is what
 Redis holds, and says so.
 """

@@ -1,7 +1,7 @@
 """task_results index by endpoint, status and end
 
-Revision ID: 0008
-Revises: 0006 (0007 comes between once both branches are merged: set down_revision to it)
+Revision ID: 0007
+Revises: 0006
 Create Date: 2026-11-24
 
 An operator lists an endpoint's finished tasks of one status, newest first, a page at a time
@@ -11,7 +11,7 @@ the whole table (days of rows).
 
 from alembic import op
 
-revision = "0008"
+revision = "0007"
 down_revision = "0006"
 branch_labels = None
 depends_on = None
