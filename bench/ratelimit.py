@@ -275,7 +275,8 @@ async def main(rates: tuple[int, ...], impls: tuple[str, ...], procs_list: tuple
                         data_dir=tmp, key_prefix="bench", admin_token="bench-admin-token-0123",
                         permit_secret="bench")
     env = {"QGW_REDIS_URL": redis_server.url, "QGW_DATABASE_URL": settings.db_url,
-           "QGW_DATA_DIR": str(tmp), "QGW_KEY_PREFIX": "bench", "QGW_ADMIN_TOKEN": "bench-admin-token-0123",
+           "QGW_DATA_DIR": str(tmp), "QGW_KEY_PREFIX": "bench",
+           "QGW_ADMIN_TOKEN": "bench-admin-token-0123",
            "QGW_PERMIT_SECRET": "bench", "QGW_LOG_LEVEL": "warning"}
     rt = Runtime(settings)
     rows: list[Row] = []
