@@ -442,7 +442,8 @@ async def run_dispatcher(settings: Settings) -> AsyncIterator[Runtime]:
 
 @pytest.mark.parametrize("db_url", ["mariadb"], indirect=True)
 async def test_a_row_the_database_refuses_holds_back_no_other(gateway: Gateway) -> None:
-    """Out of range for its column: written without its result, the batch around it intact,
+    """Out of range for its column: written without its result (kept in Redis for an operator),
+    the batch around it intact,
     and the outbox emptied (a refused row used to stay and block every later batch). The
     records are in the outbox hash of earlier versions: an upgrade drains it too."""
     await gateway.add_endpoint("poison", "http://127.0.0.1:9/poison")
@@ -465,6 +466,9 @@ async def test_a_row_the_database_refuses_holds_back_no_other(gateway: Gateway) 
     assert got[bad].status == "completed" and got[bad].result_status_code is None
     assert got[bad].result.startswith("[result not stored")
     assert await gateway.rt.redis.hlen(outbox) == 0
+    # The result SQL would not take is not thrown away: Redis keeps it for an operator.
+    kept = await gateway.rt.redis.hget(gateway.rt.keys.outbox_refused("poison"), bad)
+    assert kept and json.loads(kept)["result"] == "猫"
 
 
 async def test_text_outside_latin1_is_kept_in_a_latin1_database(mariadb: MariaDB) -> None:

@@ -188,6 +188,8 @@ class OutboxWriter:
                 # without their result.
                 for row in chunk:
                     if not await self._write_alone(row):
+                        # Its whole record, result included, stays in Redis for an operator:
+                        # SQL has the row without the result, or no row at all.
                         await self.outbox.refused(row["endpoint"], row["task_id"],
                                                   records[row["task_id"]] or {})
         # Only now, after the commit: a crash before this line only repeats the upserts.
@@ -195,17 +197,17 @@ class OutboxWriter:
         return len(rows)
 
     async def _write_alone(self, row: dict[str, Any]) -> bool:
-        """Write one row, without its result if it must; False if even that is refused."""
+        """Write one row, without its result if it must; False unless it went in whole."""
         extra = {"task_id": row["task_id"], "endpoint": row["endpoint"]}
         first = await self._refusal(row)
         if first is None:
             return True
         log.error("the database refused a finished task (%s); its row is kept without the "
-                  "result", first.orig, extra=extra)
+                  "result, the result in Redis (outbox:refused)", first.orig, extra=extra)
         reason = f"[result not stored: {first.orig}]"[:1000]
         second = await self._refusal({**row, "result_status_code": None, "result": reason})
         if second is None:
-            return True
+            return False
         log.error("the database refused a finished task even without its result (%s); its "
                   "record is kept in Redis (outbox:refused)", second.orig, extra=extra)
         return False

@@ -57,12 +57,15 @@ async def retry(queue: TaskQueue, task_id: str) -> dict[str, Any]:
     """A failed or expired task runs again, from its old place in its queue."""
     k, e = queue.keys, endpoint_of(task_id)
     res = await queue.scripts.requeue(
-        keys=[k.task(task_id), k.queue(e), k.wake, k.outbox(e), k.delivered(e)],
+        keys=[k.task(task_id), k.queue(e), k.wake, k.outbox(e), k.delivered(e), k.endpoints],
         args=[task_id, e, queue.ttls.pending_ms, queue.ttls.done_ms],
     )
     if res[0] == "retried":
         return {"task_id": task_id, "task_status": TaskStatus.PENDING.value,
                 "wait_num": int(res[1])}
+    if res[0] == "gone":
+        raise ApiError(409, "endpoint_not_registered",
+                       f"the endpoint of task {task_id!r} is deleted; nothing would run it")
     if res[0] == "conflict":
         raise ApiError(409, "task_not_retryable",
                        f"task {task_id!r} is {res[1]}; only a failed or expired task can be "

@@ -1,15 +1,18 @@
 --[[ Run a failed or expired task again (an operator's retry, of any user's task): back into its
 queue at its original place, pending with a fresh deadline and no attempts counted.
 KEYS[1] task    KEYS[2] queue    KEYS[3] wake    KEYS[4] outbox    KEYS[5] delivered
+KEYS[6] endpoints (the registry hash): no task goes back into the queue of a deleted endpoint,
+        which nobody would claim, reap or expire
 ARGV[1] task id    ARGV[2] endpoint id    ARGV[3] pending TTL (ms)    ARGV[4] done TTL (ms)
 Its copy still waiting in the outbox (the old ending) is dropped, and it is taken off the
 delivered set, so the next ending reaches SQL and its owner like a first one.
-Returns {'retried', rank} | {'missing'} | {'conflict', current status}.
+Returns {'retried', rank} | {'missing'} | {'conflict', current status} | {'gone'}.
 ]]
 --@include now.lua
 --@include stats.lua
 --@include events.lua
 
+if redis.call('HEXISTS', KEYS[6], ARGV[2]) == 0 then return {'gone'} end
 local f = redis.call('HMGET', KEYS[1], 'status', 'score')
 if not f[1] then return {'missing'} end
 if f[1] ~= 'failed' and f[1] ~= 'expired' then return {'conflict', f[1]} end
