@@ -8,6 +8,7 @@ SYSDEPS := $(VENV)/.system-deps
 .PHONY: run test lint fuzz bench clean
 
 $(STAMP): pyproject.toml clients/python/pyproject.toml
+	PYTHON=$(PYTHON) scripts/system-deps run
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[test]' -e clients/python  # the client: its tests and mypy
@@ -18,13 +19,13 @@ run: $(STAMP)
 	$(BIN)/qgw serve
 
 ## Lint, type-check and run the test suite against real servers.
-test: $(STAMP) $(SYSDEPS) lint
+test: $(SYSDEPS) $(STAMP) lint
 	$(BIN)/pytest -q
 
 ## The system packages the tests drive (MariaDB, nginx, Chromium): installed once on Debian as
 ## root, named in one line elsewhere (scripts/system-deps).
 $(SYSDEPS): scripts/system-deps
-	scripts/system-deps
+	PYTHON=$(PYTHON) scripts/system-deps test
 	mkdir -p $(VENV) && touch $@
 
 ## schemathesis against our own OpenAPI document: every route, valid credentials, bounded.

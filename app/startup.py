@@ -77,7 +77,7 @@ def require_db(settings: Settings) -> None:
     path = settings.data_dir.resolve() / "qgw.db"
     if not path.exists():
         raise Refused(f"no database at {path}: run this where `qgw serve` runs, or set "
-                      "QGW_DATA_DIR (or QGW_DATABASE_URL) to the gateway's")
+                      "QGW_DATA_DIR (or QGW_DATABASE_URL) to the gateway's data dir (or database)")
 
 
 def bind(host: str, port: int) -> socket.socket:

@@ -19,6 +19,23 @@ def _serve(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
                           timeout=60)
 
 
+@pytest.mark.parametrize("command", [["serve"], ["keys", "create", "--user-id", "3"]])
+def test_an_embedded_redis_that_cannot_start_is_one_line(
+    env: dict[str, str], tmp_path: Path, command: list[str]
+) -> None:
+    """A data dir too deep for a unix socket: one line naming the fix, from serve and admin."""
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    deep.mkdir(parents=True)
+    env = {k: v for k, v in env.items() if k not in ("QGW_REDIS_URL", "QGW_DATABASE_URL")}
+    env["QGW_DATA_DIR"] = str(deep)
+    subprocess.run([*QGW, "migrate"], env=env, capture_output=True, timeout=60, check=True)
+    done = subprocess.run([*QGW, *command], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1
+    last = done.stderr.splitlines()[-1]
+    assert last.startswith("qgw: the data dir") and "QGW_DATA_DIR" in last, done.stderr
+    assert "Traceback" not in done.stderr
+
+
 @pytest.mark.parametrize(("name", "value"), [("QGW_LOG_LEVEL", "verbose"),
                                              ("QGW_ADMIN_TOKEN", "abc")])
 def test_bad_setting_is_one_line(env: dict[str, str], name: str, value: str) -> None:

@@ -7,11 +7,12 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 from app import ROOT
 
-PACKAGES = {"mariadb-server", "nginx-light", "chromium"}
+PACKAGES = {"python3-venv", "mariadb-server", "nginx-light", "chromium"}
 
 
 def test_without_root_it_names_the_missing_packages_in_one_line(tmp_path: Path) -> None:
@@ -29,3 +30,20 @@ def test_without_root_it_names_the_missing_packages_in_one_line(tmp_path: Path) 
     missing = named.split(" (")[0].split()
     assert "chromium" in missing and set(missing) <= PACKAGES, line
     assert line.endswith(f"(Debian: apt-get install {' '.join(missing)})")
+
+
+def test_make_run_needs_only_a_python_that_can_make_a_venv(tmp_path: Path) -> None:
+    """`make run` asks for python3-venv alone (Debian's python3 has no ensurepip without it),
+    and nothing when the Python given can make a venv."""
+    script = str(ROOT / "scripts" / "system-deps")
+    runuser = shutil.which("runuser") or "/usr/sbin/runuser"
+    as_user = [runuser, "-u", "nobody", "--"] if os.getuid() == 0 else []
+    done = subprocess.run([*as_user, "/bin/bash", script, "run"], capture_output=True,
+                          env={"PATH": str(tmp_path), "PYTHON": "/nonexistent/python3"},
+                          cwd="/", timeout=30)
+    assert done.returncode == 1
+    assert done.stderr.decode().strip() == ("make run needs the system packages: python3-venv "
+                                            "(Debian: apt-get install python3-venv)")
+    fine = subprocess.run(["/bin/bash", script, "run"], capture_output=True, timeout=30,
+                          env={**os.environ, "PYTHON": sys.executable})
+    assert (fine.returncode, fine.stderr) == (0, b"")
