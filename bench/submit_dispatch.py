@@ -26,7 +26,7 @@ from app.queue.upstream import upstream_client
 from bench._load import build_request, hammer, spawn
 from tests.servers import QGW, RedisServer, free_port, stop, wait_port
 
-ADMIN = "bench-admin"
+ADMIN = "bench-admin-token"  # 16 characters at least (QGW_ADMIN_TOKEN)
 ROUNDS, SECONDS, TASKS = 3, 4.0, 3000
 
 
