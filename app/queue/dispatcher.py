@@ -34,6 +34,7 @@ from redis.exceptions import RedisError
 
 from app.endpoints import EndpointConfig
 from app.lifecycle import Ttls
+from app.queue import presence
 from app.queue.keys import Keys
 from app.queue.reaper import Reaper
 from app.queue.registry import EndpointRegistry, cancel_all
@@ -146,6 +147,8 @@ class Dispatcher:
         released = await self.release(held)
         await self.send_times.close()
         await cancel_all(self._heartbeat)
+        with contextlib.suppress(RedisError, OSError):
+            await presence.leave(self.redis, self.keys, self._ident)
         log.info("dispatcher stopped", extra={"interrupted": len(held), "requeued": released})
 
     def hurry(self) -> None:
@@ -302,7 +305,7 @@ class Dispatcher:
             if outcome.ok or not outcome.retryable or claim.attempts > ep.max_retries:
                 await self._finish(claim, outcome, exec_ms)
             else:
-                await self._retry_later(claim, outcome)
+                await self._retry_later(claim, outcome, exec_ms)
         except asyncio.CancelledError:
             raise
         except Exception:
@@ -310,7 +313,7 @@ class Dispatcher:
         finally:
             self._done(claim)
 
-    async def _retry_later(self, claim: Claim, outcome: Outcome) -> None:
+    async def _retry_later(self, claim: Claim, outcome: Outcome, exec_ms: float) -> None:
         """Set the task aside in Redis for its back-off (retry-6.lua): its slot serves others
         meanwhile, and a claim puts it back in line when due (a new admission, as any)."""
         ep, k, e = claim.endpoint, self.keys, claim.endpoint.id
@@ -321,7 +324,8 @@ class Dispatcher:
         due = await self._persist("retry", lambda: self.scripts.retry(
             keys=[k.active(e), k.task(claim.task_id), k.retry(e), k.delayed, k.queue(e),
                   k.wake],
-            args=[claim.task_id, claim.token, round(delay * 1000), e, _pause_ms(claim, outcome)]))
+            args=[claim.task_id, claim.token, round(delay * 1000), e, _pause_ms(claim, outcome),
+                  outcome.status_code or "", round(exec_ms)]))
         if not due:
             log.warning("lease lost before the retry was scheduled", extra=extra)
         elif not self.stopping.is_set():
@@ -334,7 +338,7 @@ class Dispatcher:
             keys=[k.active(e), k.task(claim.task_id), k.queue(e), k.wake, k.stats(e)],
             args=[claim.task_id, claim.token, status, outcome.text,
                   outcome.status_code or "", self.ttls.done_ms, e,
-                  round(exec_ms) if outcome.ok else -1, _pause_ms(claim, outcome)],
+                  round(exec_ms), _pause_ms(claim, outcome)],
         ))
         extra = {"task_id": claim.task_id, "endpoint": e, "status": status,
                  "code": outcome.status_code, "attempts": claim.attempts}
@@ -373,16 +377,18 @@ class Dispatcher:
         return sum(1 for r in results if int(r) == 1)
 
     async def _heartbeat_loop(self) -> None:
-        """Renew every lease this process holds, in one pipeline, every third of a lease;
-        sooner after a failure, so a short Redis outage costs no lease."""
-        delay = period = self.settings.lease_ms / 3000
+        """Every second, say this dispatcher is alive (app/queue/presence.py); every third of
+        a lease, renew every lease this process holds in the same pipeline; sooner after a
+        failure, so a short Redis outage costs no lease."""
+        period = self.settings.lease_ms / 3000
+        delay, renew_at, failures = min(period, presence.EVERY_S), time.monotonic() + period, 0
         while True:
             await asyncio.sleep(delay)
-            claims = list(self.leases.values())
-            if not claims:
-                continue
+            renew = time.monotonic() >= renew_at
+            claims = list(self.leases.values()) if renew else []
             try:
                 async with self.redis.pipeline(transaction=False) as pipe:
+                    presence.announce(pipe, self.keys, self._ident, len(self.inflight))
                     for c in claims:
                         k, e = self.keys, c.endpoint.id
                         await self.scripts.extend(
@@ -390,10 +396,14 @@ class Dispatcher:
                             args=[c.task_id, c.token, self.settings.lease_ms], client=pipe,
                         )
                     await pipe.execute()
-                delay = period
+                delay, failures = min(period, presence.EVERY_S), 0
+                if renew:
+                    renew_at = time.monotonic() + period
             except (RedisError, OSError) as exc:
-                log.warning("heartbeat failed: %s", exc)
-                delay = min(period, HEARTBEAT_RETRY_S)
+                failures += 1
+                level = logging.WARNING if failures % 10 == 1 else logging.DEBUG
+                log.log(level, "heartbeat failed: %s", exc)
+                delay, renew_at = min(period, HEARTBEAT_RETRY_S), 0.0
 
     async def _persist(
         self, what: str, op: Callable[[], Awaitable[T]], window_s: float = float("inf")

@@ -93,6 +93,12 @@ class Keys:
         return f"{self.prefix}:delayed"
 
     @property
+    def dispatchers(self) -> str:
+        """Hash dispatcher ident -> JSON {at_ms, in_flight}, written by each dispatcher every
+        second (app/queue/presence.py); /metrics counts the fresh ones."""
+        return f"{self.prefix}:dispatchers"
+
+    @property
     def endpoints(self) -> str:
         return f"{self.prefix}:endpoints"
 
