@@ -104,12 +104,14 @@ class Dispatcher:
     _starved: set[str] = field(default_factory=set)  # woken while this process had no room
     _in_claim: bool = False
     _ident: str = field(init=False)
+    _presence: str = field(init=False)
 
     def __post_init__(self) -> None:
         self.ttls = Ttls.of(self.settings)
         self.send_times = SendTimes(self.redis, self.keys, self.scripts.sent)
         # Lease tokens name their holder, so an operator can tell who holds a task.
         self._ident = f"{os.getpid()}@{socket.gethostname()}"
+        self._presence = f"{self._ident}#{secrets.token_hex(3)}"  # one per dispatcher
 
     def _limiter(self, endpoint: EndpointConfig) -> Limiter:
         limit = Limit.of(endpoint, self.settings.rate_guard_ms)
@@ -148,7 +150,7 @@ class Dispatcher:
         await self.send_times.close()
         await cancel_all(self._heartbeat)
         with contextlib.suppress(RedisError, OSError):
-            await presence.leave(self.redis, self.keys, self._ident)
+            await presence.leave(self.redis, self.keys, self._presence)
         log.info("dispatcher stopped", extra={"interrupted": len(held), "requeued": released})
 
     def hurry(self) -> None:
@@ -388,7 +390,7 @@ class Dispatcher:
             claims = list(self.leases.values()) if renew else []
             try:
                 async with self.redis.pipeline(transaction=False) as pipe:
-                    presence.announce(pipe, self.keys, self._ident, len(self.inflight))
+                    presence.announce(pipe, self.keys, self._presence, len(self.inflight))
                     for c in claims:
                         k, e = self.keys, c.endpoint.id
                         await self.scripts.extend(
