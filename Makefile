@@ -22,8 +22,8 @@ run: $(STAMP)
 test: $(SYSDEPS) $(STAMP) lint
 	$(BIN)/pytest -q
 
-## The system packages the tests drive (MariaDB, nginx, Chromium): installed once on Debian as
-## root, named in one line elsewhere (scripts/system-deps).
+## The system packages the tests drive (MariaDB, nginx, Chromium) and lint uses (promtool):
+## installed once on Debian as root, named in one line elsewhere (scripts/system-deps).
 $(SYSDEPS): scripts/system-deps
 	PYTHON=$(PYTHON) scripts/system-deps test
 	mkdir -p $(VENV) && touch $@
@@ -32,12 +32,14 @@ $(SYSDEPS): scripts/system-deps
 fuzz: $(STAMP)
 	$(BIN)/python tests/fuzz_api.py
 
-## Lint and type-check; the Dockerfile (hadolint) and compose.yaml (the compose spec) too.
-lint: $(STAMP)
+## Lint and type-check; the Dockerfile (hadolint), compose.yaml (the compose spec) and the
+## Prometheus alert rules (promtool, from scripts/system-deps) too.
+lint: $(STAMP) $(SYSDEPS)
 	$(BIN)/ruff check app tests bench clients
 	$(BIN)/mypy
 	$(BIN)/hadolint Dockerfile
 	$(BIN)/check-jsonschema -q --builtin-schema vendor.compose-spec compose.yaml
+	promtool check rules docs/prometheus-alerts.yml
 
 ## Benchmarks: bounded, loopback only, ratios against a baseline measured in the same run.
 bench: $(STAMP)

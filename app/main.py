@@ -9,6 +9,7 @@ from fastapi import FastAPI
 from fastapi_offline import FastAPIOffline
 
 from app import __version__, errors, logs, openapi
+from app.metrics import HttpRequests
 from app.routes import admin, admin_ops, admin_tasks, auth_check, dashboard, follow, ops, tasks
 from app.runtime import Runtime
 
@@ -42,6 +43,7 @@ def create_app(
                    dashboard.router):
         app.include_router(router)
     openapi.install(app)
+    app.add_middleware(HttpRequests, counts=runtime.scrapes.http)  # /metrics, by route
     # Patterns catch keys and permits; these two have no recognisable shape.
     logs.redact(runtime.settings.admin_secret, runtime.settings.permit_key.decode())
     return app

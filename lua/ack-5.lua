@@ -3,7 +3,7 @@ KEYS[1] active    KEYS[2] task    KEYS[3] queue    KEYS[4] wake    KEYS[5] stats
 ARGV[1] task id   ARGV[2] lease token   ARGV[3] final status ('completed' | 'failed')
 ARGV[4] result    ARGV[5] result status code ('' if none)
 ARGV[6] unused (the done TTL: set once SQL has the row)
-ARGV[7] endpoint id    ARGV[8] exec time of the last attempt (ms)
+ARGV[7] endpoint id    ARGV[8] exec time of the last attempt (ms; -1 = no call made)
 ARGV[9] pause the upstream asked for (ms; 0 = none), see upstream.lua
 Returns 1, or 0 when the lease was lost (reaped and claimed again): the newer attempt wins.
 The finished task goes to the endpoint's outbox (key built from KEYS[2], see lifecycle.lua).
@@ -36,6 +36,7 @@ if ARGV[3] == 'completed' and exec >= 0 then
   stats_observe(KEYS[5], 'upstream_ms', exec)
 elseif ARGV[3] == 'failed' then
   stats_failure(KEYS[5], n, now, ARGV[1], ARGV[5], ARGV[4])
+  if exec >= 0 then stats_call_failed(KEYS[5], ARGV[5], exec) end
 end
 -- The wait estimate needs how long a task holds its slot, from claim to here (retries and
 -- back-off included), not only the last call.

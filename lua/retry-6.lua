@@ -6,8 +6,9 @@ KEYS[1] active    KEYS[2] task    KEYS[3] retry (ZSet id -> due, ms)    KEYS[4] 
 KEYS[5] queue     KEYS[6] wake
 ARGV[1] task id   ARGV[2] lease token   ARGV[3] back-off (ms)   ARGV[4] endpoint id
 ARGV[5] pause the upstream asked for (ms; 0 = none), see upstream.lua
+ARGV[6] the failed call's HTTP status ('' if none)   ARGV[7] its exec time (ms)
 Returns the due time (ms, Redis clock), or 0 when the lease was lost.  The retry is counted in
-the endpoint's stats (a sibling of KEYS[1], stats.lua).
+the endpoint's stats (a sibling of KEYS[1], stats.lua), with the failed call.
 ]]
 --@include now.lua
 --@include stats.lua
@@ -27,7 +28,9 @@ redis.call('ZREM', KEYS[1], ARGV[1])
 redis.call('HDEL', KEYS[2], 'lease', 'deadline')
 redis.call('HSET', KEYS[2], 'status', 'pending', 'retry_at', due)
 redis.call('ZADD', KEYS[3], due, ARGV[1])
-redis.call('HINCRBY', sibling_key(KEYS[1], 'stats'), 'retried', 1)
+local stats = sibling_key(KEYS[1], 'stats')
+redis.call('HINCRBY', stats, 'retried', 1)
+stats_call_failed(stats, ARGV[6], tonumber(ARGV[7]))
 redis.call('ZADD', KEYS[4], 'LT', due, ARGV[4])  -- the earliest due retry wakes the endpoint
 if redis.call('ZCARD', KEYS[5]) > 0 then
   redis.call('ZADD', KEYS[6], 'NX', now, ARGV[4])  -- its slot is free: worth a claim

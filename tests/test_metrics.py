@@ -4,15 +4,27 @@ from __future__ import annotations
 
 import asyncio
 import json
+import platform
+import re
+import shutil
+import subprocess
+import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from prometheus_client.parser import text_string_to_metric_families
 from redis.asyncio.client import Pipeline, Redis
 
+from app import __version__
 from app.runtime import Runtime
+from app.settings import Settings
 from tests.conftest import Gateway
+from tests.test_storage import Outage, run_dispatcher
+
+DOCS = Path(__file__).resolve().parent.parent / "docs"
 
 
 def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -183,8 +195,10 @@ async def test_a_scrape_of_1000_endpoints_is_one_round_trip(
     m, *others = await asyncio.gather(*(scrape(gateway) for _ in range(4)))
     monkeypatch.undo()
 
-    # ZCARD, ZCARD, HMGET per endpoint, sent together; scrapes at the same time share it.
-    assert pipelines == [3000]
+    # TIME and the dispatchers' hash, then per endpoint ZCARD (queue), ZCARD (active), HGETALL
+    # (stats), ZCARD (outbox), EVALSHA (oldest pending), sent together, with no SCRIPT EXISTS
+    # trip before them; scrapes at the same time share it.
+    assert pipelines == [2 + 5 * 1000]
     assert all(o == m for o in others)
     # The only other commands may be the registry's own polling (GET of its version).
     assert [c for c in commands if c[:1] != ("GET",)] == []
@@ -192,3 +206,188 @@ async def test_a_scrape_of_1000_endpoints_is_one_round_trip(
     assert len(labels) == 1000
     assert value(m, "qgw_tasks_completed_total", "ep0999") == 7
     assert value(m, "qgw_tasks_completed_total", "ep0000") == 0
+
+
+async def test_failed_calls_are_counted_by_status_class_and_timed(
+    gateway: Gateway, upstream: str, start_dispatcher: Callable[[], Awaitable[Runtime]]
+) -> None:
+    url = f"{upstream}/failing"
+    await gateway.add_endpoint("failing", url, max_retries=1, retry_backoff_ms=0,
+                               timeout_ms=300)
+    auth = await gateway.new_key()
+    tasks = [
+        await gateway.submit(auth, url, headers={"X-Mock-Status": ["400"],  # once, 60 ms
+                                                 "X-Mock-Latency-Ms": ["60"]}),
+        await gateway.submit(auth, url, headers={"X-Mock-Status": ["503"]}),  # twice
+        await gateway.submit(auth, url, headers={"X-Mock-Latency-Ms": ["2000"]}),  # times out twice
+        await gateway.submit(auth, url),
+    ]
+    await start_dispatcher()
+    done = await gateway.wait_finished(auth, [t["task_id"] for t in tasks])
+    assert [d["task_status"] for d in done] == ["failed"] * 3 + ["completed"]
+
+    m = await scrape(gateway)
+    by_class = {c: value(m, "qgw_upstream_failures_total", "failing", **{"class": c})
+                for c in ("2xx", "3xx", "4xx", "5xx", "none")}
+    # Retried attempts count as well as final ones; a timeout has no status.
+    assert by_class == {"2xx": 0, "3xx": 0, "4xx": 1, "5xx": 2, "none": 2}
+    failed = "qgw_upstream_failed_latency_seconds"
+    assert value(m, f"{failed}_count", "failing") == 5
+    # The two timeouts each took the endpoint's 0.3 s: above the 0.25 s bucket.
+    assert value(m, f"{failed}_count", "failing") - value(
+        m, f"{failed}_bucket", "failing", le="0.25") >= 2
+    assert value(m, f"{failed}_sum", "failing") >= 0.6 + 0.06
+    assert value(m, "qgw_upstream_latency_seconds_count", "failing") == 1  # successes only
+
+
+async def test_http_requests_are_counted_by_route_template_and_status(
+    gateway: Gateway, upstream: str
+) -> None:
+    url = f"{upstream}/routed"
+    await gateway.add_endpoint("routed", url)
+    auth = await gateway.new_key()
+    tasks = [await gateway.submit(auth, url) for _ in range(2)]
+    for headers in (auth, auth, {}):
+        await gateway.http.get(f"/api/v1/tasks/{tasks[0]['task_id']}", headers=headers)
+    assert (await gateway.http.get("/no/such/page")).status_code == 404
+
+    m = await scrape(gateway)
+
+    def requests(route: str, method: str, code: int) -> float:
+        labels = {"route": route, "method": method, "code": str(code)}
+        return m.get(("qgw_http_requests_total", tuple(sorted(labels.items()))), 0)
+
+    assert requests("/api/v1/tasks", "POST", 202) == 2
+    # One series for every task: the route's template, never the path.
+    assert requests("/api/v1/tasks/{task_id}", "GET", 200) == 2
+    assert requests("/api/v1/tasks/{task_id}", "GET", 401) == 1
+    assert requests("unmatched", "GET", 404) == 1
+    assert not any(tasks[0]["task_id"] in str(labels) for _, labels in m)
+    build = ("qgw_build_info", (("python", platform.python_version()),
+                                ("version", __version__)))
+    assert m[build] == 1
+
+
+async def test_dispatchers_alive_oldest_pending_age_and_configured_limits(
+    gateway: Gateway, upstream: str, settings: Settings,
+    start_dispatcher: Callable[[], Awaitable[Runtime]]
+) -> None:
+    url = f"{upstream}/aged"
+    await gateway.add_endpoint("aged", url, max_concurrency=3, rate=6, interval_ms=60_000)
+    auth = await gateway.new_key()
+    task = await gateway.submit(auth, url)
+    rt = gateway.rt
+    crashed = json.dumps({"at": int(time.time() * 1000) - 61_000, "in_flight": 5})
+    await rt.redis.hset(rt.keys.dispatchers, "1@crashed", crashed)
+    await asyncio.sleep(0.3)
+
+    m = await scrape(gateway)
+    assert m[("qgw_dispatchers_alive", ())] == 0  # a minute-old entry is not alive
+    assert not await rt.redis.hexists(rt.keys.dispatchers, "1@crashed")  # and is pruned
+    assert value(m, "qgw_oldest_pending_age_seconds", "aged") >= 0.3
+    assert value(m, "qgw_endpoint_max_concurrency", "aged") == 3
+    assert value(m, "qgw_endpoint_rate_limit_per_second", "aged") == pytest.approx(0.1)
+
+    async def alive(n: int) -> bool:
+        return (await scrape(gateway))[("qgw_dispatchers_alive", ())] == n
+
+    await start_dispatcher()
+    async with run_dispatcher(settings):
+        await wait_until(lambda: alive(2), timeout=10)
+        await gateway.wait_finished(auth, [task["task_id"]])
+    # One stopped: it says so on its way out, not ten seconds later.
+    assert await alive(1)
+    m = await scrape(gateway)
+    assert ("qgw_oldest_pending_age_seconds", (("endpoint", "aged"),)) not in m  # none waits
+
+
+class TestDatabaseOutage:
+    @pytest.fixture
+    def outage(self, tmp_path: Path) -> Outage:
+        return Outage("sqlite", tmp_path)
+
+    @pytest.fixture
+    def settings(self, settings: Settings, outage: Outage) -> Settings:
+        """Overrides conftest's: a SQLite database the test can take away."""
+        return settings.model_copy(update={"database_url": outage.url()})
+
+    async def test_database_down_and_the_outbox_backlog_show_in_metrics(
+        self, gateway: Gateway, outage: Outage, upstream: str,
+        start_dispatcher: Callable[[], Awaitable[Runtime]]
+    ) -> None:
+        url = f"{upstream}/backlog"
+        await gateway.add_endpoint("backlog", url)
+        auth = await gateway.new_key()
+        assert (await scrape(gateway))[("qgw_database_up", ())] == 1
+        dispatcher = await start_dispatcher()
+        outage.engines += [gateway.rt.engine, dispatcher.engine]
+        await outage.down()
+        try:
+            assert (await gateway.http.get("/readyz")).json()["status"] == "degraded"
+            # The scrape reuses the check /readyz just made.
+            assert (await scrape(gateway))[("qgw_database_up", ())] == 0
+            for _ in range(3):
+                await gateway.submit(auth, url)
+
+            async def backlog(n: int) -> bool:
+                return value(await scrape(gateway), "qgw_outbox_backlog", "backlog") == n
+
+            await wait_until(lambda: backlog(3))
+        finally:
+            await outage.up()
+        await wait_until(lambda: backlog(0))
+        # Nobody asks /readyz now: the scrape checks again itself, at most 5 s later.
+        async def database_up() -> bool:
+            return (await scrape(gateway))[("qgw_database_up", ())] == 1
+
+        await wait_until(database_up, timeout=10)
+
+
+def _exported(text: str) -> set[str]:
+    """Every series name an exposition text offers (a histogram's with its suffixes)."""
+    names = {line.split("{")[0].split(" ")[0] for line in text.splitlines()
+             if line and not line.startswith("#")}
+    for name, kind in re.findall(r"^# TYPE (\S+) (\S+)$", text, re.MULTILINE):
+        names |= ({f"{name}{x}" for x in ("_bucket", "_count", "_sum")} if kind == "histogram"
+                  else {name})
+    return names
+
+
+def _named(expr: str) -> set[str]:
+    return set(re.findall(r"\b((?:qgw|process)_[a-z0-9_]+)", expr))
+
+
+async def test_the_dashboard_and_the_alert_rules_use_only_exported_metrics(
+    gateway: Gateway, upstream: str, start_dispatcher: Callable[[], Awaitable[Runtime]],
+    tmp_path: Path
+) -> None:
+    url = f"{upstream}/charted"
+    await gateway.add_endpoint("charted", url, max_retries=0, rate=10)
+    auth = await gateway.new_key()
+    tasks = [await gateway.submit(auth, url),
+             await gateway.submit(auth, url, headers={"X-Mock-Status": ["500"]})]
+    await start_dispatcher()
+    await gateway.wait_finished(auth, [t["task_id"] for t in tasks])
+    exported = _exported((await gateway.http.get("/metrics")).text)
+
+    dashboard = json.loads((DOCS / "grafana-dashboard.json").read_text())
+    panels = [p for top in dashboard["panels"] for p in [top, *top.get("panels", [])]]
+    exprs = [t["expr"] for p in panels for t in p.get("targets", [])]
+    assert len(exprs) >= 10
+    for expr in exprs:
+        assert _named(expr) and _named(expr) <= exported, expr
+    rules = yaml.safe_load((DOCS / "prometheus-alerts.yml").read_text())
+    alerts = [r for g in rules["groups"] for r in g["rules"]]
+    assert len(alerts) >= 6
+    for rule in alerts:
+        assert _named(rule["expr"]) and _named(rule["expr"]) <= exported, rule["alert"]
+    if promtool := shutil.which("promtool"):  # `make lint` checks the rules too
+        # The panels' PromQL parses: checked as recording rules, Grafana's variables filled.
+        as_rules = [{"record": f"panel:{i}", "expr": e.replace("$__rate_interval", "5m")
+                     .replace("$endpoint", ".*")} for i, e in enumerate(exprs)]
+        (tmp_path / "panels.yml").write_text(
+            yaml.safe_dump({"groups": [{"name": "panels", "rules": as_rules}]}))
+        for path in (DOCS / "prometheus-alerts.yml", tmp_path / "panels.yml"):
+            done = subprocess.run([promtool, "check", "rules", str(path)], capture_output=True,
+                                  text=True)
+            assert done.returncode == 0, done.stdout + done.stderr

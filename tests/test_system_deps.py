@@ -12,7 +12,7 @@ from pathlib import Path
 
 from app import ROOT
 
-PACKAGES = {"python3-venv", "mariadb-server", "nginx-light", "chromium"}
+PACKAGES = {"python3-venv", "mariadb-server", "nginx-light", "chromium", "prometheus"}
 
 
 def test_without_root_it_names_the_missing_packages_in_one_line(tmp_path: Path) -> None:
@@ -28,7 +28,7 @@ def test_without_root_it_names_the_missing_packages_in_one_line(tmp_path: Path) 
     head, _, named = line.partition(": ")
     assert head == "make test needs the system packages", line
     missing = named.split(" (")[0].split()
-    assert "chromium" in missing and set(missing) <= PACKAGES, line
+    assert {"chromium", "prometheus"} <= set(missing) <= PACKAGES, line
     assert line.endswith(f"(Debian: apt-get install {' '.join(missing)})")
 
 

@@ -103,22 +103,22 @@ class Dispatcher:
     _starved: set[str] = field(default_factory=set)  # woken while this process had no room
     _in_claim: bool = False
     _ident: str = field(init=False)
+    ident: str = field(init=False)
 
     def __post_init__(self) -> None:
         self.ttls = Ttls.of(self.settings)
         self.send_times = SendTimes(self.redis, self.keys, self.scripts.sent)
         # Lease tokens name their holder, so an operator can tell who holds a task.
         self._ident = f"{os.getpid()}@{socket.gethostname()}"
+        # Its heartbeat's name (app/queue/heartbeats.py): one per dispatcher, even two in one
+        # process.
+        self.ident = f"{self._ident}#{secrets.token_hex(3)}"
 
     def _limiter(self, endpoint: EndpointConfig) -> Limiter:
         limit = Limit.of(endpoint, self.settings.rate_guard_ms)
         if limit not in self._limiters:
             self._limiters[limit] = Limiter(self.redis, limit, self.keys)
         return self._limiters[limit]
-
-    @property
-    def ident(self) -> str:
-        return self._ident
 
     @property
     def capacity(self) -> int:
@@ -306,7 +306,7 @@ class Dispatcher:
             if outcome.ok or not outcome.retryable or claim.attempts > ep.max_retries:
                 await self._finish(claim, outcome, exec_ms)
             else:
-                await self._retry_later(claim, outcome)
+                await self._retry_later(claim, outcome, exec_ms)
         except asyncio.CancelledError:
             raise
         except Exception:
@@ -314,7 +314,7 @@ class Dispatcher:
         finally:
             self._done(claim)
 
-    async def _retry_later(self, claim: Claim, outcome: Outcome) -> None:
+    async def _retry_later(self, claim: Claim, outcome: Outcome, exec_ms: float) -> None:
         """Set the task aside in Redis for its back-off (retry-6.lua): its slot serves others
         meanwhile, and a claim puts it back in line when due (a new admission, as any)."""
         ep, k, e = claim.endpoint, self.keys, claim.endpoint.id
@@ -325,7 +325,8 @@ class Dispatcher:
         due = await self._persist("retry", lambda: self.scripts.retry(
             keys=[k.active(e), k.task(claim.task_id), k.retry(e), k.delayed, k.queue(e),
                   k.wake],
-            args=[claim.task_id, claim.token, round(delay * 1000), e, _pause_ms(claim, outcome)]))
+            args=[claim.task_id, claim.token, round(delay * 1000), e, _pause_ms(claim, outcome),
+                  outcome.status_code or "", round(exec_ms)]))
         if not due:
             log.warning("lease lost before the retry was scheduled", extra=extra)
         elif not self.stopping.is_set():
@@ -338,7 +339,7 @@ class Dispatcher:
             keys=[k.active(e), k.task(claim.task_id), k.queue(e), k.wake, k.stats(e)],
             args=[claim.task_id, claim.token, status, outcome.text,
                   outcome.status_code or "", self.ttls.done_ms, e,
-                  round(exec_ms) if outcome.ok else -1, _pause_ms(claim, outcome)],
+                  round(exec_ms), _pause_ms(claim, outcome)],
         ))
         extra = {"task_id": claim.task_id, "endpoint": e, "status": status,
                  "code": outcome.status_code, "attempts": claim.attempts}

@@ -55,6 +55,15 @@ class Lua:
         except NoScriptError:
             return await self._script(keys=keys, args=args)
 
+    def queue_on(self, pipe: Any, keys: Sequence[Any], args: Sequence[Any]) -> None:
+        """A bare EVALSHA on a pipeline, without the SCRIPT EXISTS trip redis-py's Script makes
+        before each such pipeline: its caller runs it with raise_on_error=False and, meeting a
+        NoScriptError, calls `load` and runs it again."""
+        pipe.execute_command("EVALSHA", self._script.sha, len(keys), *keys, *args)
+
+    async def load(self) -> None:
+        await self._redis.script_load(self._script.script)
+
     async def call_and_wait(
         self, keys: Sequence[Any], args: Sequence[Any], replicas: int, timeout_ms: int
     ) -> tuple[Any, int]:

@@ -15,16 +15,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from redis.asyncio import Redis
+from redis.exceptions import NoScriptError
 
 from app.endpoints import EndpointConfig
 from app.queue.keys import Keys
+from app.queue.presence import Dispatchers, tally
 from app.queue.scripts import LUA_DIR, Scripts
 from app.queue.tasks import estimate_wait
 from app.timefmt import rfc3339
 
 COUNTERS = ("submitted", "admitted", "completed", "failed", "retried", "expired", "cancelled",
             "limited")
-HISTOGRAMS = ("queue_wait_ms", "upstream_ms")
+HISTOGRAMS = ("queue_wait_ms", "upstream_ms", "upstream_failed_ms")
+FAIL_CLASSES = ("2xx", "3xx", "4xx", "5xx", "none")  # fields fail_<class>, stats_call_failed
 AVERAGES = ("exec_ms", "slot_ms")
 OLDEST_BANDS = 64  # priority bands the oldest-pending lookup visits (lua/oldest-1.lua)
 
@@ -64,11 +67,17 @@ class EndpointStats:
     histograms: dict[str, Histogram]
     oldest_pending_ms: int | None = None  # creation time of the longest-waiting task, if known
     upstream_paused_until: int | None = None  # ms; set until a probe call succeeds
+    outbox: int = 0  # finished tasks whose SQL row is not written yet
     raw: dict[str, str] = field(default_factory=dict)
 
     @property
     def id(self) -> str:
         return self.endpoint.id
+
+    @property
+    def failed_calls(self) -> dict[str, int]:
+        """Failed upstream calls (retried or final) by the class of the upstream's status."""
+        return {c: int(self.raw.get(f"fail_{c}", 0)) for c in FAIL_CLASSES}
 
     def wait_for_new_s(self) -> float:
         """The estimate a task submitted now would get (app/queue/tasks.py estimate_wait)."""
@@ -92,19 +101,48 @@ def _parse(ep: EndpointConfig, pending: int, in_flight: int, raw: dict[str, str]
                          upstream_paused_until=int(paused) if paused else None)
 
 
-async def read_metrics(redis: Redis, keys: Keys, endpoints: list[EndpointConfig]
-                       ) -> list[EndpointStats]:
-    """What /metrics shows, for every endpoint in one round trip (3 commands an endpoint)."""
-    async with redis.pipeline(transaction=False) as pipe:
-        for ep in endpoints:
-            pipe.zcard(keys.queue(ep.id))
-            pipe.zcard(keys.active(ep.id))
-            # HGETALL, not HMGET of the fields: naming 44 fields per endpoint made encoding
-            # the pipeline most of a scrape's cost; absent buckets are simply not sent.
-            pipe.hgetall(keys.stats(ep.id))
-        raw = await pipe.execute()
-    return [_parse(ep, raw[i * 3], raw[i * 3 + 1], raw[i * 3 + 2])
-            for i, ep in enumerate(endpoints)]
+@dataclass
+class Snapshot:
+    """What one scrape read: every endpoint, and the dispatchers seen alive."""
+    endpoints: list[EndpointStats]
+    dispatchers: Dispatchers
+    now_ms: int  # Redis clock
+
+
+async def read_metrics(redis: Redis, keys: Keys, scripts: Scripts,
+                       endpoints: list[EndpointConfig]) -> Snapshot:
+    """What /metrics shows, for every endpoint in one round trip (5 commands an endpoint, 2
+    in all)."""
+    for attempt in (1, 2):
+        async with redis.pipeline(transaction=False) as pipe:
+            pipe.time()
+            pipe.hgetall(keys.dispatchers)
+            for ep in endpoints:
+                pipe.zcard(keys.queue(ep.id))
+                pipe.zcard(keys.active(ep.id))
+                # HGETALL, not HMGET of the fields: naming 44 fields per endpoint made encoding
+                # the pipeline most of a scrape's cost; absent buckets are simply not sent.
+                pipe.hgetall(keys.stats(ep.id))
+                pipe.zcard(keys.outbox(ep.id))
+                scripts.oldest.queue_on(pipe, [keys.queue(ep.id)], [OLDEST_BANDS])
+            raw = await pipe.execute(raise_on_error=False)
+        if attempt == 1 and any(isinstance(r, NoScriptError) for r in raw):
+            await scripts.oldest.load()  # Redis restarted (or flushed its scripts)
+            continue
+        break
+    if errors := [r for r in raw if isinstance(r, Exception)]:
+        raise errors[0]
+    now = int(raw[0][0]) * 1000 + int(raw[0][1]) // 1000
+    dispatchers = tally(raw[1], now)
+    if dispatchers.stale:  # crashed or stuck: rare, so a second trip is fine then
+        await redis.hdel(keys.dispatchers, *dispatchers.stale)
+    out = []
+    for i, ep in enumerate(endpoints):
+        pending, in_flight, values, outbox, oldest = raw[2 + i * 5:7 + i * 5]
+        s = _parse(ep, pending, in_flight, values)
+        s.outbox, s.oldest_pending_ms = outbox, _id_ms(oldest) if oldest else None
+        out.append(s)
+    return Snapshot(out, dispatchers, now)
 
 
 def _id_ms(task_id: str) -> int:

@@ -48,6 +48,7 @@ async def readyz(rt: Annotated[Runtime, Depends(runtime)]) -> JSONResponse:
         checks["database"] = "ok"
     except Exception as exc:
         checks["database"] = f"error: {type(exc).__name__}"
+    rt.scrapes.database.record(checks["database"] == "ok")  # qgw_database_up reuses it
     ready = checks["redis"] == "ok"
     status = "unavailable" if not ready else "ok" if checks["database"] == "ok" else "degraded"
     return JSONResponse({"status": status, "checks": checks}, 200 if ready else 503)
@@ -58,6 +59,9 @@ async def readyz(rt: Annotated[Runtime, Depends(runtime)]) -> JSONResponse:
             responses={200: {"content": {CONTENT_TYPE_PLAIN_0_0_4: {}}}})
 async def prometheus(rt: Annotated[Runtime, Depends(runtime)]) -> Response:
     """Prometheus exposition: per endpoint depth, in flight, counters and histograms (one
-    Redis round trip for all endpoints), and this process's submit latency."""
-    text = await rt.scrapes.text(lambda: read_metrics(rt.redis, rt.keys, rt.registry.all()))
+    Redis round trip for all endpoints), dispatchers alive, and this process's submit
+    latency, HTTP requests and view of the database."""
+    text = await rt.scrapes.text(
+        lambda: read_metrics(rt.redis, rt.keys, rt.queue.scripts, rt.registry.all()),
+        lambda: bounded(_select_one(rt), READY_DB_TIMEOUT_S))
     return Response(text, media_type=CONTENT_TYPE_PLAIN_0_0_4)

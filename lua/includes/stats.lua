@@ -2,7 +2,8 @@
 -- the scripts that make each transition: exact, and shared by every API and dispatcher process.
 -- app/queue/stats.py reads them (one pipeline for every endpoint) for /metrics and the admin view.
 --
--- Fields: counters `submitted admitted completed failed retried expired cancelled limited`;
+-- Fields: counters `submitted admitted completed failed retried expired cancelled limited`,
+-- `fail_<class>` (failed upstream calls by status class, stats_call_failed);
 -- histograms `<name>:<bound ms>` (one bucket per observation, not cumulative: the reader adds
 -- them up) + `<name>:inf` + `<name>:sum`; moving averages `exec_ms` (upstream call) and
 -- `slot_ms` (claim to finish: how long a task holds a concurrency slot); 10-second rings
@@ -37,6 +38,18 @@ local function stats_tick(stats, ring, now, n)
     redis.call('HSET', stats, ring .. ':t' .. i, slot, ring .. ':' .. i, 0)
   end
   redis.call('HINCRBY', stats, ring .. ':' .. i, n)
+end
+
+-- An upstream call that failed (to be retried or for good): counted by the class of its HTTP
+-- status ('none': no answer, such as a timeout or a refused connection, or an unusual code)
+-- and timed beside the successful calls' `upstream_ms`, since slow failures are the ones
+-- that hold slots.
+local function stats_call_failed(stats, code, ms)
+  local class = 'none'
+  code = tonumber(code)
+  if code and code >= 200 and code < 600 then class = math.floor(code / 100) .. 'xx' end
+  redis.call('HINCRBY', stats, 'fail_' .. class, 1)
+  stats_observe(stats, 'upstream_failed_ms', ms)
 end
 
 -- Moving average of recent values (each new one weighs a tenth).
