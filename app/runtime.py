@@ -26,6 +26,7 @@ from app.queue.registry import EndpointRegistry, Mirror, cancel_all
 from app.queue.scripts import Scripts
 from app.queue.tasks import TaskQueue
 from app.queue.upstream import upstream_client
+from app.queue.webhooks import WebhookSender
 from app.settings import Settings
 from app.store import ApiKey, EndpointStore, KeyStore
 
@@ -56,6 +57,7 @@ class Runtime:
     events: TaskEvents = field(init=False)  # waiters' status changes (?wait=, the SSE stream)
     dispatcher: Dispatcher | None = field(default=None, init=False)
     lifecycle: LifecycleJobs | None = field(default=None, init=False)
+    webhooks: WebhookSender | None = field(default=None, init=False)
     http: aiohttp.ClientSession | None = field(default=None, init=False)
     scrapes: SharedScrape = field(default_factory=SharedScrape, init=False)  # GET /metrics
     _blocking: Redis | None = field(default=None, init=False)
@@ -98,6 +100,9 @@ class Runtime:
             self.lifecycle = LifecycleJobs.build(s, self.redis, self.keys, scripts,
                                                  self.registry, self.engine)
             self.lifecycle.start()
+            self.webhooks = WebhookSender(self.redis, self.keys, scripts, self.registry,
+                                          self.api_keys, s, self.queue.finished_view)
+            self.webhooks.start()
             # Dispatchers have no port: the container's health check reads this heartbeat.
             self._watchers.append(asyncio.create_task(beat(self.redis, heartbeat_path(s))))
 
@@ -128,6 +133,8 @@ class Runtime:
             await self.dispatcher.stop(grace_s)
         if self.lifecycle:  # after the dispatcher: its last acks reach SQL too
             await self.lifecycle.stop()
+        if self.webhooks:
+            await self.webhooks.stop()
         await cancel_all(self._watchers)
         await self.events.stop()
         if self.http:

@@ -94,6 +94,9 @@ class Scripts:
     sent: Lua
     retry: Lua
     requeue: Lua
+    hookclaim: Lua
+    hookretry: Lua
+    hookdone: Lua
 
     @classmethod
     def register(cls, redis: Redis) -> Scripts:

@@ -60,6 +60,8 @@ class TaskQueue:
             "headers", json.dumps(req.headers), "query", json.dumps(req.query_params),
             "client_ts", req.timestamp or "",
         ]
+        if req.callback_url:  # its webhook is signed with the secret of the key that asked
+            fields += ["callback_url", req.callback_url, "key_id", key.id]
         idem = k.idempotency(user_id, idem_key) if idem_key else k.idempotency(user_id, "-")
         try:
             res = await self._enqueue(
@@ -124,6 +126,10 @@ class TaskQueue:
         rank, exec_ms = res[0], res[1]
         fields = dict(zip(res[2::2], res[3::2], strict=True))
         return self._view(task_id, fields, rank, exec_ms, endpoint)
+
+    def finished_view(self, task_id: str, fields: dict[str, str]) -> TaskView:
+        """A finished task as its owner reads it, from its hash (the webhooks' body)."""
+        return self._view(task_id, fields, None, None, None)
 
     def _view(
         self, task_id: str, f: dict[str, str], rank: int | None, exec_ms: str | None,
