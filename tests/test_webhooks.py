@@ -162,7 +162,8 @@ async def test_retried_until_2xx_with_one_delivery_id(
     assert counts == {"requests": 3, "deliveries": 1, "duplicates": 0, "signature_failures": 0}
     assert [r["status"] for r in receiver.requests] == [500, 500, 200]
     assert len({r["delivery"] for r in receiver.requests}) == 1
-    gaps = [b["at"] - a["at"] for a, b in zip(receiver.requests, receiver.requests[1:])]
+    at = [r["at"] for r in receiver.requests]
+    gaps = [at[1] - at[0], at[2] - at[1]]
     assert gaps[0] >= 0.7 and gaps[1] >= 1.4, gaps  # back-off: ~1 s, then ~2 s
     for _ in range(40):  # delivered: it gets the done TTL now
         if await gateway.rt.redis.pttl(task_key) > 0:
@@ -223,3 +224,18 @@ async def test_callback_url_only_under_the_keys_callback_urls(
         r = await gateway.http.post("/admin/v1/api-keys", headers=gateway.admin, json={
             "user_id": 5, "callback_urls": [bad]})
         assert r.status_code == 422, (bad, r.text)
+
+
+async def test_endpoint_with_webhooks_due_is_not_deleted(
+    gateway: Gateway, upstream: str, receiver: Receiver,
+) -> None:
+    await gateway.add_endpoint("whd", f"{upstream}/wh/delete", paused=True)
+    auth = await hook_key(gateway, receiver)
+    task = await gateway.submit(auth, f"{upstream}/wh/delete",
+                                callback_url=f"{receiver.base}/hooks/ok/d")
+    r = await gateway.http.post(f"/api/v1/tasks/{task['task_id']}/cancel", headers=auth)
+    assert r.status_code == 200
+    r = await gateway.http.delete("/admin/v1/endpoints/whd", headers=gateway.admin)
+    assert r.status_code == 409 and "webhooks" in r.json()["error"]["message"], r.text
+    r = await gateway.http.get("/admin/v1/endpoints/whd", headers=gateway.admin)
+    assert r.status_code == 200  # still there, put back

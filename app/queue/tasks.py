@@ -192,13 +192,19 @@ class TaskQueue:
             pipe.zcard(k.queue(endpoint_id))
             pipe.zcard(k.active(endpoint_id))
             pipe.zcard(k.retry(endpoint_id))
-            pending, in_flight, retrying = await pipe.execute()
+            pipe.zcard(k.hooks(endpoint_id))
+            pending, in_flight, retrying, hooks = await pipe.execute()
         pending += retrying
         if pending or in_flight:
             raise ApiError(409, "endpoint_busy",
                            f"{endpoint_id!r} has {pending} tasks waiting and {in_flight} "
                            "running; disable it and let them finish (or cancel them) first",
                            pending=pending, in_flight=in_flight)
+        if hooks:  # nobody would deliver them once it is gone
+            raise ApiError(409, "endpoint_busy",
+                           f"{endpoint_id!r} has {hooks} webhooks not delivered yet; retry "
+                           "once they are (or given up, an hour after their tasks ended)",
+                           pending=0, in_flight=0)
 
     async def _finished_row(self, user_id: int, task_id: str) -> Any:
         """The SQL row of a task Redis has let go; 404 without one, 503 when SQL is down."""

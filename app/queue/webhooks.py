@@ -37,7 +37,8 @@ from app.store import ApiKey
 from app.webhooks import allowed, signature
 
 log = logging.getLogger(__name__)
-INTERVAL_S = 0.25
+#: How often due deliveries are looked for (one round trip for every endpoint).
+INTERVAL_S = 0.5
 #: Deliveries one process has in flight at most (over all endpoints).
 MAX_IN_FLIGHT = 64
 FIRST_DELAY_S, MAX_DELAY_S = 1.0, 300.0
