@@ -71,6 +71,10 @@ class ApiKeyRow(Base):
     daily_quota: Mapped[int] = mapped_column(Integer)
     created_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
     revoked_at: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)
+    #: URL prefixes its tasks' callback_url must lie under, and the secret that signs their
+    #: webhooks (kept in clear: the dispatchers sign with it; shown to the admin once).
+    callback_urls: Mapped[list[str] | None] = mapped_column(JSON, nullable=True, default=list)
+    webhook_secret: Mapped[str | None] = mapped_column(String(128), nullable=True)
 
 
 #: Task times keep their milliseconds on MySQL too (its DATETIME drops them by default).

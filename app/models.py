@@ -13,6 +13,8 @@ from pydantic import (
     field_validator,
 )
 
+from app.webhooks import registrable
+
 MAX_PRIORITY = 1000  # keeps every queue score below 2^53 (see lua/submit-5.lua)
 ENDPOINT_ID = r"^[a-z0-9][a-z0-9_-]{0,63}$"
 # scheme://host[:port] with an unambiguous host; the rest (path, query) is checked by the caller.
@@ -71,6 +73,8 @@ class SubmitRequest(StrictInput):
     # JSON Schema cannot state a pattern for keys in a way every client honours.
     headers: MultiDict = Field(default_factory=dict)
     query_params: MultiDict = Field(default_factory=dict)
+    #: POSTed the status once the task ends; must lie under one of the key's callback_urls.
+    callback_url: Annotated[str, StringConstraints(max_length=2048)] | None = None
 
     @field_validator("http_method", mode="before")
     @classmethod
@@ -87,6 +91,17 @@ class ApiKeyCreate(StrictInput):
     tier: str = Field("standard", min_length=1, max_length=32)
     max_priority: int = Field(0, ge=0, le=MAX_PRIORITY)
     daily_quota: int = Field(0, ge=0, le=2**31 - 1, description="0 = unlimited")
+    callback_urls: list[Annotated[str, StringConstraints(max_length=2048)]] = Field(
+        default_factory=list, max_length=20,
+        description="URL prefixes this key's tasks may name as callback_url")
+
+    @field_validator("callback_urls")
+    @classmethod
+    def _registrable(cls, urls: list[str]) -> list[str]:
+        for url in urls:
+            if why := registrable(url):
+                raise ValueError(f"callback URL {url!r} {why}")
+        return urls
 
 
 class SubmitResponse(BaseModel):

@@ -29,6 +29,7 @@ from app.queue.registry import EndpointRegistry, Mirror, cancel_all
 from app.queue.scripts import Scripts
 from app.queue.tasks import TaskQueue
 from app.queue.upstream import upstream_client
+from app.queue.webhooks import WebhookSender
 from app.settings import Settings
 from app.store import ApiKey, EndpointStore, KeyStore
 
@@ -59,6 +60,7 @@ class Runtime:
     events: TaskEvents = field(init=False)  # waiters' status changes (?wait=, the SSE stream)
     dispatcher: Dispatcher | None = field(default=None, init=False)
     lifecycle: LifecycleJobs | None = field(default=None, init=False)
+    webhooks: WebhookSender | None = field(default=None, init=False)
     http: aiohttp.ClientSession | None = field(default=None, init=False)
     scrapes: SharedScrape = field(default_factory=SharedScrape, init=False)  # GET /metrics
     _blocking: Redis | None = field(default=None, init=False)
@@ -101,6 +103,9 @@ class Runtime:
             self.lifecycle = LifecycleJobs.build(s, self.redis, self.keys, scripts,
                                                  self.registry, self.engine)
             self.lifecycle.start()
+            self.webhooks = WebhookSender(self.redis, self.keys, scripts, self.registry,
+                                          self.api_keys, s, self.queue.finished_view)
+            self.webhooks.start()
             # Dispatchers have no port: the container's health check reads this heartbeat.
             # Its Redis heartbeat (who is alive, in flight) rides on the same beat.
             dispatcher = self.dispatcher
@@ -140,6 +145,8 @@ class Runtime:
                 await heartbeats.forget(self.redis, self.keys, self.dispatcher.ident)
         if self.lifecycle:  # after the dispatcher: its last acks reach SQL too
             await self.lifecycle.stop()
+        if self.webhooks:
+            await self.webhooks.stop()
         await cancel_all(self._watchers)
         await self.events.stop()
         if self.http:

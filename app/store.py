@@ -25,6 +25,7 @@ from app.errors import ApiError
 from app.lifecycle.loop import STORE_ERRORS
 from app.models import MAX_PRIORITY
 from app.queue.registry import Mirror
+from app.webhooks import new_secret
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -38,6 +39,11 @@ class ApiKey:
     tier: str
     max_priority: int
     daily_quota: int
+    callback_urls: tuple[str, ...] = ()
+    webhook_secret: str = ""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "callback_urls", tuple(self.callback_urls))  # JSON: a list
 
 
 def hash_key(key: str) -> str:
@@ -169,21 +175,24 @@ class KeyStore(_Store):
     async def _load_all(self) -> dict[str, str]:
         async with self.sessions() as s:
             rows = (await s.scalars(select(ApiKeyRow).where(ApiKeyRow.revoked_at.is_(None)))).all()
-        return {r.key_hash: json.dumps(_key_view(r)) for r in rows}
+        return {r.key_hash: json.dumps(_mirrored(r)) for r in rows}
 
     async def create(
-        self, user_id: int, tier: str, max_priority: int, daily_quota: int
+        self, user_id: int, tier: str, max_priority: int, daily_quota: int,
+        callback_urls: list[str] | None = None,
     ) -> tuple[str, dict[str, Any]]:
-        """A new key; the plain key is returned here once and stored only as a hash."""
+        """A new key; the plain key is returned here once and stored only as a hash, its
+        webhook secret returned here once (the dispatchers sign with it)."""
         if not 0 <= max_priority <= MAX_PRIORITY:
             raise ApiError(422, "invalid_request", f"max_priority must be 0..{MAX_PRIORITY}")
         plain = "qgw_" + secrets.token_urlsafe(32)
         row = ApiKeyRow(
             id=secrets.token_hex(8), key_hash=hash_key(plain), user_id=user_id, tier=tier,
             max_priority=max_priority, daily_quota=daily_quota, created_at=utcnow(),
+            callback_urls=list(callback_urls or ()), webhook_secret=new_secret(),
         )
         await self._write(self._insert(row))
-        view = _key_view(row)
+        view = _mirrored(row)
         await self.mirror.put(row.key_hash, view)
         return plain, view
 
@@ -218,5 +227,12 @@ class KeyStore(_Store):
 
 
 def _key_view(row: ApiKeyRow) -> dict[str, Any]:
+    """What the admin sees of a key (never the key nor its webhook secret)."""
     return {"id": row.id, "user_id": row.user_id, "tier": row.tier,
-            "max_priority": row.max_priority, "daily_quota": row.daily_quota}
+            "max_priority": row.max_priority, "daily_quota": row.daily_quota,
+            "callback_urls": list(row.callback_urls or ())}
+
+
+def _mirrored(row: ApiKeyRow) -> dict[str, Any]:
+    """What the Redis mirror holds of a key: with the secret its webhooks are signed with."""
+    return {**_key_view(row), "webhook_secret": row.webhook_secret or ""}

@@ -1,7 +1,8 @@
 --[[ Rows committed to SQL: their tasks leave the outbox and only now get the done TTL, counted
 from when each ended (a task that ended during a long outage may go at once: SQL has it now,
 and status reads it there). A task its owner read meanwhile has left the outbox already and
-keeps its read TTL.
+keeps its read TTL. A task whose webhook is still due keeps none: the webhook sender sets it
+(hookdone-3.lua).
 KEYS[1] outbox (ZSet)    ARGV[1] task key prefix    ARGV[2] done TTL (ms)    ARGV[3..] task ids
 Returns how many left the outbox.
 ]]
@@ -11,7 +12,9 @@ for i = 3, #ARGV do
     left = left + 1
     local task = ARGV[1] .. ARGV[i]
     local ended = tonumber(redis.call('HGET', task, 'ended_at'))
-    if ended then redis.call('PEXPIREAT', task, ended + done) end
+    if ended and redis.call('HEXISTS', task, 'hook') == 0 then
+      redis.call('PEXPIREAT', task, ended + done)
+    end
   end
 end
 return left

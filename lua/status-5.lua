@@ -1,6 +1,7 @@
 --[[ A task as its owner sees it, with its place in line. A finished task read by its owner
 has been delivered: it keeps only a short TTL, it leaves the outbox (no need to write a row
-now), and its id is scheduled for deletion from SQL once that TTL has run out.
+now), and its id is scheduled for deletion from SQL once that TTL has run out; not while its
+webhook is due (field `hook`): the webhook sender needs it, and sets its TTL after.
 KEYS[1] task    KEYS[2] queue    KEYS[3] stats of the endpoint    KEYS[4] outbox (ZSet)
 KEYS[5] delivered (ZSet of ids whose SQL row may go; score = from when)
 ARGV[1] task id    ARGV[2] user id    ARGV[3] read TTL (ms); 0 = a peek that delivers nothing
@@ -13,15 +14,16 @@ estimate (app/queue/tasks.py estimate_wait; in flight from the active set, found
 --@include stats.lua
 
 local fields = redis.call('HGETALL', KEYS[1])
-local owner
+local owner, hook
 for i = 1, #fields, 2 do
   if fields[i] == 'user_id' then owner = fields[i + 1] end
+  if fields[i] == 'hook' then hook = true end
 end
 if owner ~= ARGV[2] then return {} end
 local rank = redis.call('ZRANK', KEYS[2], ARGV[1])
 if not rank then
   local status = redis.call('HGET', KEYS[1], 'status')
-  if status ~= 'pending' and status ~= 'processing' then
+  if status ~= 'pending' and status ~= 'processing' and not hook then
     local ttl = tonumber(ARGV[3])
     local left = redis.call('PTTL', KEYS[1])  -- -1: no TTL, still waiting for SQL
     if ttl > 0 and (left > ttl or left == -1) then

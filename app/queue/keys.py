@@ -52,6 +52,12 @@ class Keys:
         (sibling_key, lua/includes/stats.lua), so it must stay `<prefix>:{e}:tosql`."""
         return f"{self.prefix}:{{{endpoint}}}:tosql"
 
+    def hooks(self, endpoint: str) -> str:
+        """ZSet of finished task ids whose webhook is not delivered yet; score = when due, or
+        the lease deadline of the sender trying it (app/queue/webhooks.py). lifecycle.lua
+        finds it as the sibling `<prefix>:{e}:hooks` of the outbox."""
+        return f"{self.prefix}:{{{endpoint}}}:hooks"
+
     def outbox_legacy(self, endpoint: str) -> str:
         """Hash task id -> JSON copy of a finished task, the outbox of earlier versions: the
         writer drains what an upgrade finds there."""

@@ -104,6 +104,9 @@ class Scripts:
     retry: Lua
     requeue: Lua
     purge: Lua
+    hookclaim: Lua
+    hookretry: Lua
+    hookdone: Lua
 
     @classmethod
     def register(cls, redis: Redis) -> Scripts:

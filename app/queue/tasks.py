@@ -61,6 +61,8 @@ class TaskQueue:
             "headers", json.dumps(req.headers), "query", json.dumps(req.query_params),
             "client_ts", req.timestamp or "",
         ]
+        if req.callback_url:  # its webhook is signed with the secret of the key that asked
+            fields += ["callback_url", req.callback_url, "key_id", key.id]
         idem = k.idempotency(user_id, idem_key) if idem_key else k.idempotency(user_id, "-")
         pending_ms, own_deadline = self.ttls.pending_ms, False
         if req.max_wait_s is not None:
@@ -153,6 +155,10 @@ class TaskQueue:
         fields = dict(zip(res[2::2], res[3::2], strict=True))
         return self._view(task_id, fields, rank, exec_ms, endpoint)
 
+    def finished_view(self, task_id: str, fields: dict[str, str]) -> TaskView:
+        """A finished task as its owner reads it, from its hash (the webhooks' body)."""
+        return self._view(task_id, fields, None, None, None)
+
     def _view(
         self, task_id: str, f: dict[str, str], rank: int | None, exec_ms: str | None,
         endpoint: EndpointConfig | None,
@@ -214,13 +220,19 @@ class TaskQueue:
             pipe.zcard(k.queue(endpoint_id))
             pipe.zcard(k.active(endpoint_id))
             pipe.zcard(k.retry(endpoint_id))
-            pending, in_flight, retrying = await pipe.execute()
+            pipe.zcard(k.hooks(endpoint_id))
+            pending, in_flight, retrying, hooks = await pipe.execute()
         pending += retrying
         if pending or in_flight:
             raise ApiError(409, "endpoint_busy",
                            f"{endpoint_id!r} has {pending} tasks waiting and {in_flight} "
                            "running; disable it and let them finish (or cancel them) first",
                            pending=pending, in_flight=in_flight)
+        if hooks:  # nobody would deliver them once it is gone
+            raise ApiError(409, "endpoint_busy",
+                           f"{endpoint_id!r} has {hooks} webhooks not delivered yet; retry "
+                           "once they are (or given up, an hour after their tasks ended)",
+                           pending=0, in_flight=0)
 
     async def _finished_row(self, user_id: int, task_id: str) -> Any:
         """The SQL row of a task Redis has let go; 404 without one, 503 when SQL is down."""

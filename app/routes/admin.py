@@ -29,7 +29,9 @@ class ApiKeyView(BaseModel):
     tier: str
     max_priority: int
     daily_quota: int
+    callback_urls: list[str] = []
     key: str | None = None
+    webhook_secret: str | None = None
     created_at: str | None = None
     revoked: bool = False
 

@@ -26,6 +26,7 @@ from app.queue.keys import endpoint_of
 from app.routes.body import body_schema, parse, read_limited
 from app.runtime import Runtime
 from app.store import ApiKey
+from app.webhooks import allowed
 
 router = APIRouter(prefix="/api/v1", tags=["tasks"])
 TASK_ID = re.compile(r"^[0-9a-f]{32}\.[a-z0-9][a-z0-9_-]{0,63}$")
@@ -69,6 +70,9 @@ async def submit(request: Request) -> JSONResponse:
         raise ApiError(403, "priority_not_allowed",
                        f"priority {req.priority} exceeds this key's max_priority "
                        f"{caller.max_priority}")
+    if req.callback_url is not None and not allowed(req.callback_url, caller.callback_urls):
+        raise ApiError(422, "callback_not_allowed",
+                       "callback_url must lie under one of this key's callback_urls")
     if idempotency_key is not None and not IDEM_KEY.match(idempotency_key):
         raise ApiError(400, "invalid_idempotency_key",
                        "Idempotency-Key must be 1-128 visible ASCII characters")

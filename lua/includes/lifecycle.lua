@@ -5,9 +5,18 @@
 -- of a result is made here: an 8 MB answer is neither doubled in Redis nor JSON-encoded inside
 -- the script that acks it. Include now.lua first.
 
+--
+-- A task with a `callback_url` also gets its webhook due now, in the endpoint's `hooks` ZSet
+-- beside the outbox (same hash tag, same slot), and the field `hook` = when it ended, which
+-- names the delivery (app/queue/webhooks.py) and keeps the task in Redis until the webhook is
+-- delivered or given up (saved-1.lua and status-5.lua set no TTL while it is there).
 local function to_outbox(outbox, task, id, now)
   redis.call('PERSIST', task)
   redis.call('ZADD', outbox, now, id)
+  if redis.call('HEXISTS', task, 'callback_url') == 1 then
+    redis.call('HSET', task, 'hook', now, 'hook_tries', 0)
+    redis.call('ZADD', (string.gsub(outbox, '}:[^}]*$', '}:hooks')), now, id)
+  end
 end
 
 -- A task still pending at its deadline never runs: `expired`, out of its queue, counted.

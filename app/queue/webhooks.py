@@ -1,0 +1,182 @@
+"""The webhook sender: POSTs a finished task's status to its `callback_url` (API.md).
+
+Pending deliveries live in Redis, never only here: the script that ends a task puts its id in
+its endpoint's `hooks` ZSet (lua/includes/lifecycle.lua), and a sender takes due ones with a
+lease (hookclaim-1.lua), so a dispatcher killed mid-delivery loses nothing: another one sends
+it again once the lease has run out. Delivery is therefore at least once; the
+`X-Queue-Delivery` id (task id and when it ended) stays the same over every retry, so a
+receiver de-duplicates on it. A failure is retried with exponential back-off and jitter until
+a 2xx, and given up (a warning) only once the task ended more than GIVE_UP_S ago.
+
+The body is the status JSON the owner would read, rendered from the task hash itself: the
+task stays in Redis while its webhook is due (saved-1.lua, status-5.lua set no TTL then) and
+gets its done TTL once it is delivered or given up (hookdone-3.lua)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from fastapi.responses import JSONResponse
+from redis.asyncio import Redis
+
+from app.lifecycle import Ttls
+from app.lifecycle.loop import STORE_ERRORS, every
+from app.models import TaskStatus, TaskView
+from app.queue.keys import Keys, endpoint_of
+from app.queue.registry import EndpointRegistry, Mirror, cancel_all
+from app.queue.scripts import Scripts
+from app.settings import Settings
+from app.store import ApiKey
+from app.webhooks import allowed, signature
+
+log = logging.getLogger(__name__)
+#: How often due deliveries are looked for (one round trip for every endpoint).
+INTERVAL_S = 0.5
+#: Deliveries one process has in flight at most (over all endpoints).
+MAX_IN_FLIGHT = 64
+FIRST_DELAY_S, MAX_DELAY_S = 1.0, 300.0
+#: A webhook is retried for at least this long after its task ended (API.md: an hour).
+GIVE_UP_S = 3600.0
+
+
+def backoff_ms(tries: int) -> int:
+    """Exponential (1 s, 2 s, 4 s ... 5 min), jittered by a quarter either way so the
+    retries of many deliveries that failed together do not arrive together again."""
+    delay = min(MAX_DELAY_S, FIRST_DELAY_S * 2 ** min(tries, 20))
+    return int(delay * random.uniform(0.75, 1.25) * 1000)
+
+
+def render(view: TaskView) -> bytes:
+    """The status JSON, byte for byte as GET /api/v1/tasks/{id} answers it."""
+    return bytes(JSONResponse(view.model_dump(mode="json")).body)
+
+
+@dataclass
+class WebhookSender:
+    redis: Redis
+    keys: Keys
+    scripts: Scripts
+    registry: EndpointRegistry
+    api_keys: Mirror[ApiKey]
+    settings: Settings
+    view: Callable[[str, dict[str, str]], TaskView]
+    http: aiohttp.ClientSession | None = None
+    _loop: asyncio.Task[None] | None = None
+    _sending: set[asyncio.Task[None]] = field(default_factory=set)
+    _by_id: tuple[str | None, dict[str, ApiKey]] = (None, {})
+    _turn: int = 0
+
+    @property
+    def lease_ms(self) -> int:
+        """A delivery's lease: its POST's timeout and a margin (half of it, at least 1 s)."""
+        timeout_ms = self.settings.webhook_timeout_s * 1000
+        return int(timeout_ms + max(1000, timeout_ms / 2))
+
+    def start(self) -> None:
+        self.http = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=MAX_IN_FLIGHT, ttl_dns_cache=60),
+            cookie_jar=aiohttp.DummyCookieJar(),
+            timeout=aiohttp.ClientTimeout(total=self.settings.webhook_timeout_s))
+        self._loop = asyncio.create_task(every("webhooks", INTERVAL_S, self.tick),
+                                         name="webhooks")
+
+    async def stop(self) -> None:
+        """Deliveries cut short stay due in Redis: another sender tries them after the lease."""
+        await cancel_all([t for t in (self._loop, *self._sending) if t is not None])
+        if self.http is not None:
+            await self.http.close()
+
+    async def tick(self) -> None:
+        """Take due deliveries of every endpoint (one round trip) and start sending them."""
+        free = MAX_IN_FLIGHT - len(self._sending)
+        endpoints = [e.id for e in self.registry.all()]
+        if free <= 0 or not endpoints:
+            return
+        # Never more than `free` in all: with more endpoints than that, a window of them a
+        # tick, turning, so each gets its turn.
+        self._turn = (self._turn + 1) % len(endpoints)
+        endpoints = (endpoints[self._turn:] + endpoints[:self._turn])[:free]
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for e in endpoints:
+                await self.scripts.hookclaim(keys=[self.keys.hooks(e)],
+                                             args=[self.lease_ms, free // len(endpoints)],
+                                             client=pipe)
+            claimed = await pipe.execute()
+        for deadline, *ids in claimed:
+            for task_id in ids:
+                task = asyncio.create_task(self._deliver(task_id, int(deadline)))
+                self._sending.add(task)
+                task.add_done_callback(self._sending.discard)
+
+    async def _deliver(self, task_id: str, deadline: int) -> None:
+        extra = {"task_id": task_id, "endpoint": endpoint_of(task_id)}
+        try:
+            await self._try(task_id, deadline, extra)
+        except STORE_ERRORS as exc:  # Redis went away: the lease runs out, it is tried again
+            log.warning("webhook: %s", exc, extra=extra)
+        except Exception:  # a bug must not stay silent; the lease brings the delivery back
+            log.exception("webhook failed", extra=extra)
+
+    async def _try(self, task_id: str, deadline: int, extra: dict[str, Any]) -> None:
+        fields: dict[str, str] = await self.redis.hgetall(  # type: ignore[assignment]
+            self.keys.task(task_id))
+        hook, url = fields.get("hook"), fields.get("callback_url")
+        if not hook or not url or not TaskStatus(fields.get("status", "pending")).finished:
+            # Gone, or running again after an operator's retry: its next end brings a webhook.
+            await self._done(task_id, hook or "")
+            return
+        key = self._key(fields.get("key_id", ""))
+        if key is None or not allowed(url, key.callback_urls):
+            log.warning("webhook given up: the key that asked for it was revoked", extra=extra)
+            await self._done(task_id, hook)
+            return
+        outcome = await self._post(url, f"{task_id}:{hook}", key.webhook_secret,
+                                   render(self.view(task_id, fields)))
+        if outcome is None:
+            await self._done(task_id, hook)
+        elif time.time() - int(hook) / 1000 >= GIVE_UP_S:
+            log.warning("webhook given up after %d tries: %s", int(fields.get("hook_tries", 0))
+                        + 1, outcome, extra=extra)
+            await self._done(task_id, hook)
+        else:
+            delay = backoff_ms(int(fields.get("hook_tries", 0)))
+            log.info("webhook failed (%s); retry in %.1f s", outcome, delay / 1000, extra=extra)
+            await self.scripts.hookretry(
+                keys=[self.keys.task(task_id), self.keys.hooks(endpoint_of(task_id))],
+                args=[task_id, hook, deadline, delay])
+
+    async def _post(self, url: str, delivery: str, secret: str, body: bytes) -> str | None:
+        """None once the receiver answered 2xx, else what went wrong."""
+        assert self.http is not None
+        headers = {"Content-Type": "application/json", "X-Queue-Delivery": delivery,
+                   "X-Queue-Signature": signature(secret, int(time.time()), body),
+                   "User-Agent": "queue-gateway-webhook"}
+        try:
+            # No redirects: a receiver must not send the gateway somewhere else. The answer's
+            # body is never read: only its status counts.
+            async with self.http.post(url, data=body, headers=headers,
+                                      allow_redirects=False) as resp:
+                return None if 200 <= resp.status < 300 else f"HTTP {resp.status}"
+        except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:
+            return f"{type(exc).__name__}: {exc}"[:200]
+
+    async def _done(self, task_id: str, hook: str) -> None:
+        e = endpoint_of(task_id)
+        await self.scripts.hookdone(
+            keys=[self.keys.task(task_id), self.keys.hooks(e), self.keys.outbox(e)],
+            args=[task_id, hook, Ttls.of(self.settings).done_ms])
+
+    def _key(self, key_id: str) -> ApiKey | None:
+        """The live key of that id (the mirror is keyed by key hash), indexed once a version."""
+        version, index = self._by_id
+        if version != self.api_keys.version or not index:
+            index = {k.id: k for k in self.api_keys.items.values()}
+            self._by_id = (self.api_keys.version, index)
+        return index.get(key_id)
