@@ -17,10 +17,10 @@ from typing import Any
 from redis.asyncio import Redis
 from redis.exceptions import NoScriptError
 
+from app.core.keys import Keys
+from app.core.scripts import LUA_DIR, Scripts
 from app.endpoints import EndpointConfig
-from app.queue.keys import Keys
 from app.queue.presence import Dispatchers, tally
-from app.queue.scripts import LUA_DIR, Scripts
 from app.queue.tasks import estimate_wait
 from app.timefmt import rfc3339
 
