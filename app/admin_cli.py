@@ -168,9 +168,9 @@ class _SqlOnly:
     def of(cls, settings: Settings) -> _SqlOnly:
         from redis.asyncio import Redis
 
+        from app.core.keys import Keys
+        from app.core.registry import Mirror
         from app.db import make_engine
-        from app.queue.keys import Keys
-        from app.queue.registry import Mirror
         from app.store import EndpointStore, KeyStore
 
         engine, unused = make_engine(settings.db_url), Redis()

@@ -14,6 +14,9 @@ from redis.exceptions import RedisError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app import redis_url
+from app.core.keys import Keys
+from app.core.registry import EndpointRegistry, Mirror, cancel_all
+from app.core.scripts import Scripts
 from app.db import bounded, make_engine
 from app.embedded import EmbeddedRedis
 from app.endpoints import EndpointConfig
@@ -24,9 +27,6 @@ from app.metrics import SharedScrape
 from app.queue import heartbeats
 from app.queue.dispatcher import Dispatcher
 from app.queue.events import TaskEvents
-from app.queue.keys import Keys
-from app.queue.registry import EndpointRegistry, Mirror, cancel_all
-from app.queue.scripts import Scripts
 from app.queue.tasks import TaskQueue
 from app.queue.upstream import upstream_client
 from app.queue.webhooks import WebhookSender

@@ -3,7 +3,7 @@
 Every statement here is bounded (app/db.py `bounded`): a database that stops answering costs
 an admin call a 503 within seconds, not a hang until TCP gives up. A write whose commit
 outcome that leaves unknown, or whose publication fails (Redis down), is still made good:
-the mirrors converge to SQL (app/queue/registry.py, Mirror.reconcile)."""
+the mirrors converge to SQL (app/core/registry.py, Mirror.reconcile)."""
 
 from __future__ import annotations
 
@@ -19,12 +19,12 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from app.core.loop import STORE_ERRORS
+from app.core.registry import Mirror
 from app.db import SQL_JOB_TIMEOUT_S, ApiKeyRow, EndpointRow, bounded, sessions, utcnow
 from app.endpoints import EndpointConfig
 from app.errors import ApiError
-from app.lifecycle.loop import STORE_ERRORS
 from app.models import MAX_PRIORITY
-from app.queue.registry import Mirror
 from app.webhooks import new_secret
 
 log = logging.getLogger(__name__)

@@ -109,6 +109,7 @@ if claimed > 0 then
 end
 if out[1] == 'limited' then
   redis.call('HINCRBY', stats, 'limited', 1)
+  redis.call('HSET', stats, 'limited_until', now + out[2])  -- for operators (stats.py binding)
   redis.call('ZADD', KEYS[5], now + out[2], endpoint)
 elseif out[1] == 'more' then
   redis.call('ZADD', KEYS[4], 'NX', now, endpoint)

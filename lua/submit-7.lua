@@ -6,7 +6,7 @@ KEYS[4] wake       ZSet of endpoints worth a claim attempt
 KEYS[5] idem       idempotency key (unused unless ARGV[6] == '1')
 KEYS[6] quota      the caller's counter for today (seed 000: INCR, expiring at the day's end;
                    the day is the Redis clock's, so an API host's skewed clock cannot move it)
-KEYS[7] endpoints  Hash of the endpoint registry (app/queue/registry.py): a process whose own
+KEYS[7] endpoints  Hash of the endpoint registry (app/core/registry.py): a process whose own
                    copy is stale (paused, overloaded) must not fill the queue of an endpoint
                    that is gone, which nobody would claim, reap or expire
 ARGV[1] task id    ARGV[2] endpoint id    ARGV[3] priority    ARGV[4] max queue length

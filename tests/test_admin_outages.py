@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
+from app.core.registry import RECONCILE_S, cancel_all
 from app.db import SQL_REQUEST_TIMEOUT_S
-from app.queue.registry import RECONCILE_S, cancel_all
 from app.runtime import Runtime
 from app.settings import Settings
 from tests.conftest import Gateway

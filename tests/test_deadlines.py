@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
+from datetime import datetime
 
 from app.runtime import Runtime
 from tests.conftest import Gateway
@@ -26,6 +27,26 @@ async def test_the_head_of_a_rate_held_line_waits_for_the_limiter(
     assert second["wait_num"] == 0 and 55 <= second["wait_time"] <= 60, second
     status = await gateway.status(auth, second["task_id"])
     assert 55 <= status["wait_time"] <= 60  # status says the same
+
+
+async def test_operators_see_the_rate_limit_binding_and_when_it_admits_next(
+    gateway: Gateway, upstream: str, start_dispatcher: Callable[[], Awaitable[Runtime]]
+) -> None:
+    url = f"{upstream}/binding"
+    await gateway.add_endpoint("binding", url, rate=1, interval_ms=60_000)
+    auth = await gateway.new_key()
+    ids = [(await gateway.submit(auth, url))["task_id"] for _ in range(2)]
+    await start_dispatcher()
+    await gateway.wait_finished(auth, ids[:1])
+    for _ in range(50):
+        r = await gateway.http.get("/admin/v1/queues", headers=gateway.admin)
+        (row,) = [q for q in r.json()["endpoints"] if q["id"] == "binding"]
+        if row["binding_limit"]:
+            break
+        await asyncio.sleep(0.1)
+    assert row["binding_limit"] == "rate" and row["pending"] == 1
+    admits = datetime.fromisoformat(row["admits_next_at"]).timestamp()
+    assert 50 < admits - time.time() <= 60
 
 
 async def test_an_upstream_pause_counts_in_the_estimate(gateway: Gateway, upstream: str) -> None:

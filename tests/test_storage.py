@@ -23,13 +23,13 @@ from sqlalchemy import func, inspect, select, text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app import migrate
+from app.core.keys import Keys
+from app.core.scripts import LUA_DIR
 from app.db import SQL_REQUEST_TIMEOUT_S, TaskResultRow, make_engine, utcnow
 from app.lifecycle.expiry import ExpirySweep
 from app.lifecycle.janitor import Janitor
 from app.lifecycle.results import OutboxWriter, ResultStore
 from app.main import create_app
-from app.queue.keys import Keys
-from app.queue.scripts import LUA_DIR
 from app.runtime import Runtime
 from app.settings import Settings
 from tests.conftest import Gateway

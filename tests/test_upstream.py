@@ -12,9 +12,9 @@ from sqlalchemy import text
 
 from alembic import command
 from app import migrate
+from app.core.registry import Mirror
 from app.db import make_engine
 from app.endpoints import DEFAULT_FORWARD
-from app.queue.registry import Mirror
 from app.runtime import Runtime
 from app.store import EndpointStore
 from tests.conftest import Gateway

@@ -115,5 +115,10 @@ async def test_the_pause_shows_in_the_admin_view(
             break
         await asyncio.sleep(0.1)
     assert row and row["upstream_paused_until"]
+    # The 429'd task waits to retry; a second one waits in line behind the pause.
+    await gateway.submit(auth, url)
+    r = await gateway.http.get("/admin/v1/queues", headers=gateway.admin)
+    (row,) = [q for q in r.json()["endpoints"] if q["id"] == "shown"]
+    assert row["binding_limit"] == "upstream" and row["admits_next_at"]
     m = (await gateway.http.get("/metrics")).text
     assert 'qgw_endpoint_upstream_paused{endpoint="shown"} 1' in m

@@ -9,10 +9,10 @@ from dataclasses import dataclass
 
 from redis.asyncio import Redis
 
+from app.core.keys import Keys
+from app.core.registry import EndpointRegistry
+from app.core.scripts import Scripts
 from app.lifecycle import Ttls
-from app.queue.keys import Keys
-from app.queue.registry import EndpointRegistry
-from app.queue.scripts import Scripts
 
 #: Bounds of one script run (it blocks Redis meanwhile): expirations, and queue heads looked at.
 BATCH, STEPS = 200, 400

@@ -15,8 +15,8 @@ from typing import Any
 
 from redis.asyncio import Redis
 
-from app.queue.keys import Keys
-from app.queue.registry import EndpointRegistry
+from app.core.keys import Keys
+from app.core.registry import EndpointRegistry
 
 INTERVAL_MS = 10_000
 KEEP = 360  # an hour

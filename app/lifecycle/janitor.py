@@ -23,8 +23,8 @@ from redis.exceptions import RedisError
 from sqlalchemy import Table, delete, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from app.core.keys import Keys
 from app.db import SQL_JOB_TIMEOUT_S, TaskResultRow, utcnow
-from app.queue.keys import Keys
 
 log = logging.getLogger(__name__)
 T: Table = TaskResultRow.__table__  # type: ignore[assignment]  # declared as a FromClause

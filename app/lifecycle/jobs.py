@@ -13,15 +13,15 @@ from typing import Any
 from redis.asyncio import Redis
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from app.core.keys import Keys
+from app.core.loop import STORE_ERRORS, every
+from app.core.registry import EndpointRegistry, cancel_all
+from app.core.scripts import Scripts
 from app.lifecycle import Ttls
 from app.lifecycle.expiry import ExpirySweep
 from app.lifecycle.history import TICK_S, HistorySampler
 from app.lifecycle.janitor import Janitor
-from app.lifecycle.loop import STORE_ERRORS, every
 from app.lifecycle.results import OutboxWriter, ResultStore
-from app.queue.keys import Keys
-from app.queue.registry import EndpointRegistry, cancel_all
-from app.queue.scripts import Scripts
 from app.settings import Settings
 
 log = logging.getLogger(__name__)

@@ -18,9 +18,9 @@ from typing import Any
 
 from redis.asyncio import Redis
 
+from app.core.keys import Keys
+from app.core.scripts import Lua, source
 from app.lifecycle.records import ROW_FIELDS
-from app.queue.keys import Keys
-from app.queue.scripts import Lua, source
 
 #: Results per Redis round trip. Loopback reads run at hundreds of MB a second, so 4 MiB (or
 #: one result of up to QGW_MAX_RESULT_BYTES, 12 MiB at most) reads in tens of milliseconds.

@@ -8,7 +8,7 @@ import json
 from datetime import datetime, timedelta
 from typing import Any
 
-from app.queue.keys import endpoint_of
+from app.core.keys import endpoint_of
 
 EPOCH = datetime(1970, 1, 1)
 #: The fields of a task hash a task_results row is made of.

@@ -28,12 +28,12 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.exc import DataError, DBAPIError, IntegrityError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from app.core.keys import Keys
+from app.core.loop import STORE_ERRORS
+from app.core.registry import EndpointRegistry
 from app.db import SQL_JOB_TIMEOUT_S, TaskResultRow, bounded
-from app.lifecycle.loop import STORE_ERRORS
 from app.lifecycle.outbox import Outbox, Waiting, by_bytes
 from app.lifecycle.records import row_from
-from app.queue.keys import Keys
-from app.queue.registry import EndpointRegistry
 
 log = logging.getLogger(__name__)
 

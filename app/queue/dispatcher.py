@@ -32,12 +32,12 @@ import aiohttp
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
+from app.core.keys import Keys
+from app.core.registry import EndpointRegistry, cancel_all
+from app.core.scripts import Scripts
 from app.endpoints import EndpointConfig
 from app.lifecycle import Ttls
-from app.queue.keys import Keys
 from app.queue.reaper import Reaper
-from app.queue.registry import EndpointRegistry, cancel_all
-from app.queue.scripts import Scripts
 from app.queue.upstream import Outcome, Request, backoff_s, call
 from app.ratelimit import Limit, Limiter
 from app.ratelimit.sent import SendTimes

@@ -21,8 +21,8 @@ from typing import Any
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
+from app.core.keys import Keys, endpoint_of
 from app.models import TaskView
-from app.queue.keys import Keys, endpoint_of
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from redis.asyncio import Redis
 
-from app.queue.keys import Keys
+from app.core.keys import Keys
 
 if TYPE_CHECKING:
     from app.queue.dispatcher import Dispatcher

@@ -16,9 +16,9 @@ from typing import Any
 
 from sqlalchemy import and_, or_, select
 
+from app.core.loop import STORE_ERRORS
 from app.db import bounded
 from app.errors import ApiError
-from app.lifecycle.loop import STORE_ERRORS
 from app.lifecycle.records import from_ms, to_ms
 from app.lifecycle.results import T
 from app.models import TaskStatus

@@ -12,13 +12,13 @@ from typing import Any
 
 from sqlalchemy import select
 
+from app.core.keys import endpoint_of
+from app.core.registry import EndpointRegistry
 from app.db import bounded
 from app.errors import ApiError
 from app.lifecycle.records import fields_of
 from app.lifecycle.results import T
 from app.models import TaskStatus
-from app.queue.keys import endpoint_of
-from app.queue.registry import EndpointRegistry
 from app.queue.tasks import TaskQueue
 
 #: Tasks one purge script run cancels (it blocks Redis meanwhile: about a millisecond), and

@@ -11,10 +11,10 @@ from dataclasses import dataclass
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
+from app.core.keys import Keys
+from app.core.registry import EndpointRegistry
+from app.core.scripts import Scripts
 from app.lifecycle import Ttls
-from app.queue.keys import Keys
-from app.queue.registry import EndpointRegistry
-from app.queue.scripts import Scripts
 from app.settings import Settings
 
 log = logging.getLogger(__name__)

@@ -17,10 +17,10 @@ from typing import Any
 from redis.asyncio import Redis
 from redis.exceptions import NoScriptError
 
+from app.core.keys import Keys
+from app.core.scripts import LUA_DIR, Scripts
 from app.endpoints import EndpointConfig
-from app.queue.keys import Keys
 from app.queue.presence import Dispatchers, tally
-from app.queue.scripts import LUA_DIR, Scripts
 from app.queue.tasks import estimate_wait
 from app.timefmt import rfc3339
 
@@ -222,4 +222,25 @@ def _view(s: EndpointStats, now: int, oldest: int | None, admitted: int | None
         # Paused by its upstream (429/503 with Retry-After, x-ratelimit-*: 0) until then, or
         # past that time and waiting for a probe call to succeed.
         "upstream_paused_until": rfc3339(s.upstream_paused_until),
+        **_binding(s, now),
     }
+
+
+def _binding(s: EndpointStats, now: int) -> dict[str, Any]:
+    """What holds the endpoint's line back now, and when it admits next (None: at once, or
+    once a slot frees): the operator's pause, its upstream's, the rate limit, or the cap."""
+    ep, raw = s.endpoint, s.raw
+    limited_until = int(raw.get("limited_until") or 0)
+    binding, at = None, None
+    if s.pending == 0:
+        pass  # nothing waits: nothing binds
+    elif ep.paused:
+        binding = "paused"
+    elif s.upstream_paused_until is not None:
+        binding = "upstream"
+        at = s.upstream_paused_until if s.upstream_paused_until > now else None  # then: a probe
+    elif ep.rate and limited_until > now:
+        binding, at = "rate", limited_until
+    elif ep.max_concurrency and s.in_flight >= ep.max_concurrency:
+        binding = "concurrency"
+    return {"binding_limit": binding, "admits_next_at": rfc3339(at)}

@@ -18,16 +18,16 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from app import permits
+from app.core.keys import Keys, endpoint_of
+from app.core.loop import STORE_ERRORS
+from app.core.scripts import Scripts
 from app.endpoints import EndpointConfig
 from app.errors import ApiError
 from app.lifecycle import Ttls
-from app.lifecycle.loop import STORE_ERRORS
 from app.lifecycle.records import fields_of
 from app.lifecycle.results import ResultStore
 from app.models import Permit, SubmitRequest, SubmitResponse, TaskStatus, TaskType, TaskView
 from app.queue.ids import new_task_id
-from app.queue.keys import Keys, endpoint_of
-from app.queue.scripts import Scripts
 from app.settings import Settings
 from app.store import ApiKey
 from app.timefmt import rfc3339

@@ -26,12 +26,12 @@ import aiohttp
 from fastapi.responses import JSONResponse
 from redis.asyncio import Redis
 
+from app.core.keys import Keys, endpoint_of
+from app.core.loop import STORE_ERRORS, every
+from app.core.registry import EndpointRegistry, Mirror, cancel_all
+from app.core.scripts import Scripts
 from app.lifecycle import Ttls
-from app.lifecycle.loop import STORE_ERRORS, every
 from app.models import TaskStatus, TaskView
-from app.queue.keys import Keys, endpoint_of
-from app.queue.registry import EndpointRegistry, Mirror, cancel_all
-from app.queue.scripts import Scripts
 from app.settings import Settings
 from app.store import ApiKey
 from app.webhooks import allowed, signature

@@ -25,10 +25,10 @@ from typing import get_args
 from redis.asyncio import Redis
 from redis.commands.core import AsyncScript
 
+from app.core.keys import Keys
+from app.core.scripts import source
 from app.endpoints import EndpointConfig
 from app.endpoints import Limiter as Kind
-from app.queue.keys import Keys
-from app.queue.scripts import source
 
 KINDS: tuple[Kind, ...] = get_args(Kind)
 GUARD_SHARE = 20  # the guard never takes more than interval / 20 (5 % of the rate)

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from app.queue.keys import Keys
-from app.queue.scripts import Lua
+from app.core.keys import Keys
+from app.core.scripts import Lua
 
 log = logging.getLogger(__name__)
 FLUSH_S = 0.02

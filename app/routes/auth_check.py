@@ -16,9 +16,9 @@ from starlette.datastructures import Headers
 
 from app import permits
 from app.auth import runtime_of
+from app.core.keys import endpoint_of
 from app.endpoints import EndpointConfig
 from app.errors import error_response
-from app.queue.keys import endpoint_of
 from app.routes.tasks import TASK_ID
 
 router = APIRouter(tags=["gateway"])

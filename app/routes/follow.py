@@ -17,10 +17,10 @@ from fastapi.responses import StreamingResponse
 from redis.exceptions import RedisError
 
 from app.auth import api_key, runtime_of
+from app.core.keys import endpoint_of
 from app.errors import ApiError
 from app.models import TaskView
 from app.queue.events import TaskEvents
-from app.queue.keys import endpoint_of
 from app.routes.tasks import ERRORS, _checked
 
 router = APIRouter(prefix="/api/v1", tags=["tasks"])

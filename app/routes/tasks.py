@@ -11,6 +11,7 @@ from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse
 
 from app.auth import api_key, runtime, runtime_of
+from app.core.keys import endpoint_of
 from app.errors import ApiError
 from app.metrics import SUBMIT_LATENCY
 from app.models import (
@@ -22,7 +23,6 @@ from app.models import (
     TaskView,
 )
 from app.queue.events import next_change
-from app.queue.keys import endpoint_of
 from app.routes.body import body_schema, parse, read_limited
 from app.runtime import Runtime
 from app.store import ApiKey

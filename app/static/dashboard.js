@@ -289,10 +289,23 @@ function rowFor(id) {
   return row;
 }
 
+// What holds an endpoint's line back now (stats.py _binding), as the row says it.
+function holdText(q) {
+  if (!q.enabled) return " (disabled)";
+  if (q.paused) return " (paused)";
+  if (q.binding_limit === "upstream") {
+    return q.admits_next_at
+      ? ` (paused by upstream until ${new Date(q.admits_next_at).toLocaleTimeString()})`
+      : " (paused by upstream: probing)";
+  }
+  return "";
+}
+
 function fillRow(c, q, t, span) {
-  setText(c.id, !q.enabled ? `${q.id} (disabled)` : q.paused ? `${q.id} (paused)` : q.id);
+  setText(c.id, q.id + holdText(q));
   setText(c.actions.firstChild, q.paused ? "resume" : "pause");
-  c.id.title = q.id;
+  const next = q.admits_next_at ? `, admits next at ${new Date(q.admits_next_at).toLocaleTimeString()}` : "";
+  c.id.title = q.binding_limit ? `${q.id}: held by ${q.binding_limit}${next}` : q.id;
   setText(c.pending, fmt(q.pending, 0));
   const cap = q.max_concurrency;
   bar(c.in_flight, cap ? `${q.in_flight} / ${cap}` : `${q.in_flight}`,

@@ -25,9 +25,9 @@ from typing import Any, Generic, TypeVar
 from redis.asyncio import Redis
 from redis.exceptions import RedisError, WatchError
 
+from app.core.keys import Keys
+from app.core.loop import STORE_ERRORS
 from app.endpoints import EndpointConfig, url_key
-from app.lifecycle.loop import STORE_ERRORS
-from app.queue.keys import Keys
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
