@@ -48,6 +48,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/submit_dispatch.py
 	$(BIN)/python bench/upstream_client.py
 	$(BIN)/python bench/ratelimit.py
+	$(BIN)/python bench/upstream_limits.py
 	$(BIN)/python bench/chaos.py
 	$(BIN)/python bench/eta.py
 	$(BIN)/python bench/purge.py
