@@ -65,6 +65,10 @@ def _endpoint_gauges(now_ms: int) -> tuple[tuple[str, str, Callable[[EndpointSta
         ("qgw_endpoint_rate_limit_per_second", "Configured admissions a second (rate over "
          "interval; absent when unlimited)",
          lambda s: s.endpoint.rate * 1000 / s.endpoint.interval_ms if s.endpoint.rate else None),
+        ("qgw_endpoint_paused", "1 while an operator has paused dispatch (submits still "
+         "accepted)", lambda s: int(s.endpoint.paused)),
+        ("qgw_webhooks_pending", "Webhooks due or being retried (given up an hour after their "
+         "task ended)", lambda s: s.hooks),
         ("qgw_endpoint_upstream_paused", "1 while the upstream's own limit pauses the endpoint "
          "(until the time below, then until a probe call succeeds)",
          lambda s: int(s.upstream_paused_until is not None)),

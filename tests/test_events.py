@@ -15,6 +15,7 @@ import httpx
 import pytest
 from redis.asyncio import Redis
 
+from app.queue.events import TaskEvents
 from app.runtime import Runtime
 from app.settings import Settings
 from tests.conftest import ADMIN, Gateway
@@ -172,3 +173,20 @@ class TestRedisOutage:
                         await eventually(lambda: _answers(gateway), 5, "redis to load")
         assert seen == ["pending", "processing", "completed"]
 
+
+
+async def test_a_second_endpoint_watched_while_the_first_subscribes_is_heard(
+    gateway: Gateway,
+) -> None:
+    """Two endpoints watched at once in a fresh process: the second's channel is subscribed
+    too (it came while the first SUBSCRIBE was connecting), and its changes wake its waiter."""
+    events = TaskEvents(gateway.rt.redis, gateway.rt.keys)
+    try:
+        with events.watch("a1.epa") as a:
+            await asyncio.sleep(0)  # the listener is connecting
+            with events.watch("b1.epb") as b:
+                assert await a.changed(5) and await b.changed(5)  # each one's subscription
+                await gateway.rt.redis.publish(gateway.rt.keys.events("epb"), "b1.epb")
+                assert await b.changed(5)
+    finally:
+        await events.stop()

@@ -196,9 +196,9 @@ async def test_a_scrape_of_1000_endpoints_is_one_round_trip(
     monkeypatch.undo()
 
     # TIME and the dispatchers' hash, then per endpoint ZCARD (queue), ZCARD (active), HGETALL
-    # (stats), ZCARD (outbox), EVALSHA (oldest pending), sent together, with no SCRIPT EXISTS
-    # trip before them; scrapes at the same time share it.
-    assert pipelines == [2 + 5 * 1000]
+    # (stats), ZCARD (outbox), ZCARD (webhooks), EVALSHA (oldest pending), sent together, with
+    # no SCRIPT EXISTS trip before them; scrapes at the same time share it.
+    assert pipelines == [2 + 6 * 1000]
     assert all(o == m for o in others)
     # The only other commands may be the registry's own polling (GET of its version).
     assert [c for c in commands if c[:1] != ("GET",)] == []
@@ -391,3 +391,18 @@ async def test_the_dashboard_and_the_alert_rules_use_only_exported_metrics(
             done = subprocess.run([promtool, "check", "rules", str(path)], capture_output=True,
                                   text=True)
             assert done.returncode == 0, done.stdout + done.stderr
+
+
+async def test_an_operators_pause_shows_in_metrics(gateway: Gateway, upstream: str) -> None:
+    await gateway.add_endpoint("held", f"{upstream}/held")
+    m = await scrape(gateway)
+    assert value(m, "qgw_endpoint_paused", "held") == 0
+    assert value(m, "qgw_webhooks_pending", "held") == 0
+    r = await gateway.http.patch("/admin/v1/endpoints/held", headers=gateway.admin,
+                                 json={"paused": True})
+    assert r.status_code == 200, r.text
+    await wait_until(lambda: _paused(gateway), timeout=5)
+
+
+async def _paused(gateway: Gateway) -> bool:
+    return value(await scrape(gateway), "qgw_endpoint_paused", "held") == 1

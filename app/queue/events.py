@@ -120,6 +120,12 @@ class TaskEvents:
                     self._requested = set(self._wanted())
                     await pubsub.subscribe(*self._requested)
                     self._pubsub, delay = pubsub, 0.1
+                    # Watches that came while that SUBSCRIBE was connecting found no
+                    # connection to subscribe on (_ensure): their channels go now.
+                    late = self._wanted() - self._requested
+                    if late:
+                        self._requested |= late
+                        await pubsub.subscribe(*late)
                     await self._read(pubsub)
             except (RedisError, OSError) as exc:
                 log.warning("task events: redis error %s; reconnecting", exc)

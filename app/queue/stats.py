@@ -67,6 +67,7 @@ class EndpointStats:
     histograms: dict[str, Histogram]
     oldest_pending_ms: int | None = None  # creation time of the longest-waiting task, if known
     upstream_paused_until: int | None = None  # ms; set until a probe call succeeds
+    hooks: int = 0  # webhooks due or being retried (app/queue/webhooks.py)
     outbox: int = 0  # finished tasks whose SQL row is not written yet
     raw: dict[str, str] = field(default_factory=dict)
 
@@ -124,6 +125,7 @@ async def read_metrics(redis: Redis, keys: Keys, scripts: Scripts,
                 # the pipeline most of a scrape's cost; absent buckets are simply not sent.
                 pipe.hgetall(keys.stats(ep.id))
                 pipe.zcard(keys.outbox(ep.id))
+                pipe.zcard(keys.hooks(ep.id))
                 scripts.oldest.queue_on(pipe, [keys.queue(ep.id)], [OLDEST_BANDS])
             raw = await pipe.execute(raise_on_error=False)
         if attempt == 1 and any(isinstance(r, NoScriptError) for r in raw):
@@ -138,9 +140,9 @@ async def read_metrics(redis: Redis, keys: Keys, scripts: Scripts,
         await redis.hdel(keys.dispatchers, *dispatchers.stale)
     out = []
     for i, ep in enumerate(endpoints):
-        pending, in_flight, values, outbox, oldest = raw[2 + i * 5:7 + i * 5]
+        pending, in_flight, values, outbox, hooks, oldest = raw[2 + i * 6:8 + i * 6]
         s = _parse(ep, pending, in_flight, values)
-        s.outbox, s.oldest_pending_ms = outbox, _id_ms(oldest) if oldest else None
+        s.outbox, s.hooks, s.oldest_pending_ms = outbox, hooks, _id_ms(oldest) if oldest else None
         out.append(s)
     return Snapshot(out, dispatchers, now)
 

@@ -12,6 +12,7 @@ from app.errors import ApiError
 from app.models import TaskStatus
 from app.queue import listing, operator
 from app.routes.admin import ERRORS
+from app.routes.tasks import _checked
 from app.runtime import Runtime
 
 router = APIRouter(prefix="/admin/v1", tags=["admin"], dependencies=[Depends(admin)],
@@ -29,19 +30,19 @@ def _known(rt: Runtime, endpoint_id: str) -> None:
 async def show_task(task_id: str, rt: Rt) -> dict[str, Any]:
     """Any user's task: the status fields, `user_id`, `endpoint`, and its request while Redis
     holds it (null once only SQL has the task)."""
-    return await operator.show(rt.queue, rt.registry, task_id)
+    return await operator.show(rt.queue, rt.registry, _checked(task_id))
 
 
 @router.post("/tasks/{task_id}/retry", operation_id="retry_task")
 async def retry_task(task_id: str, rt: Rt) -> dict[str, Any]:
     """A failed or expired task runs again from its old place in line (409 otherwise)."""
-    return await operator.retry(rt.queue, task_id)
+    return await operator.retry(rt.queue, _checked(task_id))
 
 
 @router.post("/tasks/{task_id}/cancel", operation_id="cancel_any_task")
 async def cancel_task(task_id: str, rt: Rt) -> dict[str, str]:
     """Cancel any user's task, as its owner would (409 with its status once it ended)."""
-    await operator.cancel(rt.queue, task_id)
+    await operator.cancel(rt.queue, _checked(task_id))
     return {"task_id": task_id, "task_status": TaskStatus.CANCELLED.value}
 
 

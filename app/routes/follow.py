@@ -67,5 +67,6 @@ async def _stream(
                 yield f"event: status\ndata: {json.dumps(view.model_dump(mode='json'))}\n\n"
             if view.task_status.finished:
                 return
-            while not await w.changed(KEEPALIVE_S):
+            if not await w.changed(KEEPALIVE_S):
+                # Read again at each keep-alive too: a wake lost anyhow costs at most this long.
                 yield ": keepalive\n\n"

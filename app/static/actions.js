@@ -231,7 +231,10 @@ async function showTask(id) {
     : "no longer held (only the ending is kept once Redis lets a task go)");
   setText($("detail-result"), t.task_result ?? "–");
   $("detail-retry").hidden = !["failed", "expired"].includes(t.task_status);
-  $("detail-cancel").hidden = !["pending", "processing"].includes(t.task_status);
+  // An offline call in flight cannot be taken back (its cancel answers 409); an admitted
+  // online task can (it loses its permit).
+  $("detail-cancel").hidden = !(t.task_status === "pending"
+    || (t.task_status === "processing" && t.task_type === "online"));
 }
 
 $("task-rows").addEventListener("click", (ev) => {
