@@ -112,7 +112,7 @@ async def test_lists_an_endpoints_tasks_by_status_a_page_at_a_time(
     assert [t["wait_num"] for t in pending] == list(range(7))
     assert {t["user_id"] for t in pending} == {3} and pending[0]["priority"] == 2
     first = await _get(gateway, "/admin/v1/endpoints/lst/tasks", status="pending", limit=2)
-    assert first["total"] == 7 and first["next_cursor"]
+    assert first["total"] == 7 and first["next_cursor"] and first["waiting_to_retry"] == 0
 
     slow = await gateway.submit(auth, url, priority=9, headers={"X-Mock-Latency-Ms": ["1500"]})
     fail = [await gateway.submit(auth, url, headers={"X-Mock-Status": ["404"]}) for _ in range(3)]

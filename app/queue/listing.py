@@ -79,14 +79,19 @@ async def _live(queue: TaskQueue, e: str, status: str, limit: int, after: Cursor
     if after is not None:
         found = [(m, s) for m, s in found if s > after.at or m > after.task_id]
     page, more = found[:limit], len(found) > limit
+    pending = status == TaskStatus.PENDING.value
     async with r.pipeline(transaction=False) as pipe:
         pipe.zcard(key)
-        if page and status == TaskStatus.PENDING.value:
+        if pending:
+            pipe.zcard(k.retry(e))  # pending too, out of line until their back-off is over
+        if page and pending:
             pipe.zcount(key, "-inf", f"({int(page[0][1])}")  # place in line of the first
         for m, _ in page:
             pipe.hmget(k.task(m), _FIELDS)
         raw = await pipe.execute()
-    total, first_rank = raw[0], raw[1] if page and status == TaskStatus.PENDING.value else None
+    total = raw[0]
+    retrying = raw[1] if pending else None
+    first_rank = raw[2] if page and pending else None
     rows = raw[-len(page):] if page else []
     tasks = []
     for i, ((task_id, _), values) in enumerate(zip(page, rows, strict=True)):
@@ -94,8 +99,12 @@ async def _live(queue: TaskQueue, e: str, status: str, limit: int, after: Cursor
         if first_rank is not None:
             item["wait_num"] = first_rank + i
         tasks.append(item)
-    return {"total": total, "tasks": tasks,
-            "next_cursor": str(Cursor(int(page[-1][1]), page[-1][0])) if more else None}
+    out: dict[str, Any] = {
+        "total": total, "tasks": tasks,
+        "next_cursor": str(Cursor(int(page[-1][1]), page[-1][0])) if more else None}
+    if retrying is not None:
+        out["waiting_to_retry"] = retrying  # not in `tasks`: no place in line yet
+    return out
 
 
 def _item(task_id: str, f: dict[str, Any]) -> dict[str, Any]:
