@@ -53,6 +53,8 @@ bench: $(STAMP)
 	$(BIN)/python bench/eta.py
 	$(BIN)/python bench/purge.py
 	$(BIN)/python bench/outbox_drain.py --outage-s 30
+	$(BIN)/python bench/waiters.py
+	$(BIN)/python bench/failover.py
 
 clean:
 	rm -rf $(VENV) .qgw .pytest_cache .mypy_cache .ruff_cache
