@@ -12,15 +12,17 @@ hold up the heartbeats, acks and status reads that share Redis and the connectio
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from redis.asyncio import Redis
 
 from app.core.keys import Keys
 from app.core.scripts import Lua, source
 from app.lifecycle.records import ROW_FIELDS
+
+T = TypeVar("T")
 
 #: Results per Redis round trip. Loopback reads run at hundreds of MB a second, so 4 MiB (or
 #: one result of up to QGW_MAX_RESULT_BYTES, 12 MiB at most) reads in tens of milliseconds.
@@ -37,19 +39,25 @@ class Waiting:
     sizes: list[tuple[str, int]]  # (task id, result bytes; -1 when its hash is gone)
 
 
-def by_bytes(sizes: list[tuple[str, int]], max_bytes: int) -> Iterator[list[tuple[str, int]]]:
-    """Consecutive groups weighing at most `max_bytes` each (a heavier single item alone)."""
-    group: list[tuple[str, int]] = []
+def by_weight(items: Iterable[T], weigh: Callable[[T], int], max_weight: int
+              ) -> Iterator[list[T]]:
+    """Consecutive groups weighing at most `max_weight` each (a heavier single item alone)."""
+    group: list[T] = []
     weight = 0
-    for item in sizes:
-        w = max(item[1], 0) + ROW_OVERHEAD
-        if group and weight + w > max_bytes:
+    for item in items:
+        w = weigh(item)
+        if group and weight + w > max_weight:
             yield group
             group, weight = [], 0
         group.append(item)
         weight += w
     if group:
         yield group
+
+
+def by_bytes(sizes: list[tuple[str, int]], max_bytes: int) -> Iterator[list[tuple[str, int]]]:
+    """Groups of (task id, result bytes) to read or write together."""
+    return by_weight(sizes, lambda item: max(item[1], 0) + ROW_OVERHEAD, max_bytes)
 
 
 @dataclass

@@ -32,7 +32,7 @@ from app.core.keys import Keys
 from app.core.loop import STORE_ERRORS
 from app.core.registry import EndpointRegistry
 from app.db import SQL_JOB_TIMEOUT_S, TaskResultRow, bounded
-from app.lifecycle.outbox import Outbox, Waiting, by_bytes
+from app.lifecycle.outbox import ROW_OVERHEAD, Outbox, Waiting, by_bytes, by_weight
 from app.lifecycle.records import row_from
 
 log = logging.getLogger(__name__)
@@ -104,17 +104,8 @@ def refused(exc: DBAPIError) -> bool:
 
 
 def _chunks(rows: list[dict[str, Any]]) -> Iterator[list[dict[str, Any]]]:
-    chunk: list[dict[str, Any]] = []
-    size = 0
-    for row in rows:
-        weight = 256 + len(row["result"] or "") * 4  # utf8mb4 worst case
-        if chunk and size + weight > STATEMENT_BYTES:
-            yield chunk
-            chunk, size = [], 0
-        chunk.append(row)
-        size += weight
-    if chunk:
-        yield chunk
+    return by_weight(rows, lambda row: ROW_OVERHEAD + len(row["result"] or "") * 4,  # utf8mb4
+                     STATEMENT_BYTES)
 
 
 @dataclass
