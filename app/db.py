@@ -56,6 +56,8 @@ class EndpointRow(Base):
     forward_headers: Mapped[list[str]] = mapped_column(JSON, nullable=True, default=list)
     honor_upstream_limits: Mapped[bool] = mapped_column(Boolean, default=True)
     paused: Mapped[bool] = mapped_column(Boolean, default=False)
+    limits: Mapped[list[dict[str, object]]] = mapped_column(JSON, nullable=True, default=list)
+    cost_from: Mapped[str | None] = mapped_column(String(200), nullable=True)
     created_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow, onupdate=utcnow)
 

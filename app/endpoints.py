@@ -12,6 +12,9 @@ from pydantic import ConfigDict, Field, StringConstraints, field_validator
 from app.models import ENDPOINT_ID, HTTP_URL, Method, StrictInput
 
 Limiter = Literal["sliding_window", "fixed_window", "token_bucket"]
+MAX_LIMITS = 5
+#: Where a finished call's real cost is read: a response header, or a dot path in its JSON body.
+COST_FROM = r"^(header:[!#$%&'*+.^_`|~0-9A-Za-z-]{1,128}|json:[^\s.]{1,64}(\.[^\s.]{1,64}){0,7})$"
 
 
 def _post_only() -> list[Method]:
@@ -52,6 +55,19 @@ TargetUrl = Annotated[
     str, StringConstraints(max_length=2048, pattern=HTTP_URL + r"(/[^?#\x00-\x20\x7f-\x9f]*)?$")]
 
 
+class LimitSpec(StrictInput):
+    """A further limit enforced with the endpoint's main one, in the same atomic claim."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    limiter: Limiter = "sliding_window"
+    rate: int = Field(ge=1, le=1_000_000_000, description="admissions (or cost units) per interval")
+    interval_ms: int = Field(1000, ge=1, le=86_400_000)
+    per: Literal["request", "cost"] = Field(
+        "request", description="'cost': each task spends its `cost` (estimated at submit, "
+                               "settled to the real cost read through cost_from)")
+
+
 class EndpointSettings(StrictInput):
     """Everything about an endpoint but its id: the body of PUT, and of PATCH with fields unset."""
 
@@ -82,6 +98,21 @@ class EndpointSettings(StrictInput):
                     "Accept-Language, Content-Type, Content-Language, User-Agent and trace "
                     "context (traceparent, tracestate, baggage); names, case-insensitive")
     paused: bool = Field(False, description="stop dispatching; submits are still accepted")
+    limits: list[LimitSpec] = Field(
+        default_factory=list, max_length=MAX_LIMITS,
+        description="further limits enforced together with the main one (e.g. 3/s and 100/min "
+                    "and 2000/day, or 90,000 cost units a minute)")
+    cost_from: Annotated[str, StringConstraints(max_length=200, pattern=COST_FROM)] | None = Field(
+        None, description="where a finished call's real cost is read to settle its per-cost "
+                          "reservations: 'header:<name>' or 'json:<dot.path>' of the response")
+
+    @field_validator("limits")
+    @classmethod
+    def _distinct(cls, v: list[LimitSpec]) -> list[LimitSpec]:
+        # Two equal limits would share one state key (keyed by what they limit) and count twice.
+        if len({(x.limiter, x.rate, x.interval_ms, x.per) for x in v}) < len(v):
+            raise ValueError("limits must not repeat a limit")
+        return v
 
     @field_validator("methods", mode="before")
     @classmethod
@@ -125,6 +156,13 @@ class EndpointConfig(EndpointSettings):
     def forwarded(self) -> frozenset[str]:
         """Lower-case names of the request headers its calls carry."""
         return DEFAULT_FORWARD | {name.lower() for name in self.forward_headers}
+
+    @cached_property
+    def max_cost(self) -> int | None:
+        """The largest cost a task may have: the smallest rate of its per-cost limits (a task
+        costing more could never be admitted); None when it has none."""
+        rates = [x.rate for x in self.limits if x.per == "cost"]
+        return min(rates) if rates else None
 
     def call_url(self, task_url: str) -> str:
         """Where a task's call goes: this endpoint's URL as registered now, with the query the

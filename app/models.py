@@ -75,6 +75,8 @@ class SubmitRequest(StrictInput):
     query_params: MultiDict = Field(default_factory=dict)
     #: POSTed the status once the task ends; must lie under one of the key's callback_urls.
     callback_url: Annotated[str, StringConstraints(max_length=2048)] | None = None
+    cost: int = Field(1, ge=1, le=10**9, description="what the call spends of the endpoint's "
+                      "per-cost limits (e.g. estimated tokens); settled to the real cost")
 
     @field_validator("http_method", mode="before")
     @classmethod

@@ -5,6 +5,9 @@ ARGV[4] result    ARGV[5] result status code ('' if none)
 ARGV[6] unused (the done TTL: set once SQL has the row)
 ARGV[7] endpoint id    ARGV[8] exec time of the last attempt (ms; -1 = no call made)
 ARGV[9] pause the upstream asked for (ms; 0 = none), see upstream.lua
+ARGV[10] the call's real cost ('' or absent = unknown), ARGV[11..] the endpoint's further
+limits as claim-5.lua takes them (ARGV[12..]): the per-cost ones settle the task's reservation
+(its `cost` field) to the real cost (limits.lua)
 Returns 1, or 0 when the lease was lost (reaped and claimed again): the newer attempt wins.
 The finished task goes to the endpoint's outbox (key built from KEYS[2], see lifecycle.lua).
 ]]
@@ -13,9 +16,18 @@ The finished task goes to the endpoint's outbox (key built from KEYS[2], see lif
 --@include lifecycle.lua
 --@include upstream.lua
 --@include events.lua
+--@include ratelimit.lua
+--@include limits.lua
 
 if redis.call('HGET', KEYS[2], 'lease') ~= ARGV[2] then return 0 end
 local now = now_ms()
+local real = tonumber(ARGV[10] or '')
+if real then
+  local f = redis.call('HMGET', KEYS[2], 'cost', 'started_at')
+  for _, l in ipairs(lim_parse(KEYS[1], ARGV, 11)) do
+    lim_settle(l, ARGV[2], tonumber(f[1]) or 1, real, tonumber(f[2]) or now, now)
+  end
+end
 local pause = tonumber(ARGV[9]) or 0
 if pause > 0 then
   upstream_pause(KEYS[1], now, pause)

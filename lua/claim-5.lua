@@ -7,6 +7,10 @@ ARGV[5] limiter kind        ARGV[6] rate (0 = none)    ARGV[7] interval (ms)
 ARGV[8] task key prefix (same hash tag as KEYS, so the script stays in one slot)
 ARGV[9] lease token prefix (unique per call)    ARGV[10] permit TTL (ms) for online tasks
 ARGV[11] limiter guard (ms), see ratelimit.lua
+ARGV[12] how many further limits (API.md `limits`; 0 or absent = none), then kind, rate,
+interval (ms), guard (ms), per ('request' | 'cost') each: checked with the main one, all or
+none admitting (limits.lua); their state keys are siblings of KEYS[1]. A per-cost limit spends
+the task's `cost` field.
 An endpoint its upstream paused (upstream.lua) is 'limited' until then, then claims one probe.
 Returns {state, wait ms, now, then per claim: id, token, attempts, type, method, url, headers,
 query, body}; state is
@@ -23,6 +27,7 @@ KEYS[5].
 --@include stats.lua
 --@include upstream.lua
 --@include events.lua
+--@include limits.lua
 
 redis.call('ZREM', KEYS[5], ARGV[1])  -- this attempt consumes any scheduled retry
 
@@ -30,6 +35,12 @@ local endpoint, n, cap = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
 local lease, kind, rate, interval = tonumber(ARGV[4]), ARGV[5], tonumber(ARGV[6]), tonumber(ARGV[7])
 local prefix, token_prefix, permit_ttl = ARGV[8], ARGV[9], tonumber(ARGV[10])
 local guard = tonumber(ARGV[11])
+-- With further limits, the main one is checked among them (undone if another refuses).
+local limits = lim_parse(KEYS[1], ARGV, 12)
+if #limits > 0 and rate > 0 then
+  table.insert(limits, 1, {kind = kind, key = KEYS[3], rate = rate, interval = interval,
+    guard = guard, per = 'request', main = true})
+end
 local now = now_ms()
 local retry = sibling_key(KEYS[1], 'retry')
 for _, id in ipairs(redis.call('ZRANGEBYSCORE', retry, '-inf', now, 'LIMIT', 0, 1000)) do
@@ -62,7 +73,7 @@ while true do
   if #head == 0 then out[1] = 'empty'; break end
   local id = head[1]
   local task = prefix .. id
-  local tf = redis.call('HMGET', task, 'type', 'pexp')
+  local tf = redis.call('HMGET', task, 'type', 'pexp', 'cost')
   local ttype = tf[1]
   if not ttype then
     redis.call('ZREM', KEYS[1], id)  -- its hash is gone: never runs
@@ -72,7 +83,9 @@ while true do
     changed[#changed + 1] = id
   else
     local token = token_prefix .. ':' .. claimed
-    local wait = rl_acquire(kind, KEYS[3], rate, interval, guard, now, token)
+    local wait
+    if #limits == 0 then wait = rl_acquire(kind, KEYS[3], rate, interval, guard, now, token)
+    else wait = lim_acquire(limits, now, token, tonumber(tf[3]) or 1) end
     if wait > 0 then out[1] = 'limited'; out[2] = wait; break end
     redis.call('ZREM', KEYS[1], id)
     local deadline = now + lease

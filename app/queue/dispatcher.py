@@ -39,7 +39,7 @@ from app.endpoints import EndpointConfig
 from app.lifecycle import Ttls
 from app.queue.reaper import Reaper
 from app.queue.upstream import Outcome, Request, backoff_s, call
-from app.ratelimit import Limit, Limiter
+from app.ratelimit import Limit, Limiter, further_limits
 from app.ratelimit.sent import SendTimes
 from app.settings import Settings
 
@@ -222,7 +222,8 @@ class Dispatcher:
                 args=[e, room, endpoint.max_concurrency, self.settings.lease_ms,
                       endpoint.limiter, endpoint.rate, endpoint.interval_ms, k.task_prefix(e),
                       f"{self._ident}.{secrets.token_hex(8)}", endpoint.permit_ttl_s * 1000,
-                      self._limiter(endpoint).limit.guard_ms],
+                      self._limiter(endpoint).limit.guard_ms,
+                      *further_limits(endpoint, self.settings.rate_guard_ms)],
             )
         except (RedisError, OSError) as exc:
             # Its wake marker is spent: try again rather than wait for somebody to re-add it.
@@ -236,7 +237,8 @@ class Dispatcher:
             if ttype == "offline":
                 # The call goes where the endpoint points now, not to the caller's URL string.
                 req = Request(method, endpoint.call_url(url), headers, query, body,
-                              endpoint.forwarded)
+                              endpoint.forwarded, endpoint.cost_from if endpoint.max_cost
+                              else None)
                 self._start(Claim(endpoint, tid, token, int(attempts), ttype, req, asked))
         if state == "limited":
             self._claim_later(e, wait_ms / 1000)
@@ -339,7 +341,8 @@ class Dispatcher:
             keys=[k.active(e), k.task(claim.task_id), k.queue(e), k.wake, k.stats(e)],
             args=[claim.task_id, claim.token, status, outcome.text,
                   outcome.status_code or "", self.ttls.done_ms, e,
-                  round(exec_ms), _pause_ms(claim, outcome)],
+                  round(exec_ms), _pause_ms(claim, outcome),
+                  *_settle_args(claim, outcome, self.settings.rate_guard_ms)],
         ))
         extra = {"task_id": claim.task_id, "endpoint": e, "status": status,
                  "code": outcome.status_code, "attempts": claim.attempts}
@@ -426,6 +429,14 @@ class Dispatcher:
         level = logging.WARNING if failures == 1 or failures % 10 == 0 else logging.DEBUG
         log.log(level, "%s: redis error (%s); retry %d in %.2f s", what, exc, failures, delay)
         await asyncio.sleep(delay)
+
+
+def _settle_args(claim: Claim, outcome: Outcome, guard_ms: int) -> list[str | int]:
+    """ack-5.lua's ARGV[10..]: the real cost and the limits it settles; nothing when there is
+    nothing to settle (no per-cost limit, or no real cost read)."""
+    if outcome.cost is None or claim.endpoint.max_cost is None:
+        return []
+    return [outcome.cost, *further_limits(claim.endpoint, guard_ms)]
 
 
 def _pause_ms(claim: Claim, outcome: Outcome) -> int:

@@ -63,6 +63,11 @@ class TaskQueue:
         ]
         if req.callback_url:  # its webhook is signed with the secret of the key that asked
             fields += ["callback_url", req.callback_url, "key_id", key.id]
+        if req.cost != 1:  # what it spends of per-cost limits (claim-5.lua; absent = 1)
+            if endpoint.max_cost is not None and req.cost > endpoint.max_cost:
+                raise ApiError(422, "cost_too_high", f"cost {req.cost} exceeds what a limit of "
+                               f"{e!r} admits in a whole interval ({endpoint.max_cost})")
+            fields += ["cost", req.cost]
         idem = k.idempotency(user_id, idem_key) if idem_key else k.idempotency(user_id, "-")
         pending_ms, own_deadline = self.ttls.pending_ms, False
         if req.max_wait_s is not None:

@@ -54,6 +54,7 @@ class Request:
     query: str
     body: str
     allowed: frozenset[str] = DEFAULT_FORWARD  # header names it may carry (lower case)
+    cost_from: str | None = None  # where its real cost is read (EndpointSettings.cost_from)
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +64,7 @@ class Outcome:
     retry_after_s: float | None = None
     refused: bool = False  # an answer we will not keep (too large): failed, not retried
     pause_s: float | None = None  # the upstream asks the whole endpoint to pause (signals.py)
+    cost: int | None = None  # the call's real cost, read through cost_from (None = unknown)
 
     @property
     def ok(self) -> bool:
@@ -97,9 +99,10 @@ async def call(
                 busy = resp.status == 429 or resp.status >= 500
                 return Outcome(resp.status, f"upstream answer over {max_bytes} bytes: not kept",
                                refused=not busy)
-            return Outcome(resp.status, _decode(body, resp.charset),
-                           retry_after(resp.headers.get("retry-after")),
-                           pause_s=pause_s(resp.status, resp.headers))
+            text = _decode(body, resp.charset)
+            return Outcome(resp.status, text, retry_after(resp.headers.get("retry-after")),
+                           pause_s=pause_s(resp.status, resp.headers),
+                           cost=real_cost(req.cost_from, resp.headers, text))
     except TimeoutError:
         return Outcome(None, f"upstream timed out after {timeout_s:g} s")
     except (aiohttp.ClientError, OSError) as exc:
@@ -107,6 +110,40 @@ async def call(
     except ValueError as exc:  # a request that cannot be sent (a control character in a
         # header): it never will be, so it fails at once instead of using up its retries
         return Outcome(None, f"request cannot be sent: {exc}", refused=True)
+
+
+MAX_COST = 10**12  # a larger "cost" is a misreading, not a cost
+
+
+def real_cost(cost_from: str | None, headers: Any, text: str) -> int | None:
+    """The call's real cost, as `cost_from` says to read it: a header's value, or the number at
+    a dot path of the JSON body; None when absent or not a number from 0 to MAX_COST (the
+    reservation then stands)."""
+    if not cost_from:
+        return None
+    where, _, name = cost_from.partition(":")
+    value: Any = None
+    if where == "header":
+        value = headers.get(name)
+    elif where == "json" and text:
+        try:
+            value = json.loads(text)
+        except ValueError:
+            return None
+        for part in name.split("."):
+            if isinstance(value, dict):
+                value = value.get(part)
+            elif isinstance(value, list) and part.isdigit() and int(part) < len(value):
+                value = value[int(part)]
+            else:
+                return None
+    if isinstance(value, bool) or value is None:
+        return None
+    try:
+        cost = float(value)
+    except (TypeError, ValueError):
+        return None
+    return round(cost) if 0 <= cost <= MAX_COST else None
 
 
 async def _read(resp: aiohttp.ClientResponse, max_bytes: int) -> bytes | None:

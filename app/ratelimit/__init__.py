@@ -49,6 +49,19 @@ class Limit:
         return cls(endpoint.limiter, endpoint.rate, endpoint.interval_ms, guard)
 
 
+def further_limits(endpoint: EndpointConfig, guard_ms: int) -> list[str | int]:
+    """The endpoint's further limits as claim-5.lua (ARGV[12..]) and ack-5.lua (ARGV[11..]) take
+    them: a count, then kind, rate, interval, guard, per each; nothing when it has none, so such
+    an endpoint's claims run exactly as before."""
+    if not endpoint.limits:
+        return []
+    args: list[str | int] = [len(endpoint.limits)]
+    for x in endpoint.limits:
+        args += [x.limiter, x.rate, x.interval_ms, min(guard_ms, x.interval_ms // GUARD_SHARE),
+                 x.per]
+    return args
+
+
 class Limiter:
     """Acquire admissions under one limit, keyed per endpoint as the dispatcher keys them."""
 

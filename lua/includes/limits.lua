@@ -1,0 +1,107 @@
+-- Several limits per endpoint (API.md `limits`), all checked in the one admission step.
+-- Include now.lua, stats.lua (sibling_key) and ratelimit.lua first.
+--
+-- A further limit's state lives beside the endpoint's other keys (same hash tag), named by what
+-- it limits: a changed limit counts afresh, and claim and ack find the key from any key of the
+-- endpoint without passing it (their KEYS stay fixed; the limits come in ARGV).
+
+local function lim_key(any_key, kind, per, rate, interval)
+  return sibling_key(any_key, 'rlx:' .. kind .. ':' .. per .. ':' .. rate .. '/' .. interval)
+end
+
+-- The further limits from argv[first]: a count, then kind, rate, interval, guard, per each.
+-- Their sliding windows widen by the whole guard: only the main log is moved to when its calls
+-- really left (sent-1.lua). They do not pace: paced at its own emission, 2000/day would mean one
+-- call every 43 s, whatever the main limit (3/s) allows; the main limit's pacing spreads the
+-- bursts, and their guard covers the jitter left.
+local function lim_parse(any_key, argv, first)
+  local list = {}
+  for i = 0, (tonumber(argv[first]) or 0) - 1 do
+    local j = first + 1 + i * 5
+    local kind, rate, interval = argv[j], tonumber(argv[j + 1]), tonumber(argv[j + 2])
+    local l = {kind = kind, rate = rate, interval = interval, guard = tonumber(argv[j + 3]),
+      per = argv[j + 4], key = lim_key(any_key, kind, argv[j + 4], rate, interval)}
+    l.widen = l.guard
+    if l.per == 'cost' and kind == 'sliding_window' then l.kind = 'sliding_cost' end
+    list[#list + 1] = l
+  end
+  return list
+end
+
+local function lim_save(key)
+  local v = redis.call('GET', key)
+  if not v then return {key, false, 0} end
+  return {key, v, redis.call('PTTL', key)}
+end
+
+-- What undoes an admission under `l`: the strings it may set, as they were; the entry it adds.
+local function lim_before(l, member, amount)
+  local saved = {key = l.key}
+  if l.main and l.kind ~= 'token_bucket' then
+    saved[1] = lim_save(rl_pace_key(l.key, l.rate, l.interval))
+  end
+  if l.kind == 'sliding_window' then saved.zrem = member
+  elseif l.kind == 'sliding_cost' then saved.zrem = member .. ':' .. amount
+  else saved[#saved + 1] = lim_save(l.key) end
+  return saved
+end
+
+local function lim_undo(saved)
+  for _, s in ipairs(saved) do
+    if not s[2] then redis.call('DEL', s[1])
+    elseif s[3] > 0 then redis.call('SET', s[1], s[2], 'PX', s[3])
+    else redis.call('SET', s[1], s[2]) end
+  end
+  if saved.zrem then redis.call('ZREM', saved.key, saved.zrem) end
+end
+
+-- Admit one call under every limit, or under none: each limiter records as it admits, so when
+-- any refuses, what the others recorded in this step is undone. Every limit is asked, so the
+-- tightest (longest wait) names the retry time. A per-cost limit spends `cost` units, at most
+-- its whole rate (a task costing more, after the limit was lowered, still gets through alone).
+local function lim_acquire(limits, now, member, cost)
+  local undo, wait = {}, 0
+  for _, l in ipairs(limits) do
+    local amount = 1
+    if l.per == 'cost' then amount = math.min(cost, l.rate) end
+    local saved = lim_before(l, member, amount)
+    local w
+    if l.main then w = rl_acquire(l.kind, l.key, l.rate, l.interval, l.guard, now, member)
+    else w = limiters[l.kind](l.key, l.rate, l.interval, l.guard, now, member, amount, l.widen) end
+    if w > 0 then wait = math.max(wait, w) else undo[#undo + 1] = saved end
+  end
+  if wait > 0 then
+    for _, saved in ipairs(undo) do lim_undo(saved) end
+  end
+  return wait
+end
+
+-- Settle a per-cost admission (made at `started` under lease token `member`, `reserved` units)
+-- to its real cost: the difference is refunded, or spent, in the state the admission went to,
+-- if it still counts there (a log entry out of the window, or a fixed window since ended, has
+-- nothing left to settle).
+local function lim_settle(l, member, reserved, real, started, now)
+  if l.per ~= 'cost' then return end
+  reserved = math.min(reserved, l.rate)  -- as lim_acquire spent it
+  local delta = real - reserved
+  if delta == 0 then return end
+  if l.kind == 'sliding_cost' then
+    local old = member .. ':' .. reserved
+    local score = redis.call('ZSCORE', l.key, old)
+    if not score then return end
+    redis.call('ZREM', l.key, old)
+    redis.call('ZADD', l.key, score, member .. ':' .. int(real))
+  elseif l.kind == 'fixed_window' then
+    local stored = redis.call('GET', l.key)
+    local w, c = string.match(stored or '', '^(%d+):(%d+)$')
+    if w ~= int(math.floor(started / l.interval)) then return end
+    redis.call('SET', l.key, w .. ':' .. int(math.max(0, tonumber(c) + delta)), 'KEEPTTL')
+  else
+    local emission = rl_tb_emission(l.rate, l.interval, l.guard)
+    local tat = tonumber(redis.call('GET', l.key) or '0')
+    if delta > 0 then tat = math.max(tat, now) end
+    tat = tat + delta * emission
+    if tat <= now then redis.call('DEL', l.key)
+    else redis.call('SET', l.key, string.format('%.3f', tat), 'PX', math.ceil(tat - now)) end
+  end
+end

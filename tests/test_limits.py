@@ -1,0 +1,158 @@
+"""Several limits per endpoint, and per-cost limits settled to the real cost (API.md `limits`,
+`cost_from`, submit `cost`).
+
+Every window is checked, without tolerance, on the times the upstream received the calls (the
+mock's log); wall-clock time only bounds how long a test may take.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+
+from app.runtime import Runtime
+from app.settings import Settings
+from tests.conftest import Gateway
+from tests.test_ratelimit import (
+    GUARD_MS,
+    _arrivals,
+    _backlog,
+    _drain,
+    _patch,
+    _until_blocked_dispatchers,
+    most_in_window,
+)
+
+StartDispatcher = Callable[[], Awaitable[Runtime]]
+COST_LIMIT = {"limiter": "sliding_window", "rate": 10, "interval_ms": 2000, "per": "cost"}
+
+
+@pytest.fixture
+def settings(settings: Settings) -> Settings:
+    return settings.model_copy(update={"rate_guard_ms": int(GUARD_MS)})
+
+
+async def _two_dispatchers(start_dispatcher: StartDispatcher) -> None:
+    for _ in range(2):
+        await start_dispatcher()
+
+
+async def test_several_limits_hold_together_across_two_dispatchers(
+    gateway: Gateway, fresh_upstream: str,
+    dispatcher_process: Callable[..., subprocess.Popen[bytes]],
+) -> None:
+    """3/s and 5/10 s on one endpoint, two dispatcher processes: the upstream never sees more
+    than 3 calls in a second nor more than 5 in 10 s, and both limits bind."""
+    url = f"{fresh_upstream}/both"
+    await gateway.add_endpoint("both", url, rate=3, interval_ms=1000, limits=[
+        {"limiter": "sliding_window", "rate": 5, "interval_ms": 10_000}])
+    auth = await gateway.new_key()
+    await _backlog(gateway, auth, url, 11)
+    await _patch(gateway, "both", enabled=False)  # hold the backlog until both are up
+    for _ in range(2):
+        dispatcher_process(QGW_RATE_GUARD_MS=GUARD_MS)
+    await _until_blocked_dispatchers(gateway.rt.redis, 2)
+    await _patch(gateway, "both", enabled=True)
+    await _drain(gateway, ["both"], timeout=45)
+
+    times = _arrivals(fresh_upstream, "/both")
+    assert len(times) == 11
+    assert most_in_window(times, 1000) == 3
+    assert most_in_window(times, 10_000) == 5
+    assert times[-1] - times[0] >= 20_000  # 5 + 5 + 1: the third ten seconds
+
+
+async def test_a_cost_limit_spends_each_tasks_cost(
+    gateway: Gateway, fresh_upstream: str, start_dispatcher: StartDispatcher
+) -> None:
+    """10 units per 2 s, tasks of cost 4: two calls in any 2 s at the upstream (8 units), never
+    three (12), with two dispatchers sharing the limit."""
+    url = f"{fresh_upstream}/cost"
+    await gateway.add_endpoint("cost", url, limits=[COST_LIMIT])
+    auth = await gateway.new_key()
+    await _two_dispatchers(start_dispatcher)
+    await _backlog(gateway, auth, url, 8, cost=4)
+    await _drain(gateway, ["cost"], timeout=30)
+
+    times = _arrivals(fresh_upstream, "/cost")
+    assert len(times) == 8
+    assert most_in_window(times, 2000) == 2
+
+
+async def test_the_real_cost_settles_the_reservation(
+    gateway: Gateway, fresh_upstream: str, start_dispatcher: StartDispatcher
+) -> None:
+    """The same limit with cost_from: each call reports a real cost of 1 (X-Usage), so the
+    refunds let more than the two calls the estimates alone allow into a 2 s window, and the
+    units really spent in any window stay within 10."""
+    url = f"{fresh_upstream}/settle"
+    await gateway.add_endpoint("settle", url, limits=[COST_LIMIT], cost_from="header:x-usage")
+    auth = await gateway.new_key()
+    await _two_dispatchers(start_dispatcher)
+    reply = {"X-Mock-Reply-Headers": ['{"X-Usage": "1"}']}
+    await _backlog(gateway, auth, url, 8, cost=4, headers=reply)
+    await _drain(gateway, ["settle"], timeout=30)
+
+    times = _arrivals(fresh_upstream, "/settle")
+    assert len(times) == 8
+    assert most_in_window(times, 2000) >= 4  # estimates alone: 2
+
+
+async def test_the_real_cost_can_be_read_from_the_json_body(
+    gateway: Gateway, fresh_upstream: str, start_dispatcher: StartDispatcher
+) -> None:
+    """json:<dot.path>: the mock answers {"n": <its request number>, ...}, so the real costs
+    are 1, 2, 3, 4 in arrival order."""
+    url = f"{fresh_upstream}/json"
+    await gateway.add_endpoint("json", url, limits=[COST_LIMIT], cost_from="json:n")
+    auth = await gateway.new_key()
+    await _two_dispatchers(start_dispatcher)
+    await _backlog(gateway, auth, url, 4, cost=5)
+    await _drain(gateway, ["json"], timeout=30)
+    times = _arrivals(fresh_upstream, "/json")
+    assert len(times) == 4
+    # Reserved 5 each: two a window; settled to 1 and 2, the first two leave room for a third.
+    assert most_in_window(times, 2000) >= 3
+
+
+async def test_limits_are_validated(gateway: Gateway, upstream: str) -> None:
+    base = {"id": "v", "target_url": f"{upstream}/v"}
+    one = {"limiter": "fixed_window", "rate": 100, "interval_ms": 60_000}
+    bad: list[dict[str, Any]] = [
+        {"limits": [one] * 2},  # the same limit twice
+        {"limits": [{**one, "rate": r} for r in range(1, 7)]},  # more than 5
+        {"limits": [{**one, "per": "tokens"}]},
+        {"limits": [{**one, "rate": 0}]},
+        {"cost_from": "body:usage"},
+        {"cost_from": "header:bad name"},
+    ]
+    for fields in bad:
+        r = await gateway.http.post("/admin/v1/endpoints", headers=gateway.admin,
+                                    json={**base, **fields})
+        assert r.status_code == 422, fields
+        assert r.json()["error"]["code"] == "invalid_request"
+    r = await gateway.http.post("/admin/v1/endpoints", headers=gateway.admin, json={
+        **base, "limits": [one, COST_LIMIT], "cost_from": "json:usage.total_tokens"})
+    assert r.status_code == 201, r.text
+    got = (await gateway.http.get("/admin/v1/endpoints/v", headers=gateway.admin)).json()
+    assert got["limits"] == [{**one, "per": "request"}, COST_LIMIT]
+    assert got["cost_from"] == "json:usage.total_tokens"
+
+
+async def test_a_task_costing_more_than_a_whole_interval_is_refused(
+    gateway: Gateway, upstream: str
+) -> None:
+    await gateway.add_endpoint("big", f"{upstream}/big", limits=[COST_LIMIT])
+    auth = await gateway.new_key()
+    r = await gateway.http.post("/api/v1/tasks", headers=auth,
+                                json={"target_url": f"{upstream}/big", "cost": 11})
+    assert r.status_code == 422
+    assert r.json()["error"]["code"] == "cost_too_high"
+    assert "10" in r.json()["error"]["message"]
+    await gateway.submit(auth, f"{upstream}/big", cost=10)
+    r = await gateway.http.post("/api/v1/tasks", headers=auth,
+                                json={"target_url": f"{upstream}/big", "cost": 0})
+    assert r.status_code == 422
