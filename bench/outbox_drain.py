@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from app import migrate
 from app.main import create_app
+from app.mock_upstream import CONTROL_HEADERS
 from app.runtime import Runtime
 from app.settings import Settings
 from tests.servers import QGW, RedisServer, mock_upstream, stop
@@ -54,7 +55,9 @@ async def setup(http: httpx.AsyncClient, upstream: str, ep: str) -> dict[str, st
     admin = {"Authorization": f"Bearer {ADMIN}"}
     r = await http.post("/admin/v1/endpoints", headers=admin,
                         json={"id": ep, "target_url": f"{upstream}/{ep}",
-                              "max_concurrency": 32, "timeout_ms": 60_000})
+                              "max_concurrency": 32, "timeout_ms": 60_000,
+                              # X-Mock-Body-Bytes must reach the mock (an allow-list)
+                              "forward_headers": list(CONTROL_HEADERS)})
     assert r.status_code == 201, r.text
     r = await http.post("/admin/v1/api-keys", headers=admin,
                         json={"user_id": 7, "max_priority": 0})

@@ -28,6 +28,7 @@ import redis
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from app.mock_upstream import CONTROL_HEADERS
 from bench._load import spawn
 from tests.servers import QGW, RedisServer, free_port, stop, wait_port
 
@@ -102,7 +103,8 @@ async def run(http: httpx.AsyncClient, r: redis.Redis, upstream: str, waiters: i
     for eid, fields in (("parked", {"rate": 1, "interval_ms": 3_600_000}),
                         ("busy", {"max_concurrency": 32})):
         (await http.post("/admin/v1/endpoints", headers=admin, json={
-            "id": eid, "target_url": f"{upstream}/{eid}", **fields})).raise_for_status()
+            "id": eid, "target_url": f"{upstream}/{eid}",
+            "forward_headers": list(CONTROL_HEADERS), **fields})).raise_for_status()
     await asyncio.sleep(1.5)  # every process sees new endpoints within a second
     parked, busy = f"{upstream}/parked", f"{upstream}/busy"
     ids = [(await http.post("/api/v1/tasks", headers=auth, json={"target_url": parked})
