@@ -56,6 +56,7 @@ class EndpointRow(Base):
     forward_headers: Mapped[list[str]] = mapped_column(JSON, nullable=True, default=list)
     honor_upstream_limits: Mapped[bool] = mapped_column(Boolean, default=True)
     paused: Mapped[bool] = mapped_column(Boolean, default=False)
+    fairness: Mapped[str] = mapped_column(String(16), default="fifo")
     created_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow, onupdate=utcnow)
 

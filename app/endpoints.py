@@ -82,6 +82,9 @@ class EndpointSettings(StrictInput):
                     "Accept-Language, Content-Type, Content-Language, User-Agent and trace "
                     "context (traceparent, tracestate, baggage); names, case-insensitive")
     paused: bool = Field(False, description="stop dispatching; submits are still accepted")
+    fairness: Literal["fifo", "per_user"] = Field(
+        "fifo", description="per_user: users with tasks pending in the same priority band take "
+                            "turns (lua/includes/fairness.lua); fifo: arrival order")
 
     @field_validator("methods", mode="before")
     @classmethod

@@ -77,7 +77,8 @@ class TaskQueue:
                 [task_id, e, req.priority, endpoint.max_queue_len,
                  pending_ms, "1" if idem_key else "0",
                  IDEMPOTENCY_TTL_MS, key.daily_quota, self.ttls.done_ms,
-                 "1" if own_deadline else "0", *fields],
+                 "1" if own_deadline else "0",
+                 str(user_id) if endpoint.fairness == "per_user" else "", *fields],
             )
         except (RedisConnectionError, RedisTimeoutError) as exc:
             raise _maybe_queued(task_id, e, idem_key, exc) from None

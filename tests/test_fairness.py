@@ -1,0 +1,103 @@
+"""Fair turns inside a priority band (endpoint `fairness: "per_user"`, lua/includes/fairness.lua):
+one user's backlog delays another user's task by at most one turn per user ahead."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.conftest import Gateway
+
+BACKLOG, SMALL = 200, 5
+
+
+async def _calls(base: str, total: int) -> list[str]:
+    """The task ids the mock upstream received, in order, once it has received `total`."""
+    async with httpx.AsyncClient(base_url=base) as mock:
+        for _ in range(600):
+            if (await mock.get("/_mock/stats")).json()["received"] >= total:
+                break
+            await asyncio.sleep(0.1)
+        log: list[dict[str, Any]] = (await mock.get("/_mock/log")).json()
+    assert len(log) == total
+    return [str(e["idempotency_key"]) for e in log]
+
+
+async def _backlog_and_two_small_users(
+    gateway: Gateway, url: str
+) -> tuple[list[str], list[str], list[dict[str, Any]]]:
+    """User 1 submits BACKLOG tasks, then users 2 and 3 SMALL each: (1's ids, theirs, answers)."""
+    a, b, c = [await gateway.new_key(user_id=u) for u in (1, 2, 3)]
+    big = [(await gateway.submit(a, url))["task_id"] for _ in range(BACKLOG)]
+    answers = [await gateway.submit(auth, url) for auth in (b, c) for _ in range(SMALL)]
+    return big, [r["task_id"] for r in answers], answers
+
+
+@pytest.mark.parametrize("fairness", ["per_user", "fifo"])
+async def test_small_users_are_not_stuck_behind_a_backlog(
+    gateway: Gateway, fresh_upstream: str,
+    dispatcher_process: Callable[..., subprocess.Popen[bytes]], fairness: str,
+) -> None:
+    """One slot, same priority: per_user interleaves users 2 and 3 with user 1's 200 tasks
+    (all theirs run before 1's 30th, and wait_num says so at submit); fifo runs them last."""
+    url = f"{fresh_upstream}/fair"
+    await gateway.add_endpoint("fair", url, max_concurrency=1, fairness=fairness)
+    big, small, answers = await _backlog_and_two_small_users(gateway, url)
+    dispatcher_process()
+    order = await _calls(fresh_upstream, BACKLOG + 2 * SMALL)
+    last_small = max(order.index(t) for t in small)
+    if fairness == "per_user":
+        assert last_small < order.index(big[29])
+        # Turn i of user 2 comes after turns 0..i-1 of users 1 and 2 and user 1's turn i;
+        # user 3 also after user 2's turn i: the place in line is exact at submit.
+        waits = [r["wait_num"] for r in answers]
+        assert waits == [2 * i + 1 for i in range(SMALL)] + [3 * i + 2 for i in range(SMALL)]
+    else:
+        assert min(order.index(t) for t in small) > order.index(big[-1])
+        assert [r["wait_num"] for r in answers] == list(range(BACKLOG, BACKLOG + 2 * SMALL))
+
+
+async def test_priority_stays_strict_between_bands(
+    gateway: Gateway, fresh_upstream: str,
+    dispatcher_process: Callable[..., subprocess.Popen[bytes]],
+) -> None:
+    """A priority-2 task of the user with the backlog, submitted last, still goes first."""
+    url = f"{fresh_upstream}/fair-prio"
+    await gateway.add_endpoint("fair-prio", url, max_concurrency=1, fairness="per_user")
+    big, small, _ = await _backlog_and_two_small_users(gateway, url)
+    urgent = await gateway.submit(await gateway.new_key(user_id=1), url, priority=2)
+    assert urgent["wait_num"] == 0
+    dispatcher_process()
+    order = await _calls(fresh_upstream, BACKLOG + 2 * SMALL + 1)
+    assert order[0] == urgent["task_id"]
+    assert max(order.index(t) for t in small) < order.index(big[29])
+
+
+async def test_a_newcomer_mid_backlog_lands_in_the_current_round(
+    gateway: Gateway, fresh_upstream: str,
+    dispatcher_process: Callable[..., subprocess.Popen[bytes]],
+) -> None:
+    """With the backlog already draining, a new user's task goes right after the task in
+    progress and the one at the head, not after the turns user 1 has already taken."""
+    url = f"{fresh_upstream}/fair-mid"
+    await gateway.add_endpoint("fair-mid", url, max_concurrency=1, fairness="per_user")
+    a, b = await gateway.new_key(user_id=1), await gateway.new_key(user_id=2)
+    slow = {"headers": {"X-Mock-Latency-Ms": ["20"]}}
+    big = [(await gateway.submit(a, url, **slow))["task_id"] for _ in range(BACKLOG)]
+    dispatcher_process()
+    async with httpx.AsyncClient(base_url=fresh_upstream) as mock:
+        for _ in range(600):  # until user 1's backlog is well under way
+            if (await mock.get("/_mock/stats")).json()["received"] >= 40:
+                break
+            await asyncio.sleep(0.05)
+        late = await gateway.submit(b, url)
+        started = (await mock.get("/_mock/stats")).json()["received"]
+    assert late["wait_num"] <= 1
+    order = await _calls(fresh_upstream, BACKLOG + 1)
+    assert order.index(late["task_id"]) <= started + 1
+    assert order.index(big[-1]) == BACKLOG  # user 1's own tasks keep their order
