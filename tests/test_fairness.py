@@ -101,3 +101,24 @@ async def test_a_newcomer_mid_backlog_lands_in_the_current_round(
     order = await _calls(fresh_upstream, BACKLOG + 1)
     assert order.index(late["task_id"]) <= started + 1
     assert order.index(big[-1]) == BACKLOG  # user 1's own tasks keep their order
+
+
+@pytest.mark.parametrize("fairness", ["per_user", "fifo"])
+async def test_a_deadline_counts_only_the_turns_ahead(gateway: Gateway, fairness: str) -> None:
+    """max_wait_s is checked against the place the task would take: on a per_user endpoint a
+    new user's task waits one turn behind a 50-task backlog, not 50 tasks (1 s each here)."""
+    url = "http://127.0.0.1:9/deadline"
+    await gateway.add_endpoint("fair-deadline", url, max_concurrency=1, avg_exec_ms=1000,
+                               fairness=fairness)
+    a, b = await gateway.new_key(user_id=1), await gateway.new_key(user_id=2)
+    for _ in range(50):
+        await gateway.submit(a, url)
+    r = await gateway.http.post("/api/v1/tasks", headers=b,
+                                json={"target_url": url, "max_wait_s": 10})
+    if fairness == "per_user":
+        assert (r.status_code, r.json()["wait_num"]) == (202, 1), r.text
+    else:
+        assert (r.status_code, r.json()["error"]["code"]) == (409, "deadline_unreachable")
+    r = await gateway.http.post("/api/v1/tasks", headers=a,
+                                json={"target_url": url, "max_wait_s": 10})
+    assert r.status_code == 409  # user 1's own next task is still 50 turns away
