@@ -83,8 +83,8 @@ class EndpointSettings(StrictInput):
                     "context (traceparent, tracestate, baggage); names, case-insensitive")
     paused: bool = Field(False, description="stop dispatching; submits are still accepted")
     fairness: Literal["fifo", "per_user"] = Field(
-        "fifo", description="per_user: users with tasks pending in the same priority band take "
-                            "turns (lua/includes/fairness.lua); fifo: arrival order")
+        "fifo", description="per_user: users with tasks waiting at the same priority take "
+                            "turns, one task each a round; fifo: arrival order")
 
     @field_validator("methods", mode="before")
     @classmethod
