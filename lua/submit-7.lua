@@ -14,7 +14,8 @@ ARGV[5] pending TTL (ms)    ARGV[6] '1' to honour KEYS[5]    ARGV[7] idempotency
 ARGV[8] daily quota (0 = none)    ARGV[9] done TTL (ms)
 ARGV[10] '1' when the pending TTL is the caller's deadline (max_wait_s), which may come before
          that of tasks ahead: the deadline set (a sibling of KEYS[1]) holds it for the sweep
-ARGV[11] '' (fairness fifo) or the submitting user's id (fairness per_user, below)
+ARGV[11] '' (fairness fifo) or the submitting user's id (fairness per_user: the score is by
+         turns, lua/includes/fairness.lua, and the deadline set holds every task)
 ARGV[12..] field, value pairs
 The task is pending until `pexp` (now + pending TTL; then lua/expire-3.lua or the claim expires
 it), and its hash lives a done TTL longer, so its status can still say `expired`.
@@ -57,7 +58,9 @@ redis.call('HSET', KEYS[2], 'status', 'pending', 'created_at', now, 'score', sco
   'attempts', 0, 'pexp', now + pending_ttl, unpack(ARGV, 12))
 redis.call('PEXPIRE', KEYS[2], pending_ttl + tonumber(ARGV[9]))
 redis.call('ZADD', KEYS[1], score, ARGV[1])
-if ARGV[10] == '1' then  -- the caller's own deadline (max_wait_s): expire-3.lua sweeps it
+-- The caller's own deadline (max_wait_s), or turns (a band of a per_user endpoint is not in
+-- deadline order): tasks ahead may not be due before it, so expire-3.lua finds it there.
+if ARGV[10] == '1' or ARGV[11] ~= '' then
   redis.call('ZADD', sibling_key(KEYS[1], 'deadlines'), now + pending_ttl, ARGV[1])
 end
 redis.call('ZADD', KEYS[4], 'NX', now, ARGV[2])

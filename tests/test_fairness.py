@@ -11,7 +11,10 @@ from typing import Any
 import httpx
 import pytest
 
+from app.lifecycle.expiry import ExpirySweep
+from app.settings import Settings
 from tests.conftest import Gateway
+from tests.test_storage import open_gateway
 
 BACKLOG, SMALL = 200, 5
 
@@ -122,3 +125,38 @@ async def test_a_deadline_counts_only_the_turns_ahead(gateway: Gateway, fairness
     r = await gateway.http.post("/api/v1/tasks", headers=a,
                                 json={"target_url": url, "max_wait_s": 10})
     assert r.status_code == 409  # user 1's own next task is still 50 turns away
+
+
+async def test_the_sweep_expires_tasks_a_newcomer_sits_ahead_of(settings: Settings) -> None:
+    """Turns are not arrival order: user 2's task, newer and not due, sits ahead of user 1's
+    older ones, which the sweep must still expire on time (their owner sees `expired`)."""
+    settings = settings.model_copy(update={"pending_ttl_s": 1})
+    async with open_gateway(settings) as gw:
+        url = "http://127.0.0.1:9/fair-exp"
+        await gw.add_endpoint("fair-exp", url, fairness="per_user")
+        a, b = await gw.new_key(user_id=1), await gw.new_key(user_id=2)
+        old = [(await gw.submit(a, url))["task_id"] for _ in range(3)]
+        await asyncio.sleep(1.05)
+        new = (await gw.submit(b, url))["task_id"]
+        rt = gw.rt
+        sweep = ExpirySweep(rt.redis, rt.queue.scripts, rt.keys, rt.registry, rt.queue.ttls)
+        assert await sweep.sweep() == 3
+        assert [(await gw.status(a, t))["task_status"] for t in old] == ["expired"] * 3
+        assert (await gw.status(b, new))["task_status"] == "pending"
+
+
+async def test_a_started_task_leaves_the_deadline_set(
+    gateway: Gateway, fresh_upstream: str,
+    dispatcher_process: Callable[..., subprocess.Popen[bytes]],
+) -> None:
+    """Every per_user task is listed for the sweep while it waits; once started it has no
+    pending deadline, and the set must not keep it for the rest of the pending TTL."""
+    url = f"{fresh_upstream}/fair-dl"
+    await gateway.add_endpoint("fair-dl", url, fairness="per_user")
+    auth = await gateway.new_key()
+    ids = [(await gateway.submit(auth, url))["task_id"] for _ in range(20)]
+    deadlines = gateway.rt.keys.queue("fair-dl").replace(":q", ":deadlines")
+    assert await gateway.rt.redis.zcard(deadlines) == 20
+    dispatcher_process()
+    await gateway.wait_finished(auth, ids)
+    assert await gateway.rt.redis.zcard(deadlines) == 0
