@@ -160,3 +160,22 @@ async def test_a_started_task_leaves_the_deadline_set(
     dispatcher_process()
     await gateway.wait_finished(auth, ids)
     assert await gateway.rt.redis.zcard(deadlines) == 0
+
+
+async def test_cancelled_turns_do_not_push_a_users_next_task_back(gateway: Gateway) -> None:
+    """User 1 cancels 49 of its 50 tasks: its next one takes the turn after the band's last,
+    not turn 50, so user 2's later tasks do not keep passing it."""
+    url = "http://127.0.0.1:9/fair-cancel"
+    await gateway.add_endpoint("fair-cancel", url, fairness="per_user")
+    a, b = await gateway.new_key(user_id=1), await gateway.new_key(user_id=2)
+    ids = [(await gateway.submit(a, url))["task_id"] for _ in range(50)]
+    for tid in ids[1:]:
+        r = await gateway.http.post(f"/api/v1/tasks/{tid}/cancel", headers=a)
+        assert r.status_code == 200, r.text
+    for _ in range(5):
+        await gateway.submit(b, url)  # turns 0-4
+    mine = await gateway.submit(a, url)  # turn 5: after 1's task 0 and 2's five
+    assert mine["wait_num"] == 6
+    for _ in range(3):
+        await gateway.submit(b, url)  # turns 5-7, behind it
+    assert (await gateway.status(a, mine["task_id"]))["wait_num"] == 6

@@ -23,11 +23,15 @@ async def fair_ahead(redis: Redis, keys: Keys, endpoint: str, priority: int,
     async with redis.pipeline(transaction=False) as pipe:
         pipe.zrangebyscore(queue, band, f"({band + PRIORITY_STEP}", start=0, num=1,
                            withscores=True)
+        pipe.zrevrangebyscore(queue, f"({band + PRIORITY_STEP}", band, start=0, num=1,
+                              withscores=True)
         pipe.hget(keys.turns(endpoint, priority), str(user_id))
-        head, last = await pipe.execute()
+        head, tail, last = await pipe.execute()
     turn = 0
     if head:
         current = (int(head[0][1]) - band) // TURN_STEP
-        turn = min(max(current, int(last) + 1 if last is not None else 0), MAX_TURN)
+        last_turn = min(int(last) if last is not None else -1,
+                        (int(tail[0][1]) - band) // TURN_STEP)
+        turn = min(max(current, last_turn + 1), MAX_TURN)
     count: int = await redis.zcount(queue, "-inf", f"({band + (turn + 1) * TURN_STEP}")
     return count

@@ -21,14 +21,19 @@ local FAIR_TURN, FAIR_MAX_TURN = 8192, 1073741823  -- 2^13, 2^30 - 1
 -- `band`), updating that user's last turn.
 local function fair_offset(queue, band, prio, user, seq, pending_ttl)
   local turns = sibling_key(queue, 'turns:' .. prio)
-  local head = redis.call('ZRANGEBYSCORE', queue, int(band), '(' .. int(band + 8796093022208),
-    'WITHSCORES', 'LIMIT', 0, 1)
+  local lo, hi = int(band), '(' .. int(band + 8796093022208)
+  local head = redis.call('ZRANGEBYSCORE', queue, lo, hi, 'WITHSCORES', 'LIMIT', 0, 1)
   local turn = 0
   if #head == 0 then
     redis.call('DEL', turns)  -- nothing pending in the band: the turns start over
   else
     local current = math.floor((tonumber(head[2]) - band) / FAIR_TURN)
+    local tail = redis.call('ZREVRANGEBYSCORE', queue, hi, lo, 'WITHSCORES', 'LIMIT', 0, 1)
     local last = tonumber(redis.call('HGET', turns, user) or '-1')
+    -- Never past the band's last turn + 1: a user whose tasks were cancelled or purged
+    -- keeps a stale last turn, which must not send its next task behind rounds that no
+    -- longer exist (while others' new tasks keep taking the turns before it).
+    last = math.min(last, math.floor((tonumber(tail[2]) - band) / FAIR_TURN))
     turn = math.min(math.max(current, last + 1), FAIR_MAX_TURN)
   end
   redis.call('HSET', turns, user, turn)
