@@ -179,3 +179,11 @@ async def test_cancelled_turns_do_not_push_a_users_next_task_back(gateway: Gatew
     for _ in range(3):
         await gateway.submit(b, url)  # turns 5-7, behind it
     assert (await gateway.status(a, mine["task_id"]))["wait_num"] == 6
+
+
+async def test_an_unknown_fairness_is_refused(gateway: Gateway) -> None:
+    r = await gateway.http.post("/admin/v1/endpoints", headers=gateway.admin, json={
+        "id": "fair-bad", "target_url": "http://127.0.0.1:9/x", "fairness": "round_robin"})
+    assert r.status_code == 422 and "fairness" in r.json()["error"]["message"], r.text
+    r = await gateway.http.get("/admin/v1/endpoints/fair-bad", headers=gateway.admin)
+    assert r.status_code == 404
