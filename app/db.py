@@ -58,6 +58,7 @@ class EndpointRow(Base):
     paused: Mapped[bool] = mapped_column(Boolean, default=False)
     limits: Mapped[list[dict[str, object]]] = mapped_column(JSON, nullable=True, default=list)
     cost_from: Mapped[str | None] = mapped_column(String(200), nullable=True)
+    fairness: Mapped[str] = mapped_column(String(16), default="fifo")
     created_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow, onupdate=utcnow)
 

@@ -98,6 +98,9 @@ class EndpointSettings(StrictInput):
                     "Accept-Language, Content-Type, Content-Language, User-Agent and trace "
                     "context (traceparent, tracestate, baggage); names, case-insensitive")
     paused: bool = Field(False, description="stop dispatching; submits are still accepted")
+    fairness: Literal["fifo", "per_user"] = Field(
+        "fifo", description="per_user: users with tasks waiting at the same priority take "
+                            "turns, one task each a round; fifo: arrival order")
     limits: list[LimitSpec] = Field(
         default_factory=list, max_length=MAX_LIMITS,
         description="further limits enforced together with the main one (e.g. 3/s and 100/min "

@@ -53,6 +53,7 @@ for _, id in ipairs(redis.call('ZRANGEBYSCORE', retry, '-inf', now, 'LIMIT', 0, 
 end
 local out = {'more', 0, now}
 local stats = sibling_key(KEYS[1], 'stats')  -- the dispatcher fixes KEYS
+local deadlines = sibling_key(KEYS[1], 'deadlines')
 local claimed = 0
 local changed = {}  -- ids whose status this run changes, published once at the end
 
@@ -88,6 +89,9 @@ while true do
     else wait = lim_acquire(limits, now, token, tonumber(tf[3]) or 1) end
     if wait > 0 then out[1] = 'limited'; out[2] = wait; break end
     redis.call('ZREM', KEYS[1], id)
+    -- Started, it has no pending deadline left (expire-3.lua): a per_user endpoint lists
+    -- every task there, which must not hold each one for a whole pending TTL.
+    redis.call('ZREM', deadlines, id)
     local deadline = now + lease
     if ttype == 'online' then deadline = now + permit_ttl end
     redis.call('ZADD', KEYS[2], deadline, id)

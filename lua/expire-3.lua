@@ -23,8 +23,9 @@ local function done(more)
   return {expired, more}
 end
 
--- Tasks with a deadline of their caller's (max_wait_s, submit-7.lua) may be due before tasks
--- ahead of them in their band: their own set names them. Entries of tasks that started or
+-- Tasks with a deadline of their caller's (max_wait_s, submit-7.lua), and every task of a
+-- per_user endpoint (its bands are in turn order, lua/includes/fairness.lua), may be due before
+-- tasks ahead of them in their band: their own set names them. Entries of tasks that started or
 -- ended meanwhile are dropped on the way.
 local deadlines = sibling_key(KEYS[1], 'deadlines')
 for _, id in ipairs(redis.call('ZRANGEBYSCORE', deadlines, '-inf', now, 'LIMIT', 0, max_expired)) do

@@ -14,7 +14,9 @@ ARGV[5] pending TTL (ms)    ARGV[6] '1' to honour KEYS[5]    ARGV[7] idempotency
 ARGV[8] daily quota (0 = none)    ARGV[9] done TTL (ms)
 ARGV[10] '1' when the pending TTL is the caller's deadline (max_wait_s), which may come before
          that of tasks ahead: the deadline set (a sibling of KEYS[1]) holds it for the sweep
-ARGV[11..] field, value pairs
+ARGV[11] '' (fairness fifo) or the submitting user's id (fairness per_user: the score is by
+         turns, lua/includes/fairness.lua, and the deadline set holds every task)
+ARGV[12..] field, value pairs
 The task is pending until `pexp` (now + pending TTL; then lua/expire-3.lua or the claim expires
 it), and its hash lives a done TTL longer, so its status can still say `expired`.
 Returns {'ok', task id, rank, created_at} | {'dup', first task id} | {'full'} |
@@ -23,6 +25,7 @@ measured = {exec ms, slot ms, in flight, last admission, upstream pause until, n
 ]]
 --@include now.lua
 --@include stats.lua
+--@include fairness.lua
 
 if redis.call('HEXISTS', KEYS[7], ARGV[2]) == 0 then return {'gone'} end
 if ARGV[6] == '1' then
@@ -41,15 +44,23 @@ end
 
 -- Strict priority, then arrival: one priority step (2^43) outweighs any arrival count,
 -- and the score stays below 2^53 for priorities up to 1000.
-local seq = redis.call('INCR', KEYS[3])
-local score = int(-tonumber(ARGV[3]) * 8796093022208 + seq)
-
 local pending_ttl = tonumber(ARGV[5])
+local seq = redis.call('INCR', KEYS[3])
+local band = -tonumber(ARGV[3]) * 8796093022208
+local score
+if ARGV[11] == '' then
+  score = int(band + seq)
+else
+  score = int(band + fair_offset(KEYS[1], band, ARGV[3], ARGV[11], seq, pending_ttl))
+end
+
 redis.call('HSET', KEYS[2], 'status', 'pending', 'created_at', now, 'score', score,
-  'attempts', 0, 'pexp', now + pending_ttl, unpack(ARGV, 11))
+  'attempts', 0, 'pexp', now + pending_ttl, unpack(ARGV, 12))
 redis.call('PEXPIRE', KEYS[2], pending_ttl + tonumber(ARGV[9]))
 redis.call('ZADD', KEYS[1], score, ARGV[1])
-if ARGV[10] == '1' then  -- the caller's own deadline (max_wait_s): expire-3.lua sweeps it
+-- The caller's own deadline (max_wait_s), or turns (a band of a per_user endpoint is not in
+-- deadline order): tasks ahead may not be due before it, so expire-3.lua finds it there.
+if ARGV[10] == '1' or ARGV[11] ~= '' then
   redis.call('ZADD', sibling_key(KEYS[1], 'deadlines'), now + pending_ttl, ARGV[1])
 end
 redis.call('ZADD', KEYS[4], 'NX', now, ARGV[2])

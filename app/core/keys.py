@@ -39,6 +39,12 @@ class Keys:
         """Per-endpoint arrival counter: breaks ties inside a priority exactly."""
         return f"{self.prefix}:{{{endpoint}}}:seq"
 
+    def turns(self, endpoint: str, priority: int) -> str:
+        """Hash user id -> the last turn given to that user in one priority band of a
+        `fairness: per_user` endpoint (lua/includes/fairness.lua finds it as the sibling
+        `<prefix>:{e}:turns:<priority>` of the queue)."""
+        return f"{self.prefix}:{{{endpoint}}}:turns:{priority}"
+
     def stats(self, endpoint: str) -> str:
         """Hash of counters and the moving average of exec time; also `upause`, until when
         (ms) the endpoint's upstream asked for a pause (lua/includes/upstream.lua)."""

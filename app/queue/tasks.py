@@ -27,12 +27,12 @@ from app.lifecycle import Ttls
 from app.lifecycle.records import fields_of
 from app.lifecycle.results import ResultStore
 from app.models import Permit, SubmitRequest, SubmitResponse, TaskStatus, TaskType, TaskView
+from app.queue.fairness import PRIORITY_STEP, fair_ahead
 from app.queue.ids import new_task_id
 from app.settings import Settings
 from app.store import ApiKey
 from app.timefmt import rfc3339
 
-PRIORITY_STEP = 8_796_093_022_208  # 2^43: one priority step of a queue score (submit-7.lua)
 IDEMPOTENCY_TTL_MS = 24 * 3600 * 1000
 log = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ class TaskQueue:
         idem = k.idempotency(user_id, idem_key) if idem_key else k.idempotency(user_id, "-")
         pending_ms, own_deadline = self.ttls.pending_ms, False
         if req.max_wait_s is not None:
-            await self._check_deadline(endpoint, req.priority, req.max_wait_s)
+            await self._check_deadline(endpoint, req.priority, req.max_wait_s, user_id)
             own_deadline = req.max_wait_s * 1000 < pending_ms
             pending_ms = min(pending_ms, req.max_wait_s * 1000)
         try:
@@ -82,7 +82,8 @@ class TaskQueue:
                 [task_id, e, req.priority, endpoint.max_queue_len,
                  pending_ms, "1" if idem_key else "0",
                  IDEMPOTENCY_TTL_MS, key.daily_quota, self.ttls.done_ms,
-                 "1" if own_deadline else "0", *fields],
+                 "1" if own_deadline else "0",
+                 str(user_id) if endpoint.fairness == "per_user" else "", *fields],
             )
         except (RedisConnectionError, RedisTimeoutError) as exc:
             raise _maybe_queued(task_id, e, idem_key, exc) from None
@@ -105,7 +106,7 @@ class TaskQueue:
                               wait_time=wait_seconds(endpoint, ahead, res[4]))
 
     async def _check_deadline(self, endpoint: EndpointConfig, priority: int,
-                              max_wait_s: int) -> None:
+                              max_wait_s: int, user_id: int) -> None:
         """409 when a task submitted now would not start within `max_wait_s` by the estimate.
         A read before the submit, only for callers who set a deadline: a task queued and then
         withdrawn would already hold its Idempotency-Key."""
@@ -117,6 +118,8 @@ class TaskQueue:
             pipe.hmget(k.stats(e), "exec_ms", "slot_ms", "last_admit", "upause")
             pipe.time()
             ahead, in_flight, m, (secs, micros) = await pipe.execute()
+        if endpoint.fairness == "per_user":  # its turn, not the whole band, is ahead of it
+            ahead = await fair_ahead(self.redis, k, e, priority, user_id)
         now = int(secs) * 1000 + int(micros) // 1000
         estimate = estimate_wait(endpoint, ahead, [m[0], m[1], in_flight, m[2], m[3], now])
         if estimate > max_wait_s:

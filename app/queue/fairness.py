@@ -1,0 +1,37 @@
+"""Fair turns inside a priority band (endpoint `fairness: "per_user"`), as Python reads them.
+
+lua/includes/fairness.lua gives each new task its score; this module only predicts, for the
+deadline check of a submit that sets `max_wait_s`, where such a task would land."""
+
+from __future__ import annotations
+
+from redis.asyncio import Redis
+
+from app.queue.keys import Keys
+
+PRIORITY_STEP = 8_796_093_022_208  # 2^43: one priority band of a queue score (submit-7.lua)
+TURN_STEP = 8192  # 2^13: one turn inside a band (fairness.lua FAIR_TURN)
+MAX_TURN = 2**30 - 1  # fairness.lua FAIR_MAX_TURN: a band never reaches the next one
+
+
+async def fair_ahead(redis: Redis, keys: Keys, endpoint: str, priority: int,
+                     user_id: int) -> int:
+    """How many tasks would be ahead of a task `user_id` submitted now at `priority`: those of
+    higher bands, and of its own band up to the end of the turn it would take. The same rule
+    as fairness.lua; a submit or claim in between can move it by a few places."""
+    queue, band = keys.queue(endpoint), -priority * PRIORITY_STEP
+    async with redis.pipeline(transaction=False) as pipe:
+        pipe.zrangebyscore(queue, band, f"({band + PRIORITY_STEP}", start=0, num=1,
+                           withscores=True)
+        pipe.zrevrangebyscore(queue, f"({band + PRIORITY_STEP}", band, start=0, num=1,
+                              withscores=True)
+        pipe.hget(keys.turns(endpoint, priority), str(user_id))
+        head, tail, last = await pipe.execute()
+    turn = 0
+    if head:
+        current = (int(head[0][1]) - band) // TURN_STEP
+        last_turn = min(int(last) if last is not None else -1,
+                        (int(tail[0][1]) - band) // TURN_STEP)
+        turn = min(max(current, last_turn + 1), MAX_TURN)
+    count: int = await redis.zcount(queue, "-inf", f"({band + (turn + 1) * TURN_STEP}")
+    return count
