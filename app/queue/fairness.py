@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from redis.asyncio import Redis
 
-from app.queue.keys import Keys
+from app.core.keys import Keys
 
 PRIORITY_STEP = 8_796_093_022_208  # 2^43: one priority band of a queue score (submit-7.lua)
 TURN_STEP = 8192  # 2^13: one turn inside a band (fairness.lua FAIR_TURN)
