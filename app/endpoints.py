@@ -92,7 +92,8 @@ class EndpointSettings(StrictInput):
         True, description="a 429/503 with Retry-After, or x-ratelimit-remaining-*: 0 with its "
                           "reset, pauses the endpoint on every dispatcher until then; one probe "
                           "call reopens it")
-    forward_headers: list[Annotated[str, StringConstraints(max_length=128)]] = Field(
+    forward_headers: list[Annotated[str, StringConstraints(max_length=128,
+                                                           pattern=HEADER_NAME.pattern)]] = Field(
         default_factory=list, max_length=64,
         description="request headers a task may carry to this endpoint besides Accept, "
                     "Accept-Language, Content-Type, Content-Language, User-Agent and trace "
@@ -112,10 +113,15 @@ class EndpointSettings(StrictInput):
     @field_validator("limits")
     @classmethod
     def _distinct(cls, v: list[LimitSpec]) -> list[LimitSpec]:
-        # Two equal limits would share one state key (keyed by what they limit) and count twice.
-        if len({(x.limiter, x.rate, x.interval_ms, x.per) for x in v}) < len(v):
-            raise ValueError("limits must not repeat a limit")
-        return v
+        # Two equal limits would share one state key (keyed by what they limit) and count
+        # twice; one of them says all they say, so the repeats go.
+        seen: set[tuple[str, int, int, str]] = set()
+        out = []
+        for x in v:
+            if (key := (x.limiter, x.rate, x.interval_ms, x.per)) not in seen:
+                seen.add(key)
+                out.append(x)
+        return out
 
     @field_validator("methods", mode="before")
     @classmethod

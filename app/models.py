@@ -17,6 +17,10 @@ from app.webhooks import registrable
 
 MAX_PRIORITY = 1000  # keeps every queue score below 2^53 (see lua/submit-5.lua)
 ENDPOINT_ID = r"^[a-z0-9][a-z0-9_-]{0,63}$"
+_PORT = r"([1-9][0-9]{0,3}|[1-5][0-9]{4}|6[0-4][0-9]{3}|65[0-4][0-9]{2}|655[0-2][0-9]|6553[0-5])"
+CALLBACK_PREFIX = (rf"^https?://[A-Za-z0-9-]+(\.[A-Za-z0-9-]+)*(:{_PORT})?"
+                   r"(/[A-Za-z0-9_~-][A-Za-z0-9._~-]*)*/?$")
+CallbackPrefix = Annotated[str, StringConstraints(max_length=2048, pattern=CALLBACK_PREFIX)]
 # scheme://host[:port] with an unambiguous host; the rest (path, query) is checked by the caller.
 _PORT = r"(6553[0-5]|655[0-2][0-9]|65[0-4][0-9]{2}|6[0-4][0-9]{3}|[1-5][0-9]{4}|[0-9]{1,4})"
 HTTP_URL = r"^[hH][tT][tT][pP][sS]?://[A-Za-z0-9._~%-]+(:" + _PORT + ")?"
@@ -93,7 +97,9 @@ class ApiKeyCreate(StrictInput):
     tier: str = Field("standard", min_length=1, max_length=32)
     max_priority: int = Field(0, ge=0, le=MAX_PRIORITY)
     daily_quota: int = Field(0, ge=0, le=2**31 - 1, description="0 = unlimited")
-    callback_urls: list[Annotated[str, StringConstraints(max_length=2048)]] = Field(
+    # The pattern says in the OpenAPI document what `registrable` accepts: http(s), a host, an
+    # optional port, path segments not starting with a dot; no userinfo, query or fragment.
+    callback_urls: list[CallbackPrefix] = Field(
         default_factory=list, max_length=20,
         description="URL prefixes this key's tasks may name as callback_url")
 

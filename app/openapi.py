@@ -43,7 +43,31 @@ def install(app: FastAPI) -> None:
     app.openapi = openapi  # type: ignore[method-assign]
 
 
+def _hoist_defs(doc: dict[str, Any]) -> None:
+    """Request bodies of routes that read their body themselves carry pydantic's own schema
+    (app/routes/body.py), whose nested models sit in a local `$defs` that `#/$defs/...` refs
+    cannot reach from inside the document: move them to components and point the refs there."""
+    schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+
+    def walk(node: Any) -> None:
+        if isinstance(node, dict):
+            for name, sub in node.pop("$defs", {}).items():
+                schemas.setdefault(name, sub)
+                walk(sub)
+            ref = node.get("$ref")
+            if isinstance(ref, str) and ref.startswith("#/$defs/"):
+                node["$ref"] = "#/components/schemas/" + ref.removeprefix("#/$defs/")
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+
+    walk(doc["paths"])
+
+
 def _secure(doc: dict[str, Any]) -> None:
+    _hoist_defs(doc)
     doc.setdefault("components", {})["securitySchemes"] = SECURITY_SCHEMES
     for path, operations in doc["paths"].items():
         for prefix, security in SECURITY:

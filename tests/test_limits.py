@@ -122,7 +122,6 @@ async def test_limits_are_validated(gateway: Gateway, upstream: str) -> None:
     base = {"id": "v", "target_url": f"{upstream}/v"}
     one = {"limiter": "fixed_window", "rate": 100, "interval_ms": 60_000}
     bad: list[dict[str, Any]] = [
-        {"limits": [one] * 2},  # the same limit twice
         {"limits": [{**one, "rate": r} for r in range(1, 7)]},  # more than 5
         {"limits": [{**one, "per": "tokens"}]},
         {"limits": [{**one, "rate": 0}]},
@@ -134,6 +133,11 @@ async def test_limits_are_validated(gateway: Gateway, upstream: str) -> None:
                                     json={**base, **fields})
         assert r.status_code == 422, fields
         assert r.json()["error"]["code"] == "invalid_request"
+    # The same limit twice says no more than once: the repeat goes.
+    r = await gateway.http.post("/admin/v1/endpoints", headers=gateway.admin,
+                                json={"id": "twice", "target_url": f"{upstream}/twice",
+                                      "limits": [one] * 2})
+    assert r.status_code == 201 and r.json()["limits"] == [{**one, "per": "request"}], r.text
     r = await gateway.http.post("/admin/v1/endpoints", headers=gateway.admin, json={
         **base, "limits": [one, COST_LIMIT], "cost_from": "json:usage.total_tokens"})
     assert r.status_code == 201, r.text

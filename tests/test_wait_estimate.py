@@ -64,3 +64,11 @@ async def test_status_reports_the_wait_behind_busy_slots(
     # Both slots busy, one task ahead: two slots must come back first.
     assert s["wait_num"] == 1 and s["wait_time"] == 3  # 2.25 s
     await gateway.wait_finished(auth, [t["task_id"] for t in tasks])
+
+
+def test_a_further_limit_slower_than_the_main_one_sets_the_pace() -> None:
+    """3/s and 100/min: 200 tasks ahead wait for the minute limit, 2 minutes, not 67 s."""
+    ep = endpoint(rate=3, interval_ms=1000, limits=[
+        {"limiter": "sliding_window", "rate": 100, "interval_ms": 60_000}])
+    assert estimate_wait(ep, 200, [None, None, 0]) == pytest.approx(120)
+    assert estimate_wait(ep, 2, [None, None, 0]) == pytest.approx(2 / 3, abs=0.01)

@@ -341,6 +341,11 @@ def estimate_wait(endpoint: EndpointConfig | None, ahead: int, measured: Any) ->
         if last_admit and now:
             head = max(0.0, (int(last_admit) - int(now)) / 1000 + emission)
         wait = max(wait, head + ahead * emission)
+    for limit in endpoint.limits:
+        # A further limit lets `rate` through per interval: every full window's worth of tasks
+        # ahead is one more interval (a task's cost taken as 1: a per-cost limit's estimate is
+        # then a floor, the cost of the tasks ahead being unknown here).
+        wait = max(wait, ahead // limit.rate * limit.interval_ms / 1000)
     if paused_until and now and int(paused_until) > int(now):
         wait += (int(paused_until) - int(now)) / 1000  # its upstream admits nothing till then
     return round(wait, 3)

@@ -54,8 +54,9 @@ async def overview(rt: Rt) -> dict[str, Any]:
 
 @router.get("/history", operation_id="history")
 async def get_history(
-    rt: Rt, endpoints: Annotated[str, Query(max_length=20_000,
-                                            description="endpoint ids, comma-separated")] = "",
+    rt: Rt, endpoints: Annotated[str, Query(
+        max_length=8_000, pattern=r"^[a-z0-9_,-]*$",
+        description="endpoint ids, comma-separated")] = "",
 ) -> dict[str, Any]:
     """What the server sampled every 10 s over the last hour, per endpoint, oldest first:
     `[t (ms), depth, in flight, finished (a counter), failed (a counter)]`."""
