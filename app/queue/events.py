@@ -102,10 +102,9 @@ class TaskEvents:
     async def _subscribe(self, pubsub: Any, channels: list[str]) -> None:
         if pubsub is not self._pubsub:
             return  # that connection is gone; its successor subscribes to every channel wanted
-        try:
+        # A broken connection: the listener sees it, reconnects and subscribes again.
+        with contextlib.suppress(RedisError, OSError):
             await pubsub.subscribe(*channels)
-        except (RedisError, OSError):
-            pass  # the listener sees the broken connection, reconnects and subscribes again
 
     async def _listen(self) -> None:
         delay = 0.1

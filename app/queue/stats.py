@@ -234,9 +234,9 @@ def _binding(s: EndpointStats, now: int) -> dict[str, Any]:
     ep, raw = s.endpoint, s.raw
     limited_until = int(raw.get("limited_until") or 0)
     binding, at = None, None
-    if s.pending == 0:
-        pass  # nothing waits: nothing binds
-    elif ep.paused:
+    if s.pending == 0:  # nothing waits: nothing binds
+        return {"binding_limit": None, "admits_next_at": None}
+    if ep.paused:
         binding = "paused"
     elif s.upstream_paused_until is not None:
         binding = "upstream"
