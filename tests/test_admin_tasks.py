@@ -141,7 +141,8 @@ async def test_lists_an_endpoints_tasks_by_status_a_page_at_a_time(
     assert bad.status_code == 422 and bad.json()["error"]["code"] == "invalid_request"
     bad = await gateway.http.get("/admin/v1/endpoints/lst/tasks", headers=gateway.admin,
                                  params={"cursor": "nonsense"})
-    assert bad.status_code == 422 and bad.json()["error"]["code"] == "bad_cursor"
+    assert bad.status_code == 422 and bad.json()["error"]["code"] == "invalid_request"
+
     nope = await gateway.http.get("/admin/v1/endpoints/nope/tasks", headers=gateway.admin)
     assert nope.status_code == 404 and nope.json()["error"]["code"] == "endpoint_not_found"
 
