@@ -74,7 +74,7 @@ while true do
   if #head == 0 then out[1] = 'empty'; break end
   local id = head[1]
   local task = prefix .. id
-  local tf = redis.call('HMGET', task, 'type', 'pexp', 'cost')
+  local tf = redis.call('HMGET', task, 'type', 'pexp', 'cost', 'dl')
   local ttype = tf[1]
   if not ttype then
     redis.call('ZREM', KEYS[1], id)  -- its hash is gone: never runs
@@ -90,8 +90,9 @@ while true do
     if wait > 0 then out[1] = 'limited'; out[2] = wait; break end
     redis.call('ZREM', KEYS[1], id)
     -- Started, it has no pending deadline left (expire-3.lua): a per_user endpoint lists
-    -- every task there, which must not hold each one for a whole pending TTL.
-    redis.call('ZREM', deadlines, id)
+    -- every task there, which must not hold each one for a whole pending TTL. Only tasks
+    -- submit-7.lua put there (marked `dl`): no extra command per task for the others.
+    if tf[4] then redis.call('ZREM', deadlines, id) end
     local deadline = now + lease
     if ttype == 'online' then deadline = now + permit_ttl end
     redis.call('ZADD', KEYS[2], deadline, id)

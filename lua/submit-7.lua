@@ -62,6 +62,7 @@ redis.call('ZADD', KEYS[1], score, ARGV[1])
 -- deadline order): tasks ahead may not be due before it, so expire-3.lua finds it there.
 if ARGV[10] == '1' or ARGV[11] ~= '' then
   redis.call('ZADD', sibling_key(KEYS[1], 'deadlines'), now + pending_ttl, ARGV[1])
+  redis.call('HSET', KEYS[2], 'dl', 1)  -- the claim takes it off the set only when marked
 end
 redis.call('ZADD', KEYS[4], 'NX', now, ARGV[2])
 redis.call('HINCRBY', sibling_key(KEYS[1], 'stats'), 'submitted', 1)

@@ -22,7 +22,7 @@ from app import __version__
 from app.runtime import Runtime
 from app.settings import Settings
 from tests.conftest import Gateway
-from tests.test_storage import Outage, run_dispatcher
+from tests.test_storage import Outage, SqliteOutageCase, run_dispatcher
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 
@@ -301,15 +301,7 @@ async def test_dispatchers_alive_oldest_pending_age_and_configured_limits(
     assert ("qgw_oldest_pending_age_seconds", (("endpoint", "aged"),)) not in m  # none waits
 
 
-class TestDatabaseOutage:
-    @pytest.fixture
-    def outage(self, tmp_path: Path) -> Outage:
-        return Outage("sqlite", tmp_path)
-
-    @pytest.fixture
-    def settings(self, settings: Settings, outage: Outage) -> Settings:
-        """Overrides conftest's: a SQLite database the test can take away."""
-        return settings.model_copy(update={"database_url": outage.url()})
+class TestDatabaseOutage(SqliteOutageCase):
 
     async def test_database_down_and_the_outbox_backlog_show_in_metrics(
         self, gateway: Gateway, outage: Outage, upstream: str,

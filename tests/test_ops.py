@@ -3,14 +3,12 @@ outage that submit survives keeps the API process in rotation (API.md, Operation
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from app.settings import Settings
 from tests.conftest import Gateway
 from tests.servers import RedisServer, free_port
-from tests.test_storage import Outage
+from tests.test_storage import Outage, SqliteOutageCase
 
 
 class TestRedisReadOnly:
@@ -37,15 +35,7 @@ class TestRedisReadOnly:
         assert (await gateway.http.get("/readyz")).status_code == 200
 
 
-class TestDatabaseOutage:
-    @pytest.fixture
-    def outage(self, tmp_path: Path) -> Outage:
-        return Outage("sqlite", tmp_path)
-
-    @pytest.fixture
-    def settings(self, settings: Settings, outage: Outage) -> Settings:
-        """Overrides conftest's: a SQLite database the test can take away."""
-        return settings.model_copy(update={"database_url": outage.url()})
+class TestDatabaseOutage(SqliteOutageCase):
 
     async def test_a_database_outage_is_reported_and_the_process_stays_ready(
         self, gateway: Gateway, outage: Outage, upstream: str

@@ -301,6 +301,19 @@ class Outage:
             self.server.stop()
 
 
+
+class SqliteOutageCase:
+    """Base of a test class whose gateway's SQLite database it takes away (Outage)."""
+
+    @pytest.fixture
+    def outage(self, tmp_path: Path) -> Outage:
+        return Outage("sqlite", tmp_path)
+
+    @pytest.fixture
+    def settings(self, settings: Settings, outage: Outage) -> Settings:
+        """Overrides conftest's: a SQLite database the test can take away."""
+        return settings.model_copy(update={"database_url": outage.url()})
+
 @pytest.fixture
 def outage(db_url: str, tmp_path: Path) -> Iterator[Outage]:
     o = Outage("sqlite" if db_url.startswith("sqlite") else "mariadb", tmp_path)
