@@ -35,9 +35,14 @@ def main(argv: list[str] | None = None) -> None:
         print(f"qgw: {exc}", file=sys.stderr)
         sys.exit(2)
     level = settings.log_level
-    if getattr(args, "quiet", False) and level != "debug":
+    quiet = getattr(args, "quiet", False) and level != "debug"
+    if quiet:
         level = "warning"  # a shell command prints its answer; progress lines are noise there
     logs.setup(level)
+    if quiet:
+        # A one-shot command's loop ends while a background read (the registry's reconcile)
+        # may still hold a connection: its reset, cancelled on the way out, loses nothing.
+        logging.getLogger("sqlalchemy.pool").setLevel(logging.CRITICAL)
     _raise_open_files_limit()
     try:
         args.run(settings, args)

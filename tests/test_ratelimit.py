@@ -192,7 +192,7 @@ async def test_window_limiters_pace_a_burst(gateway: Gateway, kind: Kind) -> Non
     if kind == "token_bucket":
         assert second == 0
     else:  # the next goes 100 ms after the first (an idle endpoint has no catch-up yet)
-        assert 95 <= second <= 100
+        assert 90 <= second <= 100  # less what passed between the two calls (a loaded host)
 
 
 async def test_a_call_that_left_late_holds_its_slot_from_when_it_left(gateway: Gateway) -> None:
