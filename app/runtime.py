@@ -76,12 +76,13 @@ class Runtime:
             self.redis_url = await self._embedded.start()
         self.redis = redis_client(self.redis_url, s.redis_timeout_s,
                                   max(512, s.dispatch_concurrency + 64))
+        await redis_url.connect(self.redis)
         self.engine = make_engine(s.db_url)
-        self.keys = Keys(s.key_prefix)
+        self.keys = Keys(s.key_prefix, cluster=redis_url.is_cluster(self.redis_url))
         scripts = Scripts.register(self.redis)
         ep_mirror: Mirror[EndpointConfig] = Mirror(
             self.redis, self.keys, "endpoints", EndpointConfig.model_validate,
-            lambda: self.endpoints.load_all())
+            lambda: self.endpoints.load_all(), self.keys.live if self.keys.cluster else None)
         self.api_keys = Mirror(self.redis, self.keys, "api_keys", lambda d: ApiKey(**d),
                                lambda: self.key_store.load_all())
         self.endpoints = EndpointStore(self.engine, ep_mirror)
@@ -95,6 +96,7 @@ class Runtime:
             self._watchers.append(asyncio.create_task(mirror.keep_reconciled()))
         if self.with_dispatcher:
             self._blocking = redis_client(self.redis_url, s.redis_timeout_s + 2)
+            await redis_url.connect(self._blocking)
             self.http = upstream_client(s.dispatch_concurrency)
             self.dispatcher = Dispatcher(self.redis, self._blocking, self.keys, scripts,
                                          self.registry, s, self.http)

@@ -83,11 +83,8 @@ class Settings(BaseSettings):
     @field_validator("redis_url")
     @classmethod
     def _redis_scheme(cls, v: str | None) -> str | None:
-        if v and parse_redis_url(v).kind == "cluster":
-            # Scripts touch keys of several slots (DESIGN.md "Scaling out"): refuse at start
-            # rather than fail on the first submit with a CROSSSLOT or MOVED error.
-            raise ValueError("Redis Cluster is not supported yet; use one Redis or Sentinel "
-                             "(redis+sentinel://host:port[,host:port...]/<service>)")
+        if v:
+            parse_redis_url(v)  # a mistake is one line at start
         return v or None
 
     @field_validator("database_url")

@@ -68,10 +68,34 @@ def upstream() -> Iterator[str]:
         yield base
 
 
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """`@pytest.mark.backends("single", "cluster")` (on a test or a module): the test runs once
+    per Redis kind, like SAQ runs one suite over its backends."""
+    marker = metafunc.definition.get_closest_marker("backends")
+    if marker and "backend" in metafunc.fixturenames:
+        metafunc.parametrize("backend", marker.args, indirect=True)
+
+
 @pytest.fixture
-def settings(redis_server: RedisServer, tmp_path: Path) -> Settings:
+def backend(request: pytest.FixtureRequest) -> str:
+    """The Redis kind a test runs on: one Redis unless the test is marked `backends`
+    (QGW_TEST_BACKEND=cluster runs every other test on the Cluster instead)."""
+    return str(getattr(request, "param", os.environ.get("QGW_TEST_BACKEND", "single")))
+
+
+@pytest.fixture
+def redis_url(backend: str, request: pytest.FixtureRequest) -> str:
+    """The session's single Redis, or its Cluster (QGW_TEST_CLUSTER_URL names another one)."""
+    if backend == "cluster":
+        url = os.environ.get("QGW_TEST_CLUSTER_URL")
+        return url or str(request.getfixturevalue("redis_cluster").url)
+    return str(request.getfixturevalue("redis_server").url)
+
+
+@pytest.fixture
+def settings(redis_url: str, tmp_path: Path) -> Settings:
     return Settings(
-        redis_url=redis_server.url, database_url=f"sqlite+aiosqlite:///{tmp_path}/qgw.db",
+        redis_url=redis_url, database_url=f"sqlite+aiosqlite:///{tmp_path}/qgw.db",
         data_dir=tmp_path, key_prefix=f"t{uuid.uuid4().hex[:10]}", admin_token=ADMIN,
         permit_secret="test-permit-secret", lease_ms=3000, reap_interval_ms=200,
     )

@@ -9,10 +9,13 @@ from collections.abc import Awaitable, Callable
 from datetime import datetime
 
 import httpx
+import pytest
 
 from app.runtime import Runtime
 from app.settings import Settings
 from tests.conftest import Gateway
+
+pytestmark = pytest.mark.backends("single", "cluster")
 
 
 def _log(upstream: str, path: str) -> list[dict[str, object]]:

@@ -26,7 +26,7 @@ def test_sentinel_urls_name_sentinels_service_and_db() -> None:
 
 
 @pytest.mark.parametrize(("url", "says"), [
-    ("redis+cluster://127.0.0.1:7000,127.0.0.1:7001", "Redis Cluster is not supported yet"),
+    ("redis+cluster://127.0.0.1:7000,127.0.0.1:7001/0", "a Cluster URL has no path"),
     ("redis+sentinel://127.0.0.1:26379", "ends in /<service>"),
     ("redis+sentinel://127.0.0.1:x/m", "bad host:port '127.0.0.1:x'"),
     ("redis://127.0.0.1:6379/zero", "bad database number 'zero'"),

@@ -1,54 +1,98 @@
 """Every Redis key the gateway uses, in one place.
 
-Each endpoint's keys carry the endpoint id as a hash tag (`{e}`), so the scripts that touch
-one endpoint touch one Cluster slot.  A task id names its endpoint after a dot
-(`<uuid7 hex>.<endpoint id>`), so status and cancel find the task key without a lookup.
+Each endpoint's keys share one hash tag, so the scripts that touch one endpoint touch one
+Cluster slot.  A task id names its endpoint after a dot (`<uuid7 hex>.<endpoint id>`), so
+status and cancel find the task key without a lookup.
+
+On one Redis (or Sentinel) the tag is the endpoint id, `qgw:{e}:q`, and the wake markers are
+one global set.  On a Cluster a script may not reach a global set, so endpoints are grouped
+in SHARDS groups: an endpoint's keys carry its group's tag, `qgw:e:{g7}:q`, and each group
+has its own wake and delayed sets in the same slot, which a dispatcher blocks on, one
+connection per group.  The group tags are picked to lie evenly over the slot space, so the
+groups spread evenly over masters whatever the slot ranges; a user's quota and idempotency
+keys carry the user's tag, and the registry's keys one tag of their own, so its
+transactions stay in one slot.  Lua finds an endpoint's other keys with `sibling_key`, which
+replaces what follows the tag: both layouts keep the tag right before the key's last part.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import zlib
+from dataclasses import dataclass, field
+from functools import cache
+
+from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
+
+SHARDS = 16  # endpoint groups on a Cluster: wake loops per dispatcher, slots endpoints use
+
+
+@cache
+def group_tags() -> tuple[str, ...]:
+    """One tag per group, the first `g<i>.<n>` whose slot is in the group's share of slots."""
+    width = REDIS_CLUSTER_HASH_SLOTS // SHARDS
+    tags = []
+    for i in range(SHARDS):
+        n = 0
+        while key_slot(f"g{i}.{n}".encode()) // width != i:
+            n += 1
+        tags.append(f"g{i}.{n}")
+    return tuple(tags)
+
+
+def group_of(endpoint: str) -> int:
+    return zlib.crc32(endpoint.encode()) % SHARDS
 
 
 @dataclass(frozen=True, slots=True)
 class Keys:
     prefix: str = "qgw"
+    cluster: bool = False
+    _tags: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
+
+    def tag(self, endpoint: str) -> str:
+        """`{e}`, or on a Cluster `e:{<group tag>}`: the part every key of the endpoint has."""
+        tag = self._tags.get(endpoint)
+        if tag is None:
+            tag = (f"{endpoint}:{{{group_tags()[group_of(endpoint)]}}}" if self.cluster
+                   else f"{{{endpoint}}}")
+            self._tags[endpoint] = tag
+        return tag
 
     def queue(self, endpoint: str) -> str:
         """ZSet of pending task ids; score orders by priority, then arrival."""
-        return f"{self.prefix}:{{{endpoint}}}:q"
+        return f"{self.prefix}:{self.tag(endpoint)}:q"
 
     def active(self, endpoint: str) -> str:
         """ZSet of claimed task ids; score is the lease deadline (ms, Redis clock)."""
-        return f"{self.prefix}:{{{endpoint}}}:active"
+        return f"{self.prefix}:{self.tag(endpoint)}:active"
 
     def ratelimit(self, endpoint: str, limiter: str) -> str:
         """Limiter state; one key per kind, so switching kinds never meets a stale type.
         The scripts keep the pacing state beside it, `<this key>:pace:<rate>/<interval>`."""
-        return f"{self.prefix}:{{{endpoint}}}:rl:{limiter}"
+        return f"{self.prefix}:{self.tag(endpoint)}:rl:{limiter}"
 
     def task_prefix(self, endpoint: str) -> str:
-        return f"{self.prefix}:{{{endpoint}}}:t:"
+        return f"{self.prefix}:{self.tag(endpoint)}:t:"
 
     def retry(self, endpoint: str) -> str:
         """ZSet of started tasks waiting out a retry back-off; score = when due (ms, Redis
         clock).  claim-5.lua finds it as the sibling `<prefix>:{e}:retry` of the queue."""
-        return f"{self.prefix}:{{{endpoint}}}:retry"
+        return f"{self.prefix}:{self.tag(endpoint)}:retry"
 
     def seq(self, endpoint: str) -> str:
         """Per-endpoint arrival counter: breaks ties inside a priority exactly."""
-        return f"{self.prefix}:{{{endpoint}}}:seq"
+        return f"{self.prefix}:{self.tag(endpoint)}:seq"
 
     def turns(self, endpoint: str, priority: int) -> str:
         """Hash user id -> the last turn given to that user in one priority band of a
         `fairness: per_user` endpoint (lua/includes/fairness.lua finds it as the sibling
         `<prefix>:{e}:turns:<priority>` of the queue)."""
-        return f"{self.prefix}:{{{endpoint}}}:turns:{priority}"
+        return f"{self.prefix}:{self.tag(endpoint)}:turns:{priority}"
 
     def stats(self, endpoint: str) -> str:
         """Hash of counters and the moving average of exec time; also `upause`, until when
         (ms) the endpoint's upstream asked for a pause (lua/includes/upstream.lua)."""
-        return f"{self.prefix}:{{{endpoint}}}:stats"
+        return f"{self.prefix}:{self.tag(endpoint)}:stats"
 
     def outbox(self, endpoint: str) -> str:
         """ZSet of finished task ids whose SQL row is not written yet; score = when each ended
@@ -56,58 +100,80 @@ class Keys:
 
         Scripts whose KEYS their callers fix find it as a sibling of a key they were given
         (sibling_key, lua/includes/stats.lua), so it must stay `<prefix>:{e}:tosql`."""
-        return f"{self.prefix}:{{{endpoint}}}:tosql"
+        return f"{self.prefix}:{self.tag(endpoint)}:tosql"
 
     def hooks(self, endpoint: str) -> str:
         """ZSet of finished task ids whose webhook is not delivered yet; score = when due, or
         the lease deadline of the sender trying it (app/queue/webhooks.py). lifecycle.lua
         finds it as the sibling `<prefix>:{e}:hooks` of the outbox."""
-        return f"{self.prefix}:{{{endpoint}}}:hooks"
+        return f"{self.prefix}:{self.tag(endpoint)}:hooks"
 
     def outbox_legacy(self, endpoint: str) -> str:
         """Hash task id -> JSON copy of a finished task, the outbox of earlier versions: the
         writer drains what an upgrade finds there."""
-        return f"{self.prefix}:{{{endpoint}}}:outbox"
+        return f"{self.prefix}:{self.tag(endpoint)}:outbox"
 
     def outbox_refused(self, endpoint: str) -> str:
         """Hash task id -> outbox record the database refused even without its result; kept
         for an operator (the writer logs each one), never retried."""
-        return f"{self.prefix}:{{{endpoint}}}:outbox:refused"
+        return f"{self.prefix}:{self.tag(endpoint)}:outbox:refused"
 
     def delivered(self, endpoint: str) -> str:
         """ZSet of finished task ids their owner has read; score = when the SQL row may go."""
-        return f"{self.prefix}:{{{endpoint}}}:delivered"
+        return f"{self.prefix}:{self.tag(endpoint)}:delivered"
 
     def events(self, endpoint: str) -> str:
         """Pub/sub channel of the endpoint's status changes (lua/includes/events.lua): the ids
         a script changed. Hash-tagged like a key, so a Cluster port can use sharded pub/sub."""
-        return f"{self.prefix}:{{{endpoint}}}:ev"
+        return f"{self.prefix}:{self.tag(endpoint)}:ev"
 
     def history(self, endpoint: str) -> str:
         """List of the endpoint's samples every 10 s, newest first, capped at an hour
         (app/lifecycle/history.py); deleted with the endpoint, like its stats."""
-        return f"{self.prefix}:{{{endpoint}}}:hist"
+        return f"{self.prefix}:{self.tag(endpoint)}:hist"
 
     def task(self, task_id: str) -> str:
         return self.task_prefix(endpoint_of(task_id)) + task_id
 
     def idempotency(self, user_id: int, key: str) -> str:
+        if self.cluster:
+            return f"{self.prefix}:{{u{user_id}}}:idem:{key}"
         return f"{self.prefix}:idem:{user_id}:{key}"
 
     def quota(self, user_id: int) -> str:
         """Tasks the user submitted today; expires at the end of the day on the Redis clock
         (lua/submit-7.lua), so no day in the name: an API host's clock never picks the day."""
+        if self.cluster:
+            return f"{self.prefix}:{{u{user_id}}}:quota"
         return f"{self.prefix}:quota:{user_id}"
 
-    @property
-    def wake(self) -> str:
-        """ZSet of endpoints worth a claim attempt; score = when (ms, Redis clock)."""
+    def wake(self, endpoint: str) -> str:
+        """ZSet of endpoints worth a claim attempt; score = when (ms, Redis clock). One for
+        all on one Redis, one per group on a Cluster."""
+        if self.cluster:
+            return f"{self.prefix}:{{{group_tags()[group_of(endpoint)]}}}:wake"
         return f"{self.prefix}:wake"
 
-    @property
-    def delayed(self) -> str:
+    def delayed(self, endpoint: str) -> str:
         """ZSet of rate-limited endpoints; score = when their limiter admits again."""
+        if self.cluster:
+            return f"{self.prefix}:{{{group_tags()[group_of(endpoint)]}}}:delayed"
         return f"{self.prefix}:delayed"
+
+    def wake_sets(self) -> list[tuple[str, str]]:
+        """Every (wake, delayed) pair: what a dispatcher blocks on and the reaper promotes."""
+        if self.cluster:
+            return [(f"{self.prefix}:{{{t}}}:wake", f"{self.prefix}:{{{t}}}:delayed")
+                    for t in group_tags()]
+        return [(f"{self.prefix}:wake", f"{self.prefix}:delayed")]
+
+    def live(self, endpoint: str) -> str:
+        """Hash whose field `endpoint` says it exists, read by the scripts that enqueue
+        (submit-7.lua, requeue-6.lua): the registry hash on one Redis; on a Cluster, a hash in
+        the endpoint's slot that the registry keeps beside its own (core/registry.py)."""
+        if self.cluster:
+            return f"{self.prefix}:{self.tag(endpoint)}:live"
+        return self.endpoints
 
     @property
     def dispatchers(self) -> str:
@@ -116,22 +182,31 @@ class Keys:
         return f"{self.prefix}:dispatchers"
 
     @property
+    def _registry(self) -> str:
+        """The registry's keys share a tag on a Cluster (its transactions span them)."""
+        return f"{self.prefix}:{{registry}}" if self.cluster else self.prefix
+
+    @property
     def endpoints(self) -> str:
-        return f"{self.prefix}:endpoints"
+        return f"{self._registry}:endpoints"
 
     @property
     def api_keys(self) -> str:
-        return f"{self.prefix}:apikeys"
+        return f"{self._registry}:apikeys"
+
+    def withdrawn(self, table: str) -> str:
+        """Prefix of the markers of rows withdrawn ahead of their SQL delete."""
+        return f"{self._registry}:lock:withdrawn:{table}:"
 
     def lock(self, job: str) -> str:
         """A lock with a TTL that one replica holds while it runs a periodic job."""
         return f"{self.prefix}:lock:{job}"
 
     def version(self, table: str) -> str:
-        return f"{self.prefix}:{table}:ver"
+        return f"{self._registry}:{table}:ver"
 
     def channel(self, table: str) -> str:
-        return f"{self.prefix}:{table}:changed"
+        return f"{self._registry}:{table}:changed"
 
     @property
     def ready_probe(self) -> str:

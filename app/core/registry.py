@@ -47,15 +47,19 @@ class Mirror(Generic[T]):
         table: str,
         parse: Callable[[dict[str, Any]], T],
         load_sql: Callable[[], Awaitable[dict[str, str]]],
+        marker: Callable[[str], str] | None = None,
     ) -> None:
+        """`marker(id)`: a hash whose field `id` also says the row exists (Keys.live), kept
+        where the scripts that need to know can read it in their own slot."""
         self.redis, self.table, self._parse, self._load_sql = redis, table, parse, load_sql
+        self._marker = marker
         self.hash_key = getattr(keys, table)
         self.version_key, self.channel = keys.version(table), keys.channel(table)
         self.items: dict[str, T] = {}
         self.version: str | None = None
         self.listeners: list[Callable[[set[str]], None]] = []
         self.turn_key = keys.lock(f"reconcile:{table}")
-        self._held_prefix = keys.lock(f"withdrawn:{table}:")
+        self._held_prefix = keys.withdrawn(table)
         # Set: reconcile as soon as Redis answers (at start, after an outage, a failed put).
         self._stale = asyncio.Event()
         self._stale.set()
@@ -69,6 +73,10 @@ class Mirror(Generic[T]):
         With `hold_s`, a removal comes ahead of its SQL delete: the reconcile leaves the row
         out meanwhile (for `hold_s` at most, should the deleting process die)."""
         try:
+            # The marker first: a row being removed stops admitting submits before it leaves
+            # the registry, a new one admits them as soon as a process knows it.
+            await self._mark([] if value is None else [item_id], [item_id] if value is None
+                             else [])
             async with self.redis.pipeline(transaction=True) as pipe:
                 if value is None:
                     pipe.hdel(self.hash_key, item_id)
@@ -79,8 +87,10 @@ class Mirror(Generic[T]):
                 else:
                     pipe.delete(self._held_prefix + item_id)
                 pipe.incr(self.version_key)
-                pipe.publish(self.channel, item_id)
                 await pipe.execute()
+            # Outside the transaction: a channel is in no slot a Cluster transaction could
+            # name. A lost message costs a poll (watch).
+            await self.redis.publish(self.channel, item_id)
         except (RedisError, OSError):
             self._stale.set()  # the SQL write stands: the mirror catches up with it
             raise
@@ -108,6 +118,7 @@ class Mirror(Generic[T]):
                 pipe.hset(self.hash_key, mapping=rows)  # type: ignore[arg-type]
             pipe.incr(self.version_key)
             await pipe.execute()
+        await self._mark(list(rows), [])
         log.info("rebuilt the %s mirror from SQL (%d rows)", self.table, len(rows))
 
     async def watch(self) -> None:
@@ -137,11 +148,14 @@ class Mirror(Generic[T]):
             gone = [k for k in raw if k not in want]
             changed = {k: v for k, v in rows.items() if _parsed(raw.get(k)) != want[k]}
             back = [k for k in changed if k not in raw]
+            held: set[str] = set()
             if back:  # rows withdrawn ahead of their delete stay out
-                held = await pipe.mget([self._held_prefix + k for k in back])
-                for k, h in zip(back, held, strict=True):
-                    if h is not None:
-                        del changed[k]
+                marks = await pipe.mget([self._held_prefix + k for k in back])
+                held = {k for k, h in zip(back, marks, strict=True) if h is not None}
+                for k in held:
+                    del changed[k]
+            # Markers may have been lost on their own (a failover of their slot's master).
+            await self._mark([k for k in want if k not in held], gone)
             if not gone and not changed:
                 return False
             pipe.multi()  # type: ignore[no-untyped-call]
@@ -150,12 +164,22 @@ class Mirror(Generic[T]):
             if changed:
                 pipe.hset(self.hash_key, mapping=changed)  # type: ignore[arg-type]
             pipe.incr(self.version_key)
-            pipe.publish(self.channel, "*")
             await pipe.execute()
+        await self.redis.publish(self.channel, "*")
         log.warning("the %s mirror disagreed with SQL (%d gone, %d changed): put right",
                     self.table, len(gone), len(changed))
         await self.refresh()
         return True
+
+    async def _mark(self, present: list[str], absent: list[str]) -> None:
+        if self._marker is None or not (present or absent):
+            return
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for item_id in present:
+                pipe.hset(self._marker(item_id), item_id, "1")
+            for item_id in absent:
+                pipe.hdel(self._marker(item_id), item_id)
+            await pipe.execute()
 
     async def keep_reconciled(self) -> None:
         """Until cancelled: reconcile when marked stale (in every process, retried until

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from redis.asyncio import Redis
+from redis.asyncio.cluster import ClusterPipeline, RedisCluster
 from redis.exceptions import NoScriptError
 
 from app import data_path
@@ -47,6 +48,10 @@ class Lua:
     async def __call__(
         self, keys: Sequence[Any] = (), args: Sequence[Any] = (), client: Any = None
     ) -> Any:
+        if isinstance(client, ClusterPipeline):
+            # redis-py loads scripts before a pipeline of one Redis runs, not before a Cluster
+            # pipeline's, and a master just promoted may lack them: the text goes along.
+            return client.execute_command("EVAL", self._script.script, len(keys), *keys, *args)
         if client is not None:
             return await self._script(keys=keys, args=args, client=client)
         try:
@@ -69,10 +74,14 @@ class Lua:
     ) -> tuple[Any, int]:
         """The script, then WAIT for `replicas` to have its writes, in one round trip; returns
         its result and how many replicas confirmed (fewer once `timeout_ms` has passed)."""
+        # On a Cluster, WAIT goes with the script to its keys' master, on the same connection
+        # (a WAIT counts the writes of its own connection).
+        node: dict[str, Any] = ({"target_nodes": self._redis.get_node_from_key(keys[0])}
+                if isinstance(self._redis, RedisCluster) else {})
         for attempt in (1, 2):
             async with self._redis.pipeline(transaction=False) as pipe:
                 pipe.execute_command("EVALSHA", self._script.sha, len(keys), *keys, *args)
-                pipe.execute_command("WAIT", replicas, timeout_ms)
+                pipe.execute_command("WAIT", replicas, timeout_ms, **node)
                 res, acked = await pipe.execute(raise_on_error=False)
             if isinstance(res, NoScriptError) and attempt == 1:
                 await self._redis.script_load(self._script.script)
@@ -107,6 +116,8 @@ class Scripts:
     hookclaim: Lua
     hookretry: Lua
     hookdone: Lua
+    reserve: Lua
+    unreserve: Lua
 
     @classmethod
     def register(cls, redis: Redis) -> Scripts:

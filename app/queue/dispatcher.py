@@ -95,13 +95,13 @@ class Dispatcher:
     stopping: asyncio.Event = field(default_factory=asyncio.Event)
     _room: asyncio.Event = field(default_factory=asyncio.Event)
     _drained: asyncio.Event = field(default_factory=asyncio.Event)
-    _claimers: list[asyncio.Task[None]] = field(default_factory=list)
+    _claimers: list[asyncio.Task[None]] = field(default_factory=list)  # wake loops, reaper
     _heartbeat: list[asyncio.Task[None]] = field(default_factory=list)
     _background: set[asyncio.Task[None]] = field(default_factory=set)
     _retries: dict[str, asyncio.TimerHandle] = field(default_factory=dict)
     _limiters: dict[Limit, Limiter] = field(default_factory=dict)
     _starved: set[str] = field(default_factory=set)  # woken while this process had no room
-    _in_claim: bool = False
+    _in_claim: set[str] = field(default_factory=set)  # wake sets whose loop is claiming
     _ident: str = field(init=False)
     ident: str = field(init=False)
 
@@ -128,8 +128,11 @@ class Dispatcher:
         self._room.set()
         self.registry.mirror.listeners.append(self._on_config_change)
         reaper = Reaper(self.redis, self.keys, self.scripts, self.registry, self.settings)
-        for loop in (self._wake_loop, reaper.run):
-            self._claimers.append(asyncio.create_task(loop(), name=loop.__name__))
+        # One loop per wake set: one on one Redis, one per endpoint group on a Cluster (a
+        # blocking pop may not span slots), so an endpoint on any master wakes it at once.
+        for wake, _ in self.keys.wake_sets():
+            self._claimers.append(asyncio.create_task(self._wake_loop(wake), name=wake))
+        self._claimers.append(asyncio.create_task(reaper.run(), name="reaper"))
         self._heartbeat.append(asyncio.create_task(self._heartbeat_loop(), name="heartbeat"))
 
     async def stop(self, grace_s: float | None = None) -> None:
@@ -161,9 +164,11 @@ class Dispatcher:
         cancelling it would leave its tasks leased to nobody until the lease runs out."""
         for timer in self._retries.values():
             timer.cancel()
-        if not self._in_claim:  # blocked in BZPOPMIN or backing off: nothing to lose but a
-            self._claimers[0].cancel()  # marker, which the reapers' nudge restores
-        pending = [*self._claimers[:1], *self._background]
+        loops = self._claimers[:-1]
+        for loop in loops:  # blocked in BZPOPMIN or backing off: nothing to lose but a
+            if loop.get_name() not in self._in_claim:  # marker, which the reapers' nudge
+                loop.cancel()  # restores
+        pending = [*loops, *self._background]
         await asyncio.wait(pending, timeout=WAKE_BLOCK_S + self.settings.redis_timeout_s)
         await cancel_all(self._claimers)
 
@@ -173,19 +178,23 @@ class Dispatcher:
             self._spawn(self._wake(changed))
 
     async def _wake(self, endpoint_ids: set[str]) -> None:
+        by_set: dict[str, list[str]] = {}
+        for e in endpoint_ids:
+            by_set.setdefault(self.keys.wake(e), []).append(e)
         try:
-            await self.redis.zadd(self.keys.wake, dict.fromkeys(endpoint_ids, 0))
+            for wake, ids in by_set.items():
+                await self.redis.zadd(wake, dict.fromkeys(ids, 0))
         except RedisError as exc:
             log.warning("could not wake endpoints: %s", exc)
 
     # -- claiming ---------------------------------------------------------------------------
 
-    async def _wake_loop(self) -> None:
+    async def _wake_loop(self, wake: str) -> None:
         failures = 0
         while not self.stopping.is_set():
             await self._room.wait()
             try:
-                item = await self.blocking.bzpopmin(self.keys.wake, timeout=WAKE_BLOCK_S)
+                item = await self.blocking.bzpopmin(wake, timeout=WAKE_BLOCK_S)
             except (RedisError, OSError) as exc:
                 failures += 1
                 await self._backoff("wake", exc, failures)
@@ -195,11 +204,11 @@ class Dispatcher:
                 failures = 0
             if item is None:
                 continue
-            self._in_claim = True
+            self._in_claim.add(wake)
             try:
                 await self.claim(str(item[1]))
             finally:
-                self._in_claim = False
+                self._in_claim.discard(wake)
 
     async def claim(self, endpoint_id: str) -> None:
         """Claim what this endpoint may start now, and start it."""
@@ -217,8 +226,8 @@ class Dispatcher:
         asked = asyncio.get_running_loop().time()
         try:
             res = await self.scripts.claim(
-                keys=[k.queue(e), k.active(e), k.ratelimit(e, endpoint.limiter), k.wake,
-                      k.delayed],
+                keys=[k.queue(e), k.active(e), k.ratelimit(e, endpoint.limiter), k.wake(e),
+                      k.delayed(e)],
                 args=[e, room, endpoint.max_concurrency, self.settings.lease_ms,
                       endpoint.limiter, endpoint.rate, endpoint.interval_ms, k.task_prefix(e),
                       f"{self._ident}.{secrets.token_hex(8)}", endpoint.permit_ttl_s * 1000,
@@ -325,8 +334,8 @@ class Dispatcher:
         log.info("retrying in %.2f s: %s", delay, outcome.status_code or outcome.text,
                  extra=extra)
         due = await self._persist("retry", lambda: self.scripts.retry(
-            keys=[k.active(e), k.task(claim.task_id), k.retry(e), k.delayed, k.queue(e),
-                  k.wake],
+            keys=[k.active(e), k.task(claim.task_id), k.retry(e), k.delayed(e), k.queue(e),
+                  k.wake(e)],
             args=[claim.task_id, claim.token, round(delay * 1000), e, _pause_ms(claim, outcome),
                   outcome.status_code or "", round(exec_ms)]))
         if not due:
@@ -338,7 +347,7 @@ class Dispatcher:
         k, e = self.keys, claim.endpoint.id
         status = "completed" if outcome.ok else "failed"
         acked = await self._persist("ack", lambda: self.scripts.ack(
-            keys=[k.active(e), k.task(claim.task_id), k.queue(e), k.wake, k.stats(e)],
+            keys=[k.active(e), k.task(claim.task_id), k.queue(e), k.wake(e), k.stats(e)],
             args=[claim.task_id, claim.token, status, outcome.text,
                   outcome.status_code or "", self.ttls.done_ms, e,
                   round(exec_ms), _pause_ms(claim, outcome),
@@ -364,7 +373,7 @@ class Dispatcher:
                 for c in claims:
                     e = c.endpoint.id
                     await self.scripts.release(
-                        keys=[k.active(e), k.task(c.task_id), k.queue(e), k.wake, k.stats(e)],
+                        keys=[k.active(e), k.task(c.task_id), k.queue(e), k.wake(e), k.stats(e)],
                         args=[c.task_id, c.token, e, c.endpoint.max_retries + 1,
                               self.ttls.done_ms], client=pipe)
                 return await pipe.execute()

@@ -57,7 +57,7 @@ async def retry(queue: TaskQueue, task_id: str) -> dict[str, Any]:
     """A failed or expired task runs again, from its old place in its queue."""
     k, e = queue.keys, endpoint_of(task_id)
     res = await queue.scripts.requeue(
-        keys=[k.task(task_id), k.queue(e), k.wake, k.outbox(e), k.delivered(e), k.endpoints],
+        keys=[k.task(task_id), k.queue(e), k.wake(e), k.outbox(e), k.delivered(e), k.live(e)],
         args=[task_id, e, queue.ttls.pending_ms, queue.ttls.done_ms],
     )
     if res[0] == "retried":

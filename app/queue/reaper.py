@@ -54,17 +54,19 @@ class Reaper:
         async with self.redis.pipeline(transaction=False) as pipe:
             for ep in endpoints:
                 await self.scripts.reap(
-                    keys=[k.active(ep.id), k.queue(ep.id), k.wake, k.stats(ep.id)],
+                    keys=[k.active(ep.id), k.queue(ep.id), k.wake(ep.id), k.stats(ep.id)],
                     args=[ep.id, k.task_prefix(ep.id), ep.max_retries + 1, done_ms, 1000],
                     client=pipe,
                 )
             for ep in endpoints:
                 if ep.enabled:
                     await self.scripts.nudge(
-                        keys=[k.queue(ep.id), k.active(ep.id), k.wake, k.delayed],
+                        keys=[k.queue(ep.id), k.active(ep.id), k.wake(ep.id),
+                              k.delayed(ep.id)],
                         args=[ep.id, ep.max_concurrency], client=pipe)
-            await self.scripts.promote(keys=[k.delayed, k.wake], args=[PROMOTE_GRACE_MS],
-                                       client=pipe)
+            for wake, delayed in k.wake_sets():
+                await self.scripts.promote(keys=[delayed, wake], args=[PROMOTE_GRACE_MS],
+                                           client=pipe)
             results = await pipe.execute()
         for ep, (requeued, failed, ended) in zip(endpoints, results, strict=False):
             if requeued or failed or ended:

@@ -17,6 +17,7 @@ from typing import Any
 from redis.asyncio import Redis
 from redis.exceptions import NoScriptError
 
+from app.core.clock import queue_time
 from app.core.keys import Keys
 from app.core.scripts import LUA_DIR, Scripts
 from app.endpoints import EndpointConfig
@@ -116,7 +117,7 @@ async def read_metrics(redis: Redis, keys: Keys, scripts: Scripts,
     in all)."""
     for attempt in (1, 2):
         async with redis.pipeline(transaction=False) as pipe:
-            pipe.time()
+            queue_time(pipe, keys.dispatchers)
             pipe.hgetall(keys.dispatchers)
             for ep in endpoints:
                 pipe.zcard(keys.queue(ep.id))
@@ -157,7 +158,7 @@ async def queue_stats(redis: Redis, keys: Keys, scripts: Scripts,
     """The admin view (and the dashboard's data): exact counts, recent rates, the estimate for
     a new task, the oldest pending age and the last failures, in one round trip."""
     async with redis.pipeline(transaction=False) as pipe:
-        pipe.time()
+        queue_time(pipe, keys.dispatchers)
         for ep in endpoints:
             e = ep.id
             pipe.zcard(keys.queue(e))

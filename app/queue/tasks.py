@@ -18,6 +18,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from app import permits
+from app.core.clock import queue_time
 from app.core.keys import Keys, endpoint_of
 from app.core.loop import STORE_ERRORS
 from app.core.scripts import Scripts
@@ -74,17 +75,22 @@ class TaskQueue:
             await self._check_deadline(endpoint, req.priority, req.max_wait_s, user_id)
             own_deadline = req.max_wait_s * 1000 < pending_ms
             pending_ms = min(pending_ms, req.max_wait_s * 1000)
+        user_keys = [idem, k.quota(user_id)]
+        user_args = [task_id, "1" if idem_key else "0", IDEMPOTENCY_TTL_MS, key.daily_quota]
+        # On a Cluster the caller's keys are in another slot than the queue: taken first, on
+        # their own (reserve-2.lua), and stand-ins in the queue's slot turn them off in
+        # submit-7.lua.
+        reserve = k.cluster and (idem_key is not None or key.daily_quota > 0)
+        own_keys, own_args = ((user_keys, user_args[1:]) if not k.cluster
+                              else ([k.queue(e)] * 2, ["0", 0, 0]))
         try:
-            res = await self._enqueue(
-                task_id,
-                [k.queue(e), k.task(task_id), k.seq(e), k.wake, idem, k.quota(user_id),
-                 k.endpoints],
-                [task_id, e, req.priority, endpoint.max_queue_len,
-                 pending_ms, "1" if idem_key else "0",
-                 IDEMPOTENCY_TTL_MS, key.daily_quota, self.ttls.done_ms,
-                 "1" if own_deadline else "0",
-                 str(user_id) if endpoint.fairness == "per_user" else "", *fields],
-            )
+            res = await self.scripts.reserve(keys=user_keys, args=user_args) if reserve \
+                else ["ok"]
+            if res[0] == "ok":
+                res = await self._enqueue(task_id, *self._submit_call(
+                    task_id, endpoint, req, own_keys, own_args, pending_ms, own_deadline, fields))
+                if reserve and res[0] in ("gone", "full"):
+                    await self._unreserve(user_keys, user_args)
         except (RedisConnectionError, RedisTimeoutError) as exc:
             raise _maybe_queued(task_id, e, idem_key, exc) from None
         if res[0] == "dup":
@@ -105,6 +111,32 @@ class TaskQueue:
                               created_at=rfc3339(res[3]), wait_num=ahead,
                               wait_time=wait_seconds(endpoint, ahead, res[4]))
 
+    def _submit_call(
+        self, task_id: str, endpoint: EndpointConfig, req: SubmitRequest, user_keys: list[str],
+        user_args: list[Any], pending_ms: int, own_deadline: bool, fields: list[str | int],
+    ) -> tuple[list[str], list[Any]]:
+        user_id = fields[1]  # fields begin with the caller's user_id (submit)
+        """submit-7.lua's KEYS and ARGV; `user_keys`/`user_args`: the Idempotency-Key and
+        quota (keys, then honour flag, TTL, quota), or on a Cluster stand-ins that turn them
+        off (reserve-2.lua took them)."""
+        k, e = self.keys, endpoint.id
+        honour, idem_ttl, quota = user_args
+        return (
+            [k.queue(e), k.task(task_id), k.seq(e), k.wake(e), *user_keys, k.live(e)],
+            [task_id, e, req.priority, endpoint.max_queue_len, pending_ms, honour, idem_ttl,
+             quota, self.ttls.done_ms, "1" if own_deadline else "0",
+             str(user_id) if endpoint.fairness == "per_user" else "", *fields],
+        )
+
+    async def _unreserve(self, user_keys: list[str], user_args: list[Any]) -> None:
+        task_id, honour, _, quota = user_args
+        try:
+            await self.scripts.unreserve(keys=user_keys, args=[task_id, honour, quota])
+        except (RedisConnectionError, RedisTimeoutError) as exc:
+            # The count stays one too high for today, the key names a task that never was.
+            log.warning("could not give back a quota reservation: %s", exc,
+                        extra={"task_id": task_id})
+
     async def _check_deadline(self, endpoint: EndpointConfig, priority: int,
                               max_wait_s: int, user_id: int) -> None:
         """409 when a task submitted now would not start within `max_wait_s` by the estimate.
@@ -116,7 +148,7 @@ class TaskQueue:
             pipe.zcount(k.queue(e), "-inf", f"({(1 - priority) * PRIORITY_STEP}")
             pipe.zcard(k.active(e))
             pipe.hmget(k.stats(e), "exec_ms", "slot_ms", "last_admit", "upause")
-            pipe.time()
+            queue_time(pipe, k.stats(e))
             ahead, in_flight, m, (secs, micros) = await pipe.execute()
         if endpoint.fairness == "per_user":  # its turn, not the whole band, is ahead of it
             ahead = await fair_ahead(self.redis, k, e, priority, user_id)
@@ -194,7 +226,7 @@ class TaskQueue:
     async def cancel(self, user_id: int, task_id: str) -> TaskStatus:
         k, e = self.keys, endpoint_of(task_id)
         res = await self.scripts.cancel(
-            keys=[k.task(task_id), k.queue(e), k.active(e), k.wake, k.outbox(e)],
+            keys=[k.task(task_id), k.queue(e), k.active(e), k.wake(e), k.outbox(e)],
             args=[task_id, user_id, self.ttls.done_ms, e],
         )
         if res[0] == "missing":
@@ -209,7 +241,7 @@ class TaskQueue:
         """An admitted online task is done: its slot frees before the permit runs out."""
         k, e = self.keys, endpoint_of(task_id)
         res = await self.scripts.complete(
-            keys=[k.task(task_id), k.active(e), k.queue(e), k.wake, k.outbox(e)],
+            keys=[k.task(task_id), k.active(e), k.queue(e), k.wake(e), k.outbox(e)],
             args=[task_id, user_id, result or "", self.ttls.done_ms, e],
         )
         if res[0] == "missing":
