@@ -62,6 +62,7 @@ class TaskEvents:
         self._watches: dict[str, set[Watch]] = {}  # task id -> its watches
         self._users: dict[str, int] = {}  # channel -> watches of its endpoint
         self._idle_since: dict[str, float] = {}  # channel nobody watches -> since when
+        self._endpoints: dict[str, str] = {}  # channel -> its endpoint
         self._requested: set[str] = set()  # SUBSCRIBE sent on the current connection
         self._pubsub: Any = None
         self._listener: asyncio.Task[None] | None = None
@@ -72,6 +73,7 @@ class TaskEvents:
         """Register before reading the status, so no change after the read is missed."""
         w = Watch(task_id)
         ch = self.keys.events(endpoint_of(task_id))
+        self._endpoints[ch] = endpoint_of(task_id)
         self._watches.setdefault(task_id, set()).add(w)
         self._users[ch] = self._users.get(ch, 0) + 1
         self._idle_since.pop(ch, None)
@@ -154,14 +156,11 @@ class TaskEvents:
                     w.wake()
         elif kind == "subscribe":
             # Anything published before this confirmation was not heard: look again.
-            endpoint = self._endpoint_of_channel(str(msg["channel"]))
+            endpoint = self._endpoints.get(str(msg["channel"]))
             for task_id, watches in self._watches.items():
                 if endpoint_of(task_id) == endpoint:
                     for w in watches:
                         w.wake()
-
-    def _endpoint_of_channel(self, channel: str) -> str:
-        return channel[channel.index("{") + 1:channel.rindex("}")]
 
     async def _drop_idle(self, pubsub: Any) -> None:
         cutoff = time.monotonic() - self.linger_s
