@@ -1,0 +1,95 @@
+"""What a Redis Cluster changes, checked on one Redis and on a Cluster: a submit's two slots
+(the caller's quota and Idempotency-Key, the endpoint's queue) stay exact under races, and
+endpoints spread over every master, each served at once by an idle dispatcher."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import httpx
+import pytest
+
+from app.core.keys import Keys
+from app.runtime import Runtime
+from app.settings import Settings
+from tests.conftest import Gateway
+
+pytestmark = pytest.mark.backends("single", "cluster")
+
+
+@pytest.fixture
+def settings(settings: Settings) -> Settings:
+    """No reaper pass within a test: a task that starts was woken by its marker, not by the
+    reaper's nudge of endpoints whose marker went missing."""
+    return settings.model_copy(update={"reap_interval_ms": 60_000})
+
+
+async def _key(gateway: Gateway, user_id: int, **fields: Any) -> dict[str, str]:
+    r = await gateway.http.post("/admin/v1/api-keys", headers=gateway.admin,
+                                json={"user_id": user_id, **fields})
+    assert r.status_code == 201, r.text
+    return {"Authorization": f"Bearer {r.json()['key']}"}
+
+
+async def test_50_racing_submits_against_a_quota_of_10_admit_exactly_10(
+    gateway: Gateway,
+) -> None:
+    """Spread over two endpoints (two slots on a Cluster), with and without Idempotency-Keys."""
+    for e in ("qa", "qb"):
+        await gateway.add_endpoint(e, f"http://127.0.0.1:9/{e}")
+    auth = await _key(gateway, 41, daily_quota=10)
+
+    async def one(i: int) -> httpx.Response:
+        headers = {**auth, "Idempotency-Key": f"race-{i}"} if i % 2 else auth
+        return await gateway.http.post("/api/v1/tasks", headers=headers, json={
+            "target_url": f"http://127.0.0.1:9/{'qa' if i % 3 else 'qb'}"})
+
+    answers = await asyncio.gather(*(one(i) for i in range(50)))
+    codes = sorted(r.status_code for r in answers)
+    assert codes == [202] * 10 + [429] * 40, codes
+    assert all(r.json()["error"]["code"] == "quota_exceeded" for r in answers
+               if r.status_code == 429)
+
+
+async def test_a_task_refused_by_a_full_queue_gives_back_its_quota_and_its_key(
+    gateway: Gateway,
+) -> None:
+    await gateway.add_endpoint("small", "http://127.0.0.1:9/small", max_queue_len=2)
+    auth = await _key(gateway, 42, daily_quota=3)
+    url = {"target_url": "http://127.0.0.1:9/small"}
+    first = [await gateway.submit(auth, url["target_url"]) for _ in range(2)]
+    again = {**auth, "Idempotency-Key": "order-7"}
+    full = await gateway.http.post("/api/v1/tasks", headers=again, json=url)
+    assert full.status_code == 503 and full.json()["error"]["code"] == "queue_full"
+    r = await gateway.http.post(f"/api/v1/tasks/{first[0]['task_id']}/cancel", headers=auth)
+    assert r.status_code == 200, r.text
+    # The key names no task that never was: the retry queues one (and counts the 3rd of 3).
+    retried = await gateway.http.post("/api/v1/tasks", headers=again, json=url)
+    assert retried.status_code == 202, retried.text
+    assert retried.json()["task_id"] not in {t["task_id"] for t in first}
+    same = await gateway.http.post("/api/v1/tasks", headers=again, json=url)
+    assert same.json()["task_id"] == retried.json()["task_id"]
+    over = await gateway.http.post("/api/v1/tasks", headers=auth, json=url)
+    assert over.status_code == 429, over.text
+
+
+async def test_endpoints_on_every_master_are_served_by_one_idle_dispatcher(
+    gateway: Gateway, upstream: str, backend: str,
+    start_dispatcher: Callable[[], Awaitable[Runtime]],
+) -> None:
+    ids = [f"spread{i}" for i in range(12)]
+    for e in ids:
+        await gateway.add_endpoint(e, f"{upstream}/{e}")
+    keys: Keys = gateway.rt.keys
+    if backend == "cluster":
+        cluster: Any = gateway.rt.redis
+        masters = {cluster.get_node_from_key(keys.queue(e)).name for e in ids}
+        assert len(masters) == 3, masters  # 12 endpoints in 16 groups over 3 masters
+    await start_dispatcher()
+    auth = await gateway.new_key()
+    await asyncio.sleep(1.5)  # every wake loop is blocked: nothing pending anywhere
+    tasks = [(await gateway.submit(auth, f"{upstream}/{e}"))["task_id"] for e in ids]
+    done = await gateway.wait_finished(auth, tasks, timeout=20)
+    assert [d["task_status"] for d in done] == ["completed"] * len(ids)
