@@ -66,6 +66,7 @@ class Runtime:
     _blocking: Redis | None = field(default=None, init=False)
     _embedded: EmbeddedRedis | None = field(default=None, init=False)
     _watchers: list[asyncio.Task[Any]] = field(default_factory=list, init=False)
+    _beat: asyncio.Task[None] | None = field(default=None, init=False)
 
     async def start(self) -> None:
         s = self.settings
@@ -111,9 +112,10 @@ class Runtime:
             # Dispatchers have no port: the container's health check reads this heartbeat.
             # Its Redis heartbeat (who is alive, in flight) rides on the same beat.
             dispatcher = self.dispatcher
-            self._watchers.append(asyncio.create_task(beat(
+            self._beat = asyncio.create_task(beat(
                 self.redis, heartbeat_path(s),
-                lambda: heartbeats.announce(self.redis, self.keys, dispatcher))))
+                lambda: heartbeats.announce(self.redis, self.keys, dispatcher)))
+            self._watchers.append(self._beat)
 
     async def retire_endpoint(self, endpoint_id: str) -> None:
         """Delete an endpoint, only an idle one (409 otherwise), so no task is stranded in a
@@ -143,6 +145,8 @@ class Runtime:
         """Stop; in-flight calls get `grace_s` (default QGW_SHUTDOWN_GRACE_S) to finish."""
         if self.dispatcher:
             await self.dispatcher.stop(grace_s)
+            if self._beat is not None:  # a beat after the goodbye would bring it back
+                await cancel_all([self._beat])
             with contextlib.suppress(RedisError, OSError):
                 await heartbeats.forget(self.redis, self.keys, self.dispatcher.ident)
         if self.lifecycle:  # after the dispatcher: its last acks reach SQL too

@@ -150,7 +150,10 @@ class Mirror(Generic[T]):
             back = [k for k in changed if k not in raw]
             held: set[str] = set()
             if back:  # rows withdrawn ahead of their delete stay out
-                marks = await pipe.mget([self._held_prefix + k for k in back])
+                # MGET by name: redis-py refuses pipe.mget() on a Cluster, though the keys
+                # share the registry's tag (one slot).
+                marks: list[str | None] = await pipe.execute_command(  # type: ignore[assignment]
+                    "MGET", *[self._held_prefix + k for k in back])
                 held = {k for k, h in zip(back, marks, strict=True) if h is not None}
                 for k in held:
                     del changed[k]
