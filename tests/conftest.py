@@ -19,7 +19,16 @@ from app.main import create_app
 from app.mock_upstream import CONTROL_HEADERS
 from app.runtime import Runtime
 from app.settings import Settings
-from tests.servers import QGW, MariaDB, RedisServer, free_port, mock_upstream, stop, wait_port
+from tests.servers import (
+    QGW,
+    MariaDB,
+    RedisServer,
+    free_port,
+    mock_upstream,
+    stop,
+    wait_port,
+)
+from tests.topologies import ClusterSetup
 
 ADMIN = "test-admin-token"
 
@@ -30,6 +39,28 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServ
     server.start()
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterSetup]:
+    """One Redis Cluster (3 masters, 3 replicas) for the session, started on first use."""
+    cluster = ClusterSetup(tmp_path_factory.mktemp("cluster"))
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture
+def own_cluster(tmp_path: Path) -> Iterator[ClusterSetup]:
+    """A Cluster of the test's own, for tests that kill its nodes."""
+    cluster = ClusterSetup(tmp_path / "cluster")
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
 
 
 @pytest.fixture(scope="session")

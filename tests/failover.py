@@ -17,7 +17,8 @@ from pathlib import Path
 
 import httpx
 
-from tests.servers import QGW, SentinelSetup, free_port, mock_log, mock_upstream, stop, wait_port
+from tests.servers import QGW, free_port, mock_log, mock_upstream, stop, wait_port
+from tests.topologies import SentinelSetup
 
 ADMIN = "failover-admin-token"
 TERMINAL = {"completed", "failed", "expired", "cancelled"}
