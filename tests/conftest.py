@@ -93,17 +93,24 @@ def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 
 
 @pytest.fixture(scope="session")
-def upstream() -> Iterator[str]:
-    """A shared mock upstream; tests use their own paths, so their logs do not mix."""
+def upstream_server() -> Iterator[str]:
     with mock_upstream() as base:
         yield base
+
+
+@pytest.fixture
+def upstream(upstream_server: str) -> str:
+    """The session's mock upstream, its log emptied for each test: tests use their own paths,
+    and a test that runs once per backend finds only its own calls."""
+    httpx.post(f"{upstream_server}/_mock/reset").raise_for_status()
+    return upstream_server
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     """`@pytest.mark.backends("single", "cluster")` (on a test or a module): the test runs once
     per Redis kind, like SAQ runs one suite over its backends."""
     marker = metafunc.definition.get_closest_marker("backends")
-    if marker and "backend" in metafunc.fixturenames:
+    if marker and "redis_url" in metafunc.fixturenames:  # tests of their own Redis stay as they are
         metafunc.parametrize("backend", marker.args, indirect=True)
 
 

@@ -26,6 +26,8 @@ from app.settings import Settings
 from tests.conftest import ADMIN, Gateway
 from tests.servers import QGW, RedisServer, mock_log, mock_upstream, read_until, stop
 
+pytestmark = pytest.mark.backends("single", "cluster")
+
 Spawn = Callable[..., subprocess.Popen[bytes]]
 
 

@@ -26,6 +26,8 @@ from tests.test_ratelimit import (
     most_in_window,
 )
 
+pytestmark = pytest.mark.backends("single", "cluster")
+
 StartDispatcher = Callable[[], Awaitable[Runtime]]
 COST_LIMIT = {"limiter": "sliding_window", "rate": 10, "interval_ms": 2000, "per": "cost"}
 

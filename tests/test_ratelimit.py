@@ -29,6 +29,8 @@ from app.settings import Settings
 from tests.conftest import Gateway
 from tests.servers import mock_log
 
+pytestmark = pytest.mark.backends("single", "cluster")
+
 KINDS: tuple[Kind, ...] = ("sliding_window", "fixed_window", "token_bucket")
 StartDispatcher = Callable[[], Awaitable[Runtime]]
 # The margin for the jitter between the last check and the upstream: wider than the default

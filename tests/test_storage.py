@@ -35,6 +35,8 @@ from app.settings import Settings
 from tests.conftest import Gateway
 from tests.servers import QGW, MariaDB, free_port
 
+pytestmark = pytest.mark.backends("single", "cluster")
+
 T = TaskResultRow.__table__
 Start = Callable[[], Awaitable[Runtime]]
 
