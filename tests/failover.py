@@ -1,7 +1,9 @@
-"""A Sentinel failover under load, counted: `qgw serve` on a Sentinel URL, submits running and
-calls reaching the mock upstream, the master killed with -9, the replica promoted.
+"""A failover under load, counted: `qgw serve` on a Sentinel or a Cluster URL, submits running
+and calls reaching the mock upstream, the master (on a Cluster, the one holding the load's
+queue) killed with -9, its replica promoted, the dead node started again as a replica.
 
-Shared by tests/test_sentinel.py (asserts) and bench/failover.py (prints the figures).
+Shared by tests/test_sentinel.py, tests/test_cluster_failover.py (asserts) and
+bench/failover.py (prints the figures).
 """
 
 from __future__ import annotations
@@ -11,22 +13,29 @@ import os
 import signal
 import subprocess
 import time
+from abc import ABC, abstractmethod
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import httpx
 
+from app.core.keys import Keys
 from tests.servers import QGW, free_port, mock_log, mock_upstream, stop, wait_port
-from tests.topologies import SentinelSetup
+from tests.topologies import ClusterSetup, SentinelSetup
+
+Kind = Literal["sentinel", "cluster"]
 
 ADMIN = "failover-admin-token"
 TERMINAL = {"completed", "failed", "expired", "cancelled"}
+ENDPOINT = "fo"  # the endpoint the load goes to
 
 
 @dataclass
 class Figures:
     wait_replicas: int
+    kind: Kind = "sentinel"
     acknowledged: int = 0  # submits answered 202
     refused: int = 0  # answered otherwise (503) or not at all, while the master was away
     completed: int = 0  # acknowledged and then completed
@@ -35,15 +44,16 @@ class Figures:
     lost: int = 0  # acknowledged, then unknown to the gateway (404) after the failover
     duplicates: int = 0  # tasks the upstream received more than once
     refused_ran: int = 0  # tasks answered 503 (queued, not confirmed) that ran all the same
-    promoted_s: float = 0.0  # kill -9 to a majority of sentinels naming the new master
+    promoted_s: float = 0.0  # kill -9 to the new master named (by a majority of sentinels, or
+    # by every node of the Cluster)
     recover_s: float = 0.0  # kill -9 to the first 202 on a submit sent after it
     calls_resumed_s: float = 0.0  # kill -9 to the first upstream call of a task acked after it
     gateway_restarted: bool = False
     errors: Counter[str] = field(default_factory=Counter)
 
     def line(self) -> str:
-        return (f"WAIT {self.wait_replicas}: acknowledged {self.acknowledged}, completed "
-                f"{self.completed}, other terminal {self.other_terminal}, unfinished "
+        return (f"{self.kind}, WAIT {self.wait_replicas}: acknowledged {self.acknowledged}, "
+                f"completed {self.completed}, other terminal {self.other_terminal}, unfinished "
                 f"{self.unfinished}, lost {self.lost}, duplicates {self.duplicates}, refused "
                 f"{self.refused} (of which ran {self.refused_ran}); promoted after "
                 f"{self.promoted_s:.2f} s, submits back after {self.recover_s:.2f} s, calls "
@@ -81,15 +91,16 @@ class Load:
                 continue
             if r.status_code == 202:
                 self.acked.append((sent, r.json()["task_id"]))
-            else:
-                self.refused[f"{r.status_code} {r.json()['error']['code']}"] += 1
+            else:  # a 500 has no JSON body
+                code = r.json()["error"]["code"] if r.status_code != 500 else "server error"
+                self.refused[f"{r.status_code} {code}"] += 1
                 await asyncio.sleep(0.05)
 
 
 async def _setup(http: httpx.AsyncClient, target: str) -> dict[str, str]:
     admin = {"Authorization": f"Bearer {ADMIN}"}
     r = await http.post("/admin/v1/endpoints", headers=admin, json={
-        "id": "fo", "target_url": target, "rate": 2000, "interval_ms": 1000,
+        "id": ENDPOINT, "target_url": target, "rate": 2000, "interval_ms": 1000,
         "max_concurrency": 32})
     assert r.status_code == 201, r.text
     r = await http.post("/admin/v1/api-keys", headers=admin,
@@ -126,34 +137,100 @@ async def _final_states(http: httpx.AsyncClient, auth: dict[str, str], ids: list
     return states
 
 
-def _lag_replica(setup: SentinelSetup) -> None:
-    """Stop the replica and write more than the sockets between it and the master hold, so
-    what follows stays in the master's memory: a replica lagging behind (a slow link, a busy
-    host), the case asynchronous replication loses acknowledged writes in."""
-    import redis
+class _Topology(ABC):
+    """What the driver does to the Redis side, whichever it is: a replica made to lag, the
+    master's death, and the wait for the promotion (the dead node then started again, as a
+    replica)."""
 
-    setup.procs["replica"].send_signal(signal.SIGSTOP)
-    with redis.Redis(port=setup.ports["master"]) as r:
-        filler = b"x" * (1 << 20)
-        r.mset({f"filler:{i}": filler for i in range(48)})
+    setup: SentinelSetup | ClusterSetup
+    lagged: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        self.setup.start()
+
+    def stop(self) -> None:
+        self.setup.stop()
+
+    @abstractmethod
+    def lag(self) -> None: ...
+
+    @abstractmethod
+    def kill(self) -> None: ...
+
+    @abstractmethod
+    def heal(self) -> float:
+        """Seconds from the kill to the promotion."""
+
+    def _lag(self, replica: subprocess.Popen[bytes], master_port: int, tag: str) -> None:
+        """Stop the replica and write more than the sockets between it and the master hold,
+        so what follows stays in the master's memory: a replica lagging behind (a slow link,
+        a busy host), the case asynchronous replication loses acknowledged writes in."""
+        import redis
+
+        replica.send_signal(signal.SIGSTOP)
+        self.lagged = replica
+        with redis.Redis(port=master_port) as r:
+            filler = b"x" * (1 << 20)
+            r.mset({f"filler:{tag}:{i}": filler for i in range(48)})
+
+    def unlag(self) -> None:
+        if self.lagged is not None:
+            self.lagged.send_signal(signal.SIGCONT)
 
 
-async def _drive(fig: Figures, setup: SentinelSetup, port: int, base: str,
+class _Sentinel(_Topology):
+    def __init__(self, root: Path) -> None:
+        self.setup = SentinelSetup(root / "redis")
+
+    def lag(self) -> None:
+        self._lag(self.setup.procs["replica"], self.setup.ports["master"], "")
+
+    def kill(self) -> None:
+        self.setup.kill("master")
+
+    def heal(self) -> float:
+        return self.setup.revive_old_master()
+
+
+class _Cluster(_Topology):
+    def __init__(self, root: Path) -> None:
+        self.setup = ClusterSetup(root / "cluster")
+        self.victim = ""
+
+    def start(self) -> None:
+        super().start()
+        # The master of the load's endpoint, as the gateway (default prefix) names its keys.
+        self.victim = self.setup.master_for(Keys("qgw", cluster=True).queue(ENDPOINT))
+
+    def lag(self) -> None:
+        tag = "{" + Keys("qgw", cluster=True).tag(ENDPOINT).partition("{")[2]  # its slot
+        heir = self.setup.replica_of(self.victim)
+        self._lag(self.setup.procs[heir], self.setup.ports[self.victim], tag)
+
+    def kill(self) -> None:
+        self.setup.kill_master(self.victim)
+
+    def heal(self) -> float:
+        promoted = self.setup.wait_promoted(self.victim)
+        self.setup.restart(self.victim)
+        return promoted
+
+
+async def _drive(fig: Figures, redis: _Topology, port: int, base: str,
                  before_s: float, after_s: float, lag_s: float) -> None:
-    target = f"{base}/fo"
+    target = f"{base}/{ENDPOINT}"
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=5) as http:
         auth = await _setup(http, target)
         load = Load(http, auth, target)
         workers = [asyncio.create_task(load.submitter(n)) for n in range(6)]
         await asyncio.sleep(before_s)
         if lag_s:
-            await asyncio.to_thread(_lag_replica, setup)
+            await asyncio.to_thread(redis.lag)
             await asyncio.sleep(lag_s)
-        await asyncio.to_thread(setup.kill, "master")
+        await asyncio.to_thread(redis.kill)
         killed = time.monotonic()
-        if lag_s:
-            setup.procs["replica"].send_signal(signal.SIGCONT)
-        revived = asyncio.create_task(asyncio.to_thread(setup.revive_old_master))
+        redis.unlag()
+        revived = asyncio.create_task(asyncio.to_thread(redis.heal))
         while time.monotonic() - killed < 20:  # until submits are back, then some more
             back = [s for s, _ in load.acked if s > killed]
             if back and time.monotonic() - min(back) > after_s:
@@ -182,18 +259,18 @@ async def _drive(fig: Figures, setup: SentinelSetup, port: int, base: str,
 
 
 def run_failover(root: Path, wait_replicas: int, before_s: float = 2.0,
-                 after_s: float = 2.0, lag_s: float = 0.0) -> Figures:
+                 after_s: float = 2.0, lag_s: float = 0.0, kind: Kind = "sentinel") -> Figures:
     """One failover under load; the figures of what the clients saw. With `lag_s`, the
     replica lags that long behind the master before it dies."""
-    fig = Figures(wait_replicas)
-    setup = SentinelSetup(root / "redis")
+    fig = Figures(wait_replicas, kind)
+    setup = _Sentinel(root) if kind == "sentinel" else _Cluster(root)
     setup.start()
     try:
         with mock_upstream("--latency-ms", "20") as base:
             port = free_port()
             with open(root / "qgw.log", "wb") as out:
                 proc = subprocess.Popen([*QGW, "serve"], stdout=out, stderr=subprocess.STDOUT,
-                                        env=gateway_env(root, setup.url, port, wait_replicas))
+                                        env=gateway_env(root, setup.setup.url, port, wait_replicas))
             try:
                 wait_port(port, timeout=30, proc=proc)
                 asyncio.run(_drive(fig, setup, port, base, before_s, after_s, lag_s))

@@ -258,11 +258,15 @@ class ClusterSetup:
                     return names[node_id]
         raise LookupError(f"no master holds slot {slot}")
 
+    def replica_of(self, name: str) -> str:
+        """The replica of the master `name`, as that master sees it."""
+        names = {v: k for k, v in self.ids.items()}
+        return next(names[i] for i, (_, master, _) in self._view(name).items()
+                    if master == self.ids[name])
+
     def kill_master(self, name: str) -> None:
         """kill -9 a master: no shutdown, nothing flushed, as a crashed host."""
-        names = {v: k for k, v in self.ids.items()}
-        heir = next(names[i] for i, (_, master, _) in self._view(name).items()
-                    if master == self.ids[name])
+        heir = self.replica_of(name)
         proc = self.procs[name]
         proc.kill()
         proc.wait()

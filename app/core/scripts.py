@@ -10,11 +10,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from redis.asyncio import Redis
 from redis.asyncio.cluster import ClusterPipeline, RedisCluster
-from redis.exceptions import NoScriptError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import MovedError, NoScriptError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from app import data_path
 
@@ -74,23 +76,45 @@ class Lua:
     ) -> tuple[Any, int]:
         """The script, then WAIT for `replicas` to have its writes, in one round trip; returns
         its result and how many replicas confirmed (fewer once `timeout_ms` has passed)."""
-        # On a Cluster, WAIT goes with the script to its keys' master, on the same connection
-        # (a WAIT counts the writes of its own connection).
-        node: dict[str, Any] = ({"target_nodes": self._redis.get_node_from_key(keys[0])}
-                if isinstance(self._redis, RedisCluster) else {})
-        for attempt in (1, 2):
-            async with self._redis.pipeline(transaction=False) as pipe:
-                pipe.execute_command("EVALSHA", self._script.sha, len(keys), *keys, *args)
-                pipe.execute_command("WAIT", replicas, timeout_ms, **node)
-                res, acked = await pipe.execute(raise_on_error=False)
-            if isinstance(res, NoScriptError) and attempt == 1:
+        cluster = self._redis if isinstance(self._redis, RedisCluster) else None
+        for attempt in (1, 2, 3):
+            # On a Cluster, WAIT goes with the script to its keys' master, on the same
+            # connection (a WAIT counts the writes of its own connection).
+            node: dict[str, Any] = ({"target_nodes": cluster.get_node_from_key(keys[0])}
+                                    if cluster else {})
+            res, acked = await self._send(keys, args, replicas, timeout_ms, node)
+            if attempt < 3 and isinstance(res, NoScriptError):
                 await self._redis.script_load(self._script.script)
+                continue
+            if cluster and attempt < 3 and isinstance(res, MovedError):
+                # The slot map was stale (a failover): the script did not run, and the WAIT
+                # beside it asked a node that is not its master, so its count (or a replica's
+                # refusal) means nothing. Both go again, to the master the MOVED names.
+                await cluster.nodes_manager.move_slot(res)
                 continue
             for item in (res, acked):
                 if isinstance(item, Exception):
                     raise item
-            break
-        return res, int(acked)
+            return res, int(acked)
+        raise AssertionError("unreachable")
+
+    async def _send(self, keys: Sequence[Any], args: Sequence[Any], replicas: int,
+                    timeout_ms: int, node: dict[str, Any]) -> list[Any]:
+        # No redirection followed by redis-py on a Cluster: it would send the script again,
+        # alone, to the right node and keep the WAIT answered by the wrong one.
+        options = {"allow_redirections": False} if node else {}
+        try:
+            async with self._redis.pipeline(transaction=False) as pipe:
+                pipe.execute_command("EVALSHA", self._script.sha, len(keys), *keys, *args)
+                pipe.execute_command("WAIT", replicas, timeout_ms, **node)
+                return list(await pipe.execute(raise_on_error=False, **options))
+        except (RedisConnectionError, RedisTimeoutError):
+            if node:
+                # A Cluster client reads the slot map again after a node stopped answering a
+                # command, not a pipeline: without this, while only submits come, each would
+                # go on to the dead master.
+                cast(Any, self._redis)._initialize = True
+            raise
 
 
 @dataclass(frozen=True, slots=True)
