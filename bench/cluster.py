@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import signal
 import statistics
 import subprocess
 import sys
@@ -244,12 +245,20 @@ async def _submit_and_wait(
     await poller.wait(before, n)
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def median(results: list[dict[str, float]]) -> dict[str, float]:
     keys = {k for r in results for k in r}
     return {k: statistics.median(r.get(k, 0.0) for r in results) for k in keys}
 
 
 async def main(args: argparse.Namespace) -> None:
+    # Ctrl-C (or a TERM) raises where the loop stands: asyncio.run's own handler only cancels
+    # the main task, and a cancellation swallowed below it would let the run go on.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _interrupt)
     results: dict[str, list[dict[str, float]]] = {"single": [], "cluster": []}
     with tempfile.TemporaryDirectory(prefix="qgw-cbench-") as tmp, ExitStack() as stack:
         root = Path(tmp)
@@ -337,4 +346,7 @@ if __name__ == "__main__":
                    help="`qgw dispatcher` processes per topology")
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--in-flight", type=int, default=50)
-    asyncio.run(main(p.parse_args()))
+    try:
+        asyncio.run(main(p.parse_args()))
+    except KeyboardInterrupt:
+        sys.exit("interrupted: the processes it started are stopped")
