@@ -21,15 +21,15 @@ Figures:
                    expected. The point is the split below.
   CPU us/task      utime + stime from /proc/<pid>/stat before/after, per task: API processes,
                    dispatchers, Redis (masters + replicas) and their sum; the mock apart.
-  per node         for each master: how many of the 64 endpoints' queue keys it holds (CLUSTER
-                   KEYSLOT of `Keys.queue`, mapped through CLUSTER NODES) and how many of the
-                   16 endpoint groups (wake sets); its Redis CPU per task and share of the
-                   masters' CPU; the commands it ran (INFO `total_commands_processed` delta,
-                   minus the bench's own completion polls; the commands inside Lua scripts
-                   count too) per task and as a share, the scripts it ran per task (EVAL,
-                   EVALSHA, FCALL) and its top commands per task from INFO commandstats.
-                   Replicas: CPU only. An even split of CPU and commands over the three
-                   masters, close to their endpoint shares, means nothing serialises on one.
+  per node         for each master: how many of the 64 endpoints' queue keys it holds (slot as
+                   CLUSTER KEYSLOT computes it, owner from CLUSTER NODES: `master_for`) and of the
+                   16 endpoint groups (wake sets); its Redis CPU per task and share of the masters'
+                   CPU; the commands it ran (INFO `total_commands_processed` delta, minus the
+                   bench's own completion polls; the commands inside Lua scripts count too) per task
+                   and as a share, the scripts it ran per task (EVAL, EVALSHA, FCALL) and its top
+                   commands per task from INFO commandstats. Replicas: CPU only. An even split of
+                   CPU and commands over the three masters, close to their endpoint shares, means
+                   nothing serialises on one.
 The other topology's processes sit idle meanwhile (heartbeats, blocked wake loops): a little
 background CPU that neither round counts.
 
