@@ -55,6 +55,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/outbox_drain.py --outage-s 30
 	$(BIN)/python bench/waiters.py
 	$(BIN)/python bench/failover.py
+	$(BIN)/python bench/cluster.py --tasks 1500
 
 clean:
 	rm -rf $(VENV) .qgw .pytest_cache .mypy_cache .ruff_cache

@@ -19,6 +19,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import aiohttp
@@ -62,19 +63,33 @@ def cpu_s(pid: int) -> float:
     return total
 
 
-async def submit_all(port: int, auth: dict[str, str], url: str, n: int, in_flight: int) -> None:
-    body = {"target_url": url, "http_method": "POST", "body": "{}", "task_type": "offline"}
+async def submit_all(
+    port: int | Sequence[int], auth: dict[str, str], url: str | Sequence[str], n: int,
+    in_flight: int,
+) -> None:
+    """Submit `n` tasks, `in_flight` at a time; task i goes to the i-th of `url` and of `port`
+    in turn when several are given (round-robin over endpoints and API processes)."""
+    ports = [port] if isinstance(port, int) else list(port)
+    urls = [url] if isinstance(url, str) else list(url)
+    bodies = [{"target_url": u, "http_method": "POST", "body": "{}", "task_type": "offline"}
+              for u in urls]
     todo = iter(range(n))
-    conn = aiohttp.TCPConnector(limit=in_flight)
-    async with aiohttp.ClientSession(f"http://127.0.0.1:{port}", connector=conn) as http:
+    sessions = [aiohttp.ClientSession(f"http://127.0.0.1:{p}",
+                                      connector=aiohttp.TCPConnector(limit=in_flight))
+                for p in ports]
+    try:
 
         async def client() -> None:
-            for _ in todo:
+            for i in todo:
+                http, body = sessions[i % len(sessions)], bodies[i % len(bodies)]
                 async with http.post("/api/v1/tasks", json=body, headers=auth) as r:
                     if r.status != 202:
                         raise SystemExit(f"submit answered {r.status}: {await r.text()}")
 
         await asyncio.gather(*(client() for _ in range(in_flight)))
+    finally:
+        for http in sessions:
+            await http.close()
 
 
 async def one_round(

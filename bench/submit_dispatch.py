@@ -16,6 +16,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import httpx
@@ -30,10 +31,13 @@ ADMIN = "bench-admin-token-0123"  # QGW_ADMIN_TOKEN: 16 characters at least
 ROUNDS, SECONDS, TASKS = 3, 4.0, 3000
 
 
-async def setup_gateway(port: int, upstream: str) -> dict[str, str]:
+async def setup_gateway(
+    port: int, upstream: str, endpoints: Sequence[str] = ("submit", "noop")
+) -> dict[str, str]:
+    """Register `endpoints` (each at `<upstream>/<id>`, unbounded queue) and one user's key."""
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as http:
         admin = {"Authorization": f"Bearer {ADMIN}"}
-        for ep in ("submit", "noop"):
+        for ep in endpoints:
             r = await http.post("/admin/v1/endpoints", headers=admin, json={
                 "id": ep, "target_url": f"{upstream}/{ep}", "max_queue_len": 0})
             r.raise_for_status()
