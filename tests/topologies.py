@@ -250,13 +250,7 @@ class ClusterSetup:
 
     def master_for(self, key: str) -> str:
         """The node that holds `key`'s slot now, as a live node sees it."""
-        slot, names = key_slot(key.encode()), {v: k for k, v in self.ids.items()}
-        for node_id, (flags, _, slots) in self._view(self._live()[0]).items():
-            for part in slots:
-                low, _, high = part.partition("-")
-                if "master" in flags and int(low) <= slot <= int(high or low):
-                    return names[node_id]
-        raise LookupError(f"no master holds slot {slot}")
+        return self.master_for_slot(key_slot(key.encode()))
 
     def replica_of(self, name: str) -> str:
         """The replica of the master `name`, as that master sees it."""
@@ -297,6 +291,33 @@ class ClusterSetup:
             return self._unsettled()
 
         self._until(unready, f"{name} did not rejoin")
+
+    def move_slot(self, slot: int, to: str) -> None:
+        """Reshard one slot, keys and all, to master `to` while clients run (as
+        `valkey-cli --cluster reshard` does: IMPORTING/MIGRATING, MIGRATE, SETSLOT NODE)."""
+        source = self.master_for_slot(slot)
+        src_id, dst_id = self.ids[source], self.ids[to]
+        self._cmd(to, "CLUSTER", "SETSLOT", slot, "IMPORTING", src_id)
+        self._cmd(source, "CLUSTER", "SETSLOT", slot, "MIGRATING", dst_id)
+        while keys := self._cmd(source, "CLUSTER", "GETKEYSINSLOT", slot, 100):
+            self._cmd(source, "MIGRATE", "127.0.0.1", self.ports[to], "", 0, 5000, "KEYS",
+                      *keys)
+        for name in (to, source, *[n for n in self._live() if n not in (to, source)]):
+            if "master" in self._view(name)[self.ids[name]][0]:
+                self._cmd(name, "CLUSTER", "SETSLOT", slot, "NODE", dst_id)
+        self._until(self._unsettled, f"slot {slot} did not settle on {to}")
+
+    def master_for_slot(self, slot: int) -> str:
+        """The master holding `slot` now, as a live node sees it."""
+        names = {v: k for k, v in self.ids.items()}
+        for node_id, (flags, _, slots) in self._view(self._live()[0]).items():
+            for part in slots:
+                if part.startswith("["):
+                    continue  # a slot being imported or migrated, not held
+                low, _, high = part.partition("-")
+                if "master" in flags and int(low) <= slot <= int(high or low):
+                    return names[node_id]
+        raise LookupError(f"no master holds slot {slot}")
 
     def stop(self) -> None:
         for proc in self.procs.values():
