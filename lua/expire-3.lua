@@ -29,9 +29,9 @@ end
 -- ended meanwhile are dropped on the way.
 local deadlines = sibling_key(KEYS[1], 'deadlines')
 for _, id in ipairs(redis.call('ZRANGEBYSCORE', deadlines, '-inf', now, 'LIMIT', 0, max_expired)) do
-  redis.call('ZREM', deadlines, id)
   local task = ARGV[1] .. id
-  local f = redis.call('HMGET', task, 'status', 'pexp')
+  local f = redis.call('HMGET', task, 'status', 'pexp')  -- before writing (reap-4.lua)
+  redis.call('ZREM', deadlines, id)
   if f[1] == 'pending' and f[2] and tonumber(f[2]) <= now then
     expire_pending(task, id, KEYS[1], KEYS[2], KEYS[3], now)
     changed[#changed + 1] = id

@@ -17,9 +17,11 @@ local requeued, failed, ended = 0, 0, 0
 local outbox = sibling_key(KEYS[1], 'tosql')
 local changed = {}
 for _, id in ipairs(ids) do
-  redis.call('ZREM', KEYS[1], id)
+  -- Read before writing: while a Cluster reshard moves this slot, a key not yet here fails
+  -- the script, and what it already wrote stays (Redis does not roll back).
   local task = ARGV[2] .. id
   local fields = redis.call('HMGET', task, 'type', 'attempts', 'score', 'status', 'started_at')
+  redis.call('ZREM', KEYS[1], id)
   if fields[1] and fields[4] == 'processing' then
     redis.call('HDEL', task, 'lease', 'deadline')
     changed[#changed + 1] = id

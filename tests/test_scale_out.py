@@ -93,3 +93,49 @@ async def test_endpoints_on_every_master_are_served_by_one_idle_dispatcher(
     tasks = [(await gateway.submit(auth, f"{upstream}/{e}"))["task_id"] for e in ids]
     done = await gateway.wait_finished(auth, tasks, timeout=20)
     assert [d["task_status"] for d in done] == ["completed"] * len(ids)
+
+
+async def test_a_key_whose_first_submit_never_queued_makes_the_task_on_retry(
+    gateway: Gateway, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The queueing step fails once (its master gone mid-request); the 503 says to retry with
+    the same Idempotency-Key, and that retry queues the task (on a Cluster the key was already
+    taken in the caller's slot: it must not name a task that never was)."""
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    from app.queue.tasks import TaskQueue
+
+    await gateway.add_endpoint("once", "http://127.0.0.1:9/once")
+    auth = {**await _key(gateway, 43, daily_quota=5), "Idempotency-Key": "order-9"}
+    real, failed = TaskQueue._enqueue, []
+
+    async def fail_once(self: TaskQueue, *args: Any) -> Any:
+        if not failed:
+            failed.append(1)
+            raise RedisConnectionError("the queue's master went away")
+        return await real(self, *args)
+
+    monkeypatch.setattr(TaskQueue, "_enqueue", fail_once)
+    url = {"target_url": "http://127.0.0.1:9/once"}
+    first = await gateway.http.post("/api/v1/tasks", headers=auth, json=url)
+    assert first.status_code == 503 and failed, first.text
+    retried = await gateway.http.post("/api/v1/tasks", headers=auth, json=url)
+    assert retried.status_code == 202, retried.text
+    tid = retried.json()["task_id"]
+    assert (await gateway.status(auth, tid))["task_status"] == "pending"
+    again = await gateway.http.post("/api/v1/tasks", headers=auth, json=url)
+    assert again.json()["task_id"] == tid  # the key names it now
+
+
+async def test_two_submits_with_one_key_to_a_full_queue_both_hear_it_is_full(
+    gateway: Gateway,
+) -> None:
+    await gateway.add_endpoint("tiny", "http://127.0.0.1:9/tiny", max_queue_len=1)
+    auth = await _key(gateway, 44)
+    await gateway.submit(auth, "http://127.0.0.1:9/tiny")
+    same = {**auth, "Idempotency-Key": "twice"}
+    answers = await asyncio.gather(*(gateway.http.post(
+        "/api/v1/tasks", headers=same, json={"target_url": "http://127.0.0.1:9/tiny"})
+        for _ in range(2)))
+    assert [(r.status_code, r.json()["error"]["code"]) for r in answers] == \
+        [(503, "queue_full")] * 2

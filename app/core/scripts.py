@@ -142,6 +142,7 @@ class Scripts:
     hookdone: Lua
     reserve: Lua
     unreserve: Lua
+    confirm: Lua
 
     @classmethod
     def register(cls, redis: Redis) -> Scripts:

@@ -67,8 +67,15 @@ class Reaper:
             for wake, delayed in k.wake_sets():
                 await self.scripts.promote(keys=[delayed, wake], args=[PROMOTE_GRACE_MS],
                                            client=pipe)
-            results = await pipe.execute()
-        for ep, (requeued, failed, ended) in zip(endpoints, results, strict=False):
+            # Errors kept apart: on a Cluster a master being failed over must not stop the
+            # reaping of the endpoints on the others.
+            results = await pipe.execute(raise_on_error=False)
+        for ep, res in zip(endpoints, results, strict=False):
+            if isinstance(res, Exception):
+                continue
+            requeued, failed, ended = res
             if requeued or failed or ended:
                 log.info("reaped expired leases", extra={
                     "endpoint": ep.id, "requeued": requeued, "failed": failed, "ended": ended})
+        if errors := [r for r in results if isinstance(r, Exception)]:
+            raise errors[0]

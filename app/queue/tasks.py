@@ -30,6 +30,7 @@ from app.lifecycle.results import ResultStore
 from app.models import Permit, SubmitRequest, SubmitResponse, TaskStatus, TaskType, TaskView
 from app.queue.fairness import PRIORITY_STEP, fair_ahead
 from app.queue.ids import new_task_id
+from app.queue.reservations import Reservation, Reservations
 from app.settings import Settings
 from app.store import ApiKey
 from app.timefmt import rfc3339
@@ -49,6 +50,13 @@ class TaskQueue:
     @cached_property
     def ttls(self) -> Ttls:
         return Ttls.of(self.settings)
+
+    @cached_property
+    def reservations(self) -> Reservations:
+        s = self.settings
+        return Reservations(self.redis, self.keys, self.scripts, self.results,
+                            s.redis_wait_replicas, s.redis_timeout_s + 0.5,
+                            IDEMPOTENCY_TTL_MS)
 
     async def submit(
         self, key: ApiKey, endpoint: EndpointConfig, req: SubmitRequest, idem_key: str | None
@@ -78,19 +86,22 @@ class TaskQueue:
         user_keys = [idem, k.quota(user_id)]
         user_args = [task_id, "1" if idem_key else "0", IDEMPOTENCY_TTL_MS, key.daily_quota]
         # On a Cluster the caller's keys are in another slot than the queue: taken first, on
-        # their own (reserve-2.lua), and stand-ins in the queue's slot turn them off in
-        # submit-7.lua.
-        reserve = k.cluster and (idem_key is not None or key.daily_quota > 0)
+        # their own (app/queue/reservations.py), and stand-ins in the queue's slot turn them
+        # off in submit-7.lua.
+        held = self.reservations.reservation(
+            user_keys, task_id, idem_key is not None, key.daily_quota) if k.cluster and (
+            idem_key is not None or key.daily_quota > 0) else None
         own_keys, own_args = ((user_keys, user_args[1:]) if not k.cluster
                               else ([k.queue(e)] * 2, ["0", 0, 0]))
         try:
-            res = await self.scripts.reserve(keys=user_keys, args=user_args) if reserve \
-                else ["ok"]
+            res = await self.reservations.take(held, user_id) if held else ["ok"]
             if res[0] == "ok":
                 res = await self._enqueue(task_id, *self._submit_call(
                     task_id, endpoint, req, own_keys, own_args, pending_ms, own_deadline, fields))
-                if reserve and res[0] in ("gone", "full"):
-                    await self._unreserve(user_keys, user_args)
+                if held and res[0] in ("gone", "full"):
+                    await self._unreserve(held)
+                elif held and res[0] == "ok":
+                    await self.reservations.confirm(held)
         except (RedisConnectionError, RedisTimeoutError) as exc:
             raise _maybe_queued(task_id, e, idem_key, exc) from None
         if res[0] == "dup":
@@ -128,14 +139,14 @@ class TaskQueue:
              str(user_id) if endpoint.fairness == "per_user" else "", *fields],
         )
 
-    async def _unreserve(self, user_keys: list[str], user_args: list[Any]) -> None:
-        task_id, honour, _, quota = user_args
+    async def _unreserve(self, held: Reservation) -> None:
         try:
-            await self.scripts.unreserve(keys=user_keys, args=[task_id, honour, quota])
+            await self.reservations.give_back(held)
         except (RedisConnectionError, RedisTimeoutError) as exc:
-            # The count stays one too high for today, the key names a task that never was.
+            # The count stays one too high for today; the key names a task that never was,
+            # which the next submit with it finds out (Reservations.take).
             log.warning("could not give back a quota reservation: %s", exc,
-                        extra={"task_id": task_id})
+                        extra={"task_id": held.args[0]})
 
     async def _check_deadline(self, endpoint: EndpointConfig, priority: int,
                               max_wait_s: int, user_id: int) -> None:
