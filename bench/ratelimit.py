@@ -21,6 +21,8 @@ Then, with --cases multi,cost (ours only, 1 and 2 dispatchers), endpoints under 
 at once (API.md `limits`):
   multi  50/s (the main limit) + 120 per 5 s, where the second binds (a shortened 50/s + 1000/min)
   cost   200 cost units per second (`per: "cost"`), tasks of random cost 1..5, no request limit
+  paced  the same under a looser 100/s request limit too (the cost limit binds; the main
+         limit's pacing spreads each window's admissions)
 measured on the upstream's log against every limit, each call against the earliest call whose
 units, with its own, exceed the limit's rate (the same steady-state rule as above):
   delivered  units per window over those spans / rate, for the limit that binds (the highest)
@@ -207,6 +209,7 @@ class Case:
 CASES = {
     "multi": Case("multi", 50, ((120, 5000, "request"),), 360),
     "cost": Case("cost", 0, ((200, 1000, "cost"),), 400, (1, 5)),
+    "paced": Case("paced", 100, ((200, 1000, "cost"),), 400, (1, 5)),
 }
 
 
@@ -261,7 +264,7 @@ async def run_limits(api: Api, env: dict[str, str], mock: str, case: Case, procs
 
 
 def limits_table(rows: list[LimitsRow]) -> str:
-    head = (f"{'case':<6} {'procs':>5} {'limits':<26} {'calls':>5} {'delivered/tightest':>18} "
+    head = (f"{'case':<9} {'procs':>5} {'limits':<26} {'calls':>5} {'delivered/tightest':>18} "
             f"{'per limit':>13} {'windows over':>12}")
     lines = [head, "-" * len(head)]
     for r in rows:
@@ -269,7 +272,7 @@ def limits_table(rows: list[LimitsRow]) -> str:
         limits = ([f"{case.rate}/{INTERVAL_MS}ms"] if case.rate else []) + [
             f"{n}{' cost' if per == 'cost' else ''}/{i}ms" for n, i, per in case.limits]
         lines.append(
-            f"{r.case:<6} {r.procs:>5} {' + '.join(limits):<26} {r.calls:>5} "
+            f"{r.case:<9} {r.procs:>5} {' + '.join(limits):<26} {r.calls:>5} "
             f"{max(r.delivered):>18.3f} {' '.join(f'{d:.3f}' for d in r.delivered):>13} "
             f"{' + '.join(str(o) for o in r.over):>12}")
     return "\n".join(lines)
