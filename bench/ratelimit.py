@@ -17,6 +17,17 @@ Measured on what the upstream received (arrival times in its log), each call aga
              it, p50 and p99 in ms; negative means the upstream saw that window overfull
   transit    from admission to arrival at the upstream, p99 in ms: the dispatch jitter that
              the upstream sees on top of the limiter's exact windows
+Then, with --cases multi,cost (ours only, 1 and 2 dispatchers), endpoints under several limits
+at once (API.md `limits`):
+  multi  50/s (the main limit) + 120 per 5 s, where the second binds (a shortened 50/s + 1000/min)
+  cost   200 cost units per second (`per: "cost"`), tasks of random cost 1..5, no request limit
+  paced  the same under a looser 100/s request limit too (the cost limit binds; the main
+         limit's pacing spreads each window's admissions)
+measured on the upstream's log against every limit, each call against the earliest call whose
+units, with its own, exceed the limit's rate (the same steady-state rule as above):
+  delivered  units per window over those spans / rate, for the limit that binds (the highest)
+  over       sliding windows [t, t + interval) at the upstream holding more than the rate, per
+             limit (target 0)
 Loopback only; bounded to about three minutes.  Run: .venv/bin/python bench/ratelimit.py
 """
 
@@ -25,6 +36,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import random
 import sys
 import tempfile
 import time
@@ -114,22 +126,29 @@ async def run_ours(api: Api, env: dict[str, str], mock: str, rate: int, procs: i
     await api.admin("POST", "/admin/v1/endpoints", id=eid, target_url=url, rate=rate,
                     interval_ms=INTERVAL_MS, max_queue_len=0)
     ids = await api.submit_all(url, n)
-    await api.admin("PATCH", f"/admin/v1/endpoints/{eid}", enabled=False)  # hold the backlog
-    await reset(mock)
-    workers = [spawn([*QGW, "dispatcher"], env) for _ in range(procs)]
-    try:
-        await blocked_on(api.rt.redis, procs)  # until every dispatcher is up
-        await api.admin("PATCH", f"/admin/v1/endpoints/{eid}", enabled=True)
-        log = await arrivals(mock, f"/{eid}", n, timeout=BACKLOG_S * 4 + 10)
-    finally:
-        for w in workers:
-            stop(w)
+    log = await drain(api, env, mock, eid, n, procs, timeout=BACKLOG_S * 4 + 10)
     async with api.rt.redis.pipeline(transaction=False) as pipe:
         for tid in ids:
             pipe.hget(api.rt.keys.task(tid), "started_at")
         started = dict(zip(ids, await pipe.execute(), strict=True))
     admitted = {k: float(v) for k, v in started.items() if v is not None}
     return measure("ours", procs, rate, by_call(log), admitted)
+
+
+async def drain(api: Api, env: dict[str, str], mock: str, eid: str, n: int, procs: int,
+                timeout: float) -> list[dict[str, object]]:
+    """Release the endpoint's backlog to `procs` dispatcher processes at once; the upstream's
+    log of its calls."""
+    await api.admin("PATCH", f"/admin/v1/endpoints/{eid}", enabled=False)  # hold the backlog
+    await reset(mock)
+    workers = [spawn([*QGW, "dispatcher"], env) for _ in range(procs)]
+    try:
+        await blocked_on(api.rt.redis, procs)  # until every dispatcher is up
+        await api.admin("PATCH", f"/admin/v1/endpoints/{eid}", enabled=True)
+        return await arrivals(mock, f"/{eid}", n, timeout=timeout)
+    finally:
+        for w in workers:
+            stop(w)
 
 
 def by_call(log: list[dict[str, object]]) -> dict[str, float]:
@@ -152,14 +171,16 @@ class Api:
         out: dict[str, Any] = r.json()
         return out
 
-    async def submit_all(self, url: str, n: int) -> list[str]:
+    async def submit_all(self, url: str, n: int, costs: list[int] | None = None) -> list[str]:
         if not self.auth:
             key = (await self.admin("POST", "/admin/v1/api-keys", user_id=1))["key"]
             self.auth = {"Authorization": f"Bearer {key}"}
         ids: list[str] = []
         for i in range(n):
-            r = await self.http.post("/api/v1/tasks", headers=self.auth,
-                                     json={"target_url": url, "body": str(i)})
+            task: dict[str, Any] = {"target_url": url, "body": str(i)}
+            if costs:
+                task["cost"] = costs[i]
+            r = await self.http.post("/api/v1/tasks", headers=self.auth, json=task)
             r.raise_for_status()
             ids.append(r.json()["task_id"])
         return ids
@@ -172,6 +193,89 @@ async def blocked_on(redis: Redis, count: int, timeout: float = 30) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError("dispatchers did not start")
         await asyncio.sleep(0.1)
+
+
+# -- several limits, and cost ----------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    rate: int  # the main limit per INTERVAL_MS (0 = none)
+    limits: tuple[tuple[int, int, str], ...]  # further sliding windows: rate, interval, per
+    tasks: int
+    costs: tuple[int, int] = (1, 1)  # each task's cost, drawn uniformly
+
+
+CASES = {
+    "multi": Case("multi", 50, ((120, 5000, "request"),), 360),
+    "cost": Case("cost", 0, ((200, 1000, "cost"),), 400, (1, 5)),
+    "paced": Case("paced", 100, ((200, 1000, "cost"),), 400, (1, 5)),
+}
+
+
+@dataclass
+class LimitsRow:
+    case: str
+    procs: int
+    calls: int
+    delivered: list[float]  # per limit, the main one first
+    over: list[int]  # per limit
+
+
+def against(calls: list[tuple[float, int]], rate: int, interval: int) -> tuple[float, int]:
+    """(delivered, windows over) of time-ordered (arrival, units) calls under one limit. Each
+    call j against the latest call i whose units with j's, and all between, exceed the rate: a
+    limit kept means i arrived at least `interval` before j; the units after i, over that span,
+    are what the limit let through (for a request limit: `rate` calls, i = j - rate)."""
+    spent = spans = 0.0
+    over, i, units = 0, 0, 0
+    for t, c in calls:
+        units += c
+        while units > rate:
+            units -= calls[i][1]
+            i += 1
+        if i == 0:
+            continue  # the opening allowance
+        spent += units
+        spans += t - calls[i - 1][0]
+        over += t - calls[i - 1][0] < interval
+    return (interval * spent / spans / rate if spans else float("nan")), over
+
+
+async def run_limits(api: Api, env: dict[str, str], mock: str, case: Case, procs: int
+                     ) -> LimitsRow:
+    eid = f"{case.name}-{procs}"
+    url = f"{mock}/{eid}"
+    limits = [{"limiter": "sliding_window", "rate": r, "interval_ms": i, "per": per}
+              for r, i, per in case.limits]
+    await api.admin("POST", "/admin/v1/endpoints", id=eid, target_url=url, rate=case.rate,
+                    interval_ms=INTERVAL_MS, max_queue_len=0, limits=limits)
+    rng = random.Random(procs)
+    costs = [rng.randint(*case.costs) for _ in range(case.tasks)]
+    ids = await api.submit_all(url, case.tasks, costs if case.costs != (1, 1) else None)
+    cost_of = dict(zip(ids, costs, strict=True))
+    log = await drain(api, env, mock, eid, case.tasks, procs, timeout=60)
+    calls = sorted((t, cost_of[k]) for k, t in by_call(log).items())
+    checks = ([(case.rate, INTERVAL_MS, "request")] if case.rate else []) + list(case.limits)
+    results = [against([(t, c if per == "cost" else 1) for t, c in calls], r, i)
+               for r, i, per in checks]
+    return LimitsRow(case.name, procs, len(calls), [d for d, _ in results],
+                     [o for _, o in results])
+
+
+def limits_table(rows: list[LimitsRow]) -> str:
+    head = (f"{'case':<9} {'procs':>5} {'limits':<26} {'calls':>5} {'delivered/tightest':>18} "
+            f"{'per limit':>13} {'windows over':>12}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        case = CASES[r.case]
+        limits = ([f"{case.rate}/{INTERVAL_MS}ms"] if case.rate else []) + [
+            f"{n}{' cost' if per == 'cost' else ''}/{i}ms" for n, i, per in case.limits]
+        lines.append(
+            f"{r.case:<9} {r.procs:>5} {' + '.join(limits):<26} {r.calls:>5} "
+            f"{max(r.delivered):>18.3f} {' '.join(f'{d:.3f}' for d in r.delivered):>13} "
+            f"{' + '.join(str(o) for o in r.over):>12}")
+    return "\n".join(lines)
 
 
 # -- the seed --------------------------------------------------------------------------------
@@ -263,8 +367,8 @@ def table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
-async def main(rates: tuple[int, ...], impls: tuple[str, ...], procs_list: tuple[int, ...]
-               ) -> None:
+async def main(rates: tuple[int, ...], impls: tuple[str, ...], procs_list: tuple[int, ...],
+               cases: tuple[str, ...] = ()) -> None:
     began = STARTED
     tmp = Path(tempfile.mkdtemp(prefix="qgw-bench-rl-"))
     redis_server = RedisServer(tmp / "redis")
@@ -280,6 +384,7 @@ async def main(rates: tuple[int, ...], impls: tuple[str, ...], procs_list: tuple
            "QGW_PERMIT_SECRET": "bench", "QGW_LOG_LEVEL": "warning"}
     rt = Runtime(settings)
     rows: list[Row] = []
+    limits_rows: list[LimitsRow] = []
     try:
         wait_port(mock_port, 30, mock_proc)
         await asyncio.to_thread(migrate.upgrade, settings.db_url)
@@ -298,6 +403,13 @@ async def main(rates: tuple[int, ...], impls: tuple[str, ...], procs_list: tuple
                            else await run_seed(redis_server.url, mock, rate, procs))
                     rows.append(row)
                     print(table([row]).splitlines()[-1], flush=True)
+        for name in cases:
+            for procs in procs_list:
+                if time.monotonic() - began > BUDGET_S:
+                    print(f"skipped {name} x{procs}: time budget spent")
+                    continue
+                limits_rows.append(await run_limits(api, env, mock, CASES[name], procs))
+                print(limits_table(limits_rows[-1:]).splitlines()[-1], flush=True)
         await http.aclose()
     finally:
         await rt.stop()
@@ -305,7 +417,10 @@ async def main(rates: tuple[int, ...], impls: tuple[str, ...], procs_list: tuple
         redis_server.stop()
     print(f"\nsliding window, interval {INTERVAL_MS} ms, backlog {BACKLOG_S} s, mock latency 0, "
           f"{time.monotonic() - began:.0f} s in all\n")
-    print(table(rows))
+    if rows:
+        print(table(rows))
+    if limits_rows:
+        print(f"\n{limits_table(limits_rows)}")
 
 
 def seed_main(argv: list[str]) -> None:
@@ -318,7 +433,7 @@ def seed_main(argv: list[str]) -> None:
 
 
 def ints(text: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in text.split(","))
+    return tuple(int(x) for x in text.split(",") if x)
 
 
 if __name__ == "__main__":
@@ -329,5 +444,7 @@ if __name__ == "__main__":
         cli.add_argument("--rates", type=ints, default=RATES, help="e.g. 50,200,1000")
         cli.add_argument("--impls", type=lambda s: tuple(s.split(",")), default=("ours", "seed"))
         cli.add_argument("--procs", type=ints, default=(1, 2), help="dispatcher processes")
+        cli.add_argument("--cases", type=lambda s: tuple(c for c in s.split(",") if c),
+                         default=tuple(CASES), help=f"of {','.join(CASES)}; '' for none")
         a = cli.parse_args()
-        asyncio.run(main(a.rates, a.impls, a.procs))
+        asyncio.run(main(a.rates, a.impls, a.procs, a.cases))

@@ -13,7 +13,7 @@ none admitting (limits.lua); their state keys are siblings of KEYS[1]. A per-cos
 the task's `cost` field.
 An endpoint its upstream paused (upstream.lua) is 'limited' until then, then claims one probe.
 Returns {state, wait ms, now, then per claim: id, token, attempts, type, method, url, headers,
-query, body}; state is
+query, body, cost (what it spent of per-cost limits, uncapped)}; state is
 'more' (N reached, work remains), 'empty', 'full' (concurrency cap) or 'limited' (retry in wait ms).
 Task ids whose hash has expired are dropped from the queue on the way; tasks past their
 pending deadline are expired (lifecycle.lua; the stats and outbox keys are siblings of KEYS[1]).
@@ -110,7 +110,8 @@ while true do
       stats_observe(stats, 'queue_wait_ms', now - created)
     end
     local req = redis.call('HMGET', task, 'method', 'url', 'headers', 'query', 'body')
-    for _, v in ipairs({id, token, attempts, ttype, req[1], req[2], req[3], req[4], req[5]}) do
+    local fields = {id, token, attempts, ttype, req[1], req[2], req[3], req[4], req[5], tf[3] or 1}
+    for _, v in ipairs(fields) do
       out[#out + 1] = v
     end
   end

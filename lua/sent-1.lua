@@ -3,7 +3,8 @@ The claim records an admission at the Redis time it ran; the call may leave late
 busy for a moment, a connection to open), and a window that is exact at admission is then
 over the limit where the upstream receives the calls. Each entry moves later by its measured
 delay, so the windows later admissions are checked against are those of the real sends.
-KEYS[1] the sliding-window log (a ZSet; its members are the claims' lease tokens)
+KEYS[1] a sliding-window log (a ZSet; its members are the claims' lease tokens, with
+':<units>' in a per-cost log)
 ARGV[1], ARGV[2], ...  member, delay (ms), member, delay, ...
 Entries already gone (out of the window) stay gone (XX). Returns how many moved.
 ]]

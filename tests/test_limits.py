@@ -8,11 +8,13 @@ mock's log); wall-clock time only bounds how long a test may take.
 from __future__ import annotations
 
 import subprocess
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
 
+from app.queue.dispatcher import Claim
 from app.runtime import Runtime
 from app.settings import Settings
 from tests.conftest import Gateway
@@ -82,6 +84,37 @@ async def test_a_cost_limit_spends_each_tasks_cost(
     times = _arrivals(fresh_upstream, "/cost")
     assert len(times) == 8
     assert most_in_window(times, 2000) == 2
+
+
+async def test_a_cost_limit_holds_where_calls_that_left_late_arrive(
+    gateway: Gateway, fresh_upstream: str, start_dispatcher: StartDispatcher,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A per-cost limit alone (no request limit to pace it) admits a whole window at once; when
+    that burst leaves 300 ms late (a busy process, cold connections), the next window's calls
+    must wait for 1 s after the late ones arrived, not after they were admitted."""
+    url = f"{fresh_upstream}/late"
+    await gateway.add_endpoint("late", url, paused=True, limits=[
+        {**COST_LIMIT, "interval_ms": 1000}])
+    auth = await gateway.new_key()
+    await _backlog(gateway, auth, url, 4, cost=5)
+    dispatcher = (await start_dispatcher()).dispatcher
+    assert dispatcher is not None
+    start, busy = dispatcher._start, [0.3]
+
+    def late_start(claim: Claim) -> None:  # the first claim's calls leave 300 ms late
+        if busy:
+            time.sleep(busy.pop())
+        start(claim)
+
+    monkeypatch.setattr(dispatcher, "_start", late_start)
+    await _patch(gateway, "late", paused=False)
+    await _drain(gateway, ["late"], timeout=20)
+
+    times = _arrivals(fresh_upstream, "/late")
+    assert len(times) == 4
+    assert times[1] - times[0] < 100  # the first window's two went together, late
+    assert most_in_window(times, 1000) == 2  # 10 units: never a third call of cost 5
 
 
 async def test_the_real_cost_settles_the_reservation(

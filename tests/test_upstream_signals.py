@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from app.queue.signals import pause_s, reset_s
+from app.queue.signals import ALIGN_MARGIN_S, pause_s, reset_s
 from tests.conftest import Gateway
 
 Spawn = Callable[..., subprocess.Popen[bytes]]
@@ -26,14 +26,31 @@ def test_the_common_header_forms_are_read() -> None:
     assert reset_s(str(now + 7), now) == 7  # a unix time
     assert reset_s("2027-01-15T08:00:07Z", 1_800_000_000.0) is not None
     assert reset_s("soon", now) is None
-    assert pause_s(429, {"retry-after": "3"}) == 3
-    assert pause_s(500, {"retry-after": "3"}) is None  # only 429 and 503 ask for a pause
+    assert pause_s(429, {"retry-after": "3"}, now) == 3 + ALIGN_MARGIN_S  # now: a whole second
+    assert pause_s(500, {"retry-after": "3"}, now) is None  # only 429 and 503 ask for a pause
     assert pause_s(200, {"x-ratelimit-remaining-tokens": "0",
-                         "x-ratelimit-reset-tokens": "1.5s"}) == 1.5
+                         "x-ratelimit-reset-tokens": "1.5s"}, now) == 1.5
     assert pause_s(200, {"x-ratelimit-remaining-requests": "4",
-                         "x-ratelimit-reset-requests": "9s"}) is None
+                         "x-ratelimit-reset-requests": "9s"}, now) is None
     assert pause_s(200, {"anthropic-ratelimit-requests-remaining": "0",
-                         "anthropic-ratelimit-requests-reset": "12"}) == 12
+                         "anthropic-ratelimit-requests-reset": str(now + 12)}, now) == 12
+
+
+def test_a_wait_in_whole_seconds_ends_at_the_second_it_was_rounded_up_from() -> None:
+    """`Retry-After: 1` 0.2 s into a second of the clock means the next whole second, 0.8 s
+    away, not 1.2 s; a precise reset given beside it is the same wait, told better."""
+    now = 1_800_000_000.2
+    at_second = 0.8 + ALIGN_MARGIN_S
+    assert pause_s(429, {"retry-after": "1"}, now) == pytest.approx(at_second)
+    assert pause_s(200, {"x-ratelimit-remaining-requests": "0",
+                         "x-ratelimit-reset-requests": "1s"}, now) == pytest.approx(at_second)
+    assert pause_s(429, {"retry-after": "1", "x-ratelimit-remaining-requests": "0",
+                         "x-ratelimit-reset-requests": "790ms"}, now) == pytest.approx(0.79)
+    # A longer precise wait is another limit's: it still holds.
+    assert pause_s(429, {"retry-after": "1", "x-ratelimit-remaining-tokens": "0",
+                         "x-ratelimit-reset-tokens": "2.5s"}, now) == 2.5
+    six_minutes = {"x-ratelimit-remaining-tokens": "0", "x-ratelimit-reset-tokens": "6m0s"}
+    assert pause_s(200, six_minutes, now) == pytest.approx(359.8 + ALIGN_MARGIN_S)
 
 
 async def _log(base: str) -> list[dict[str, Any]]:
@@ -64,6 +81,11 @@ async def _run(gateway: Gateway, base: str, spawn: Spawn, honor: bool,
     return first["task_id"], await _log(base)
 
 
+def _waited(signal_ms: float, next_ms: float) -> bool:
+    """The next call came right after the whole second a whole-seconds "2" counted to."""
+    return 1000 <= next_ms - signal_ms <= 2400 and 10 <= next_ms % 1000 <= 400
+
+
 @pytest.mark.parametrize(("status", "signal"), [
     (429, {"Retry-After": "2"}),
     (200, {"x-ratelimit-remaining-requests": "0", "x-ratelimit-reset-requests": "2s"}),
@@ -76,11 +98,11 @@ async def test_a_signal_pauses_every_dispatcher_then_one_probe_goes_first(
     signalled = [e["t"] for e in log if e["idempotency_key"] == first]
     probe, *after = [e["t"] for e in log if e["idempotency_key"] != first]
     # A 429 task is retried when the pause ends, as the probe, and pauses it again each time
-    # (4 attempts); nothing else reaches the upstream for 2 s after each signal, on either
-    # dispatcher.
+    # (4 attempts); nothing else reaches the upstream, on either dispatcher, until the whole
+    # second of the clock that each signal's "2" (2 s, rounded up) counts to: 1 to 2 s later.
     assert len(signalled) == (4 if status == 429 else 1)
-    assert all(b - a >= 1900 for a, b in itertools.pairwise(signalled))
-    assert probe - signalled[-1] >= 1900
+    assert all(_waited(a, b) for a, b in itertools.pairwise(signalled))
+    assert _waited(signalled[-1], probe)
     # Then one call alone, and the rest only once it has succeeded (each takes 200 ms), 4 at a
     # time again.
     assert min(after) - probe >= 190

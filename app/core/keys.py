@@ -71,6 +71,12 @@ class Keys:
         The scripts keep the pacing state beside it, `<this key>:pace:<rate>/<interval>`."""
         return f"{self.prefix}:{self.tag(endpoint)}:rl:{limiter}"
 
+    def further_limit(self, endpoint: str, kind: str, per: str, rate: int, interval_ms: int
+                      ) -> str:
+        """A further limit's state (API.md `limits`), named by what it limits: lim_key in
+        lua/includes/limits.lua, which finds it as a sibling of any key of the endpoint."""
+        return f"{self.prefix}:{self.tag(endpoint)}:rlx:{kind}:{per}:{rate}/{interval_ms}"
+
     def task_prefix(self, endpoint: str) -> str:
         return f"{self.prefix}:{self.tag(endpoint)}:t:"
 

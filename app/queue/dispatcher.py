@@ -40,13 +40,13 @@ from app.lifecycle import Ttls
 from app.queue.reaper import Reaper
 from app.queue.upstream import Outcome, Request, backoff_s, call
 from app.ratelimit import Limit, Limiter, further_limits
-from app.ratelimit.sent import SendTimes
+from app.ratelimit.sent import SendTimes, sliding_logs
 from app.settings import Settings
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 SHARE = 0.75
-CLAIM_FIELDS = 9  # values per claimed task in claim-5.lua's answer
+CLAIM_FIELDS = 10  # values per claimed task in claim-5.lua's answer
 WAKE_BLOCK_S = 1  # BZPOPMIN timeout: how long stopping may wait for the wake loop
 CLAIM_RETRY_S = 1.0  # a claim that met a Redis error is tried again after this
 BACKOFF_BASE_S, BACKOFF_MAX_S = 0.1, 2.0  # Redis errors: reconnect soon, never in lockstep
@@ -63,12 +63,14 @@ class Claim:
     ttype: str
     request: Request
     claimed_at: float = 0.0  # loop time the claim was asked for (its admissions came after)
+    cost: int = 1  # what its admission spent of per-cost limits
 
     def on_sent(self, send_times: SendTimes) -> Callable[[], None] | None:
-        """For the call right after the claim, under a sliding window: keep its log entry
+        """For the call right after the claim, under sliding windows: keep its log entries
         (named by the lease token) to when the call really leaves."""
         ep = self.endpoint
-        if ep.limiter != "sliding_window" or ep.rate <= 0:
+        logs = sliding_logs(send_times.keys, ep, self.token, self.cost)
+        if not logs:
             return None
         fired = False
 
@@ -76,7 +78,7 @@ class Claim:
             nonlocal fired
             if not fired:
                 fired = True
-                send_times.sent(ep.id, self.token, self.claimed_at)
+                send_times.sent(ep.id, self.token, self.claimed_at, logs)
         return sent
 
 
@@ -241,14 +243,15 @@ class Dispatcher:
             return
         state, wait_ms = res[0], int(res[1])
         for i in range(3, len(res), CLAIM_FIELDS):
-            tid, token, attempts, ttype, method, url, headers, query, body = \
+            tid, token, attempts, ttype, method, url, headers, query, body, cost = \
                 res[i:i + CLAIM_FIELDS]
             if ttype == "offline":
                 # The call goes where the endpoint points now, not to the caller's URL string.
                 req = Request(method, endpoint.call_url(url), headers, query, body,
                               endpoint.forwarded, endpoint.cost_from if endpoint.max_cost
                               else None)
-                self._start(Claim(endpoint, tid, token, int(attempts), ttype, req, asked))
+                self._start(Claim(endpoint, tid, token, int(attempts), ttype, req, asked,
+                                  int(cost)))
         if state == "limited":
             self._claim_later(e, wait_ms / 1000)
 

@@ -100,8 +100,11 @@ async def call(
                 return Outcome(resp.status, f"upstream answer over {max_bytes} bytes: not kept",
                                refused=not busy)
             text = _decode(body, resp.charset)
-            return Outcome(resp.status, text, retry_after(resp.headers.get("retry-after")),
-                           pause_s=pause_s(resp.status, resp.headers),
+            pause = pause_s(resp.status, resp.headers)
+            after = retry_after(resp.headers.get("retry-after"))
+            if pause is not None and resp.status in (429, 503):
+                after = pause  # read as the endpoint's pause is: due when it ends, as the probe
+            return Outcome(resp.status, text, after, pause_s=pause,
                            cost=real_cost(req.cost_from, resp.headers, text))
     except TimeoutError:
         return Outcome(None, f"upstream timed out after {timeout_s:g} s")

@@ -10,10 +10,12 @@ local function lim_key(any_key, kind, per, rate, interval)
 end
 
 -- The further limits from argv[first]: a count, then kind, rate, interval, guard, per each.
--- Their sliding windows widen by the whole guard: only the main log is moved to when its calls
--- really left (sent-1.lua). They do not pace: paced at its own emission, 2000/day would mean one
--- call every 43 s, whatever the main limit (3/s) allows; the main limit's pacing spreads the
--- bursts, and their guard covers the jitter left.
+-- Their sliding windows widen by the whole guard. Their entries too are moved to when the calls
+-- really left (app/ratelimit/sent.py), but unlike the main limit they do not pace, so a window's
+-- admissions leave in one burst and reach the upstream spread over more than half the guard
+-- (bench/ratelimit.py, cost limit, two dispatchers: 6 windows over with half). They do not pace:
+-- paced at its own emission, 2000/day would mean one call every 43 s, whatever the main limit
+-- (3/s) allows; the main limit's pacing spreads the bursts, and their guard covers the rest.
 local function lim_parse(any_key, argv, first)
   local list = {}
   for i = 0, (tonumber(argv[first]) or 0) - 1 do

@@ -29,8 +29,8 @@ local function rl_sliding_window(key, rate, interval, guard, now, member, amount
 end
 
 -- The same log for a per-cost limit: each member ends in ':<units>' and the window holds at
--- most `rate` units. Not moved to the send time (sent-1.lua moves the main limit's log only), so
--- the caller widens it by the whole guard.
+-- most `rate` units. Its entries move to the send time as the main log's do (sent-1.lua, by
+-- the same name).
 local function rl_sliding_cost(key, rate, interval, guard, now, member, amount, widen)
   local window = interval + widen
   redis.call('ZREMRANGEBYSCORE', key, '-inf', now - window)
