@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from app.queue.dispatcher import Claim
+from app.queue.claims import Claim
 from app.runtime import Runtime
 from app.settings import Settings
 from tests.conftest import Gateway

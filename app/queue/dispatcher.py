@@ -19,67 +19,38 @@ import asyncio
 import contextlib
 import logging
 import os
-import random
 import secrets
 import socket
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 import aiohttp
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from app.core.keys import Keys
+from app.core.loop import backoff, persist
 from app.core.registry import EndpointRegistry, cancel_all
 from app.core.scripts import Scripts
 from app.endpoints import EndpointConfig
 from app.lifecycle import Ttls
+from app.queue.claims import Claim, pause_ms, settle_args
 from app.queue.reaper import Reaper
 from app.queue.upstream import Outcome, Request, backoff_s, call
 from app.ratelimit import Limit, Limiter, further_limits
-from app.ratelimit.sent import SendTimes, sliding_logs
+from app.ratelimit.sent import SendTimes
 from app.settings import Settings
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 SHARE = 0.75
 CLAIM_FIELDS = 10  # values per claimed task in claim-5.lua's answer
 WAKE_BLOCK_S = 1  # BZPOPMIN timeout: how long stopping may wait for the wake loop
 CLAIM_RETRY_S = 1.0  # a claim that met a Redis error is tried again after this
-BACKOFF_BASE_S, BACKOFF_MAX_S = 0.1, 2.0  # Redis errors: reconnect soon, never in lockstep
 HEARTBEAT_RETRY_S = 0.5
 RELEASE_WINDOW_S = 5.0  # how long stopping keeps trying to hand tasks back through an outage
-
-
-@dataclass
-class Claim:
-    endpoint: EndpointConfig
-    task_id: str
-    token: str
-    attempts: int
-    ttype: str
-    request: Request
-    claimed_at: float = 0.0  # loop time the claim was asked for (its admissions came after)
-    cost: int = 1  # what its admission spent of per-cost limits
-
-    def on_sent(self, send_times: SendTimes) -> Callable[[], None] | None:
-        """For the call right after the claim, under sliding windows: keep its log entries
-        (named by the lease token) to when the call really leaves."""
-        ep = self.endpoint
-        logs = sliding_logs(send_times.keys, ep, self.token, self.cost)
-        if not logs:
-            return None
-        fired = False
-
-        def sent() -> None:  # once: aiohttp sends again when a kept-alive connection was dead
-            nonlocal fired
-            if not fired:
-                fired = True
-                send_times.sent(ep.id, self.token, self.claimed_at, logs)
-        return sent
 
 
 @dataclass
@@ -199,7 +170,7 @@ class Dispatcher:
                 item = await self.blocking.bzpopmin(wake, timeout=WAKE_BLOCK_S)
             except (RedisError, OSError) as exc:
                 failures += 1
-                await self._backoff("wake", exc, failures)
+                await backoff("wake", exc, failures)
                 continue
             if failures:
                 log.info("redis reachable again after %d failed tries", failures)
@@ -336,10 +307,10 @@ class Dispatcher:
         extra = {"task_id": claim.task_id, "endpoint": e}
         log.info("retrying in %.2f s: %s", delay, outcome.status_code or outcome.text,
                  extra=extra)
-        due = await self._persist("retry", lambda: self.scripts.retry(
+        due = await persist("retry", lambda: self.scripts.retry(
             keys=[k.active(e), k.task(claim.task_id), k.retry(e), k.delayed(e), k.queue(e),
                   k.wake(e)],
-            args=[claim.task_id, claim.token, round(delay * 1000), e, _pause_ms(claim, outcome),
+            args=[claim.task_id, claim.token, round(delay * 1000), e, pause_ms(claim, outcome),
                   outcome.status_code or "", round(exec_ms)]))
         if not due:
             log.warning("lease lost before the retry was scheduled", extra=extra)
@@ -349,12 +320,12 @@ class Dispatcher:
     async def _finish(self, claim: Claim, outcome: Outcome, exec_ms: float) -> None:
         k, e = self.keys, claim.endpoint.id
         status = "completed" if outcome.ok else "failed"
-        acked = await self._persist("ack", lambda: self.scripts.ack(
+        acked = await persist("ack", lambda: self.scripts.ack(
             keys=[k.active(e), k.task(claim.task_id), k.queue(e), k.wake(e), k.stats(e)],
             args=[claim.task_id, claim.token, status, outcome.text,
                   outcome.status_code or "", self.ttls.done_ms, e,
-                  round(exec_ms), _pause_ms(claim, outcome),
-                  *_settle_args(claim, outcome, self.settings.rate_guard_ms)],
+                  round(exec_ms), pause_ms(claim, outcome),
+                  *settle_args(claim, outcome, self.settings.rate_guard_ms)],
         ))
         extra = {"task_id": claim.task_id, "endpoint": e, "status": status,
                  "code": outcome.status_code, "attempts": claim.attempts}
@@ -381,7 +352,7 @@ class Dispatcher:
                               self.ttls.done_ms], client=pipe)
                 return await pipe.execute()
 
-        results = await self._persist("release", run, RELEASE_WINDOW_S)
+        results = await persist("release", run, RELEASE_WINDOW_S)
         if results is None:
             log.warning("could not hand %d tasks back; their leases will run out", len(claims))
             return 0
@@ -414,48 +385,3 @@ class Dispatcher:
             except (RedisError, OSError) as exc:
                 log.warning("heartbeat failed: %s", exc)
                 delay = min(period, HEARTBEAT_RETRY_S)
-
-    async def _persist(
-        self, what: str, op: Callable[[], Awaitable[T]], window_s: float = float("inf")
-    ) -> T | None:
-        """Run a Redis step through an outage, retrying for up to `window_s`; None if it never
-        went through.  Acks retry until they land or the dispatcher stops: the lease is still
-        renewed meanwhile, so the result is not thrown away for a call made again."""
-        deadline = time.monotonic() + window_s
-        failures = 0
-        while True:
-            try:
-                return await op()
-            except (RedisError, OSError) as exc:
-                failures += 1
-                if time.monotonic() >= deadline:
-                    log.warning("%s: redis error (%s); giving up after %d tries", what, exc,
-                                failures)
-                    return None
-                await self._backoff(what, exc, failures)
-
-    async def _backoff(self, what: str, exc: Exception, failures: int) -> None:
-        """Redis errors: 0.1 s doubling to 2 s, jittered, so replicas do not reconnect in step."""
-        ceiling = min(BACKOFF_BASE_S * 2 ** min(failures - 1, 8), BACKOFF_MAX_S)
-        delay = random.uniform(ceiling / 2, ceiling)
-        level = logging.WARNING if failures == 1 or failures % 10 == 0 else logging.DEBUG
-        log.log(level, "%s: redis error (%s); retry %d in %.2f s", what, exc, failures, delay)
-        await asyncio.sleep(delay)
-
-
-def _settle_args(claim: Claim, outcome: Outcome, guard_ms: int) -> list[str | int]:
-    """ack-5.lua's ARGV[10..]: the real cost and the limits it settles; nothing when there is
-    nothing to settle (no per-cost limit, or no real cost read)."""
-    if outcome.cost is None or claim.endpoint.max_cost is None:
-        return []
-    return [outcome.cost, *further_limits(claim.endpoint, guard_ms)]
-
-
-def _pause_ms(claim: Claim, outcome: Outcome) -> int:
-    """The pause the upstream asked of the whole endpoint (0 = none, or not honoured)."""
-    if outcome.pause_s is None or not claim.endpoint.honor_upstream_limits:
-        return 0
-    if outcome.pause_s:
-        log.warning("upstream asks for a pause of %.1f s", outcome.pause_s,
-                    extra={"task_id": claim.task_id, "endpoint": claim.endpoint.id})
-    return max(1, round(outcome.pause_s * 1000))
