@@ -12,10 +12,11 @@ from typing import Any, Literal, cast
 from urllib.parse import unquote
 
 from redis.asyncio import BlockingConnectionPool, Redis
-from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.asyncio.cluster import ClusterNode, ClusterPipeline, RedisCluster
 from redis.asyncio.connection import parse_url
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.retry import Retry
 
 Kind = Literal["single", "sentinel", "cluster"]
@@ -152,6 +153,51 @@ def _cluster(target: RedisTarget, options: dict[str, Any]) -> Redis:
     options = {k: v for k, v in options.items() if k not in ("timeout", "health_check_interval")}
     tls: dict[str, Any] = {"ssl": True} if target.tls else {}
     nodes = [ClusterNode(host, port) for host, port in target.hosts]
-    return cast(Redis, RedisCluster(
+    return cast(Redis, _RedisCluster(
         startup_nodes=nodes, username=target.username, password=target.password,
         require_full_coverage=False, **tls, **options))
+
+
+def _closed_under_us(exc: BaseException) -> bool:
+    """An AttributeError or TypeError raised while writing to a connection that another task
+    closed: redis-py's Cluster client closes every connection of a node it found dead,
+    including ones in use, and the write then fails inside asyncio's streams instead of with a
+    ConnectionError (redis-py #3546, #4287). Told apart from a bug of ours by where it arose."""
+    if not isinstance(exc, (AttributeError, TypeError)):
+        return False
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    where = tb.tb_frame.f_code.co_filename if tb is not None else ""
+    return where.endswith(("redis/asyncio/connection.py", "asyncio/streams.py",
+                           "asyncio/selector_events.py"))
+
+
+class _RedisCluster(RedisCluster):
+    """A write on a connection closed under it is a ConnectionError, as on one Redis: callers
+    answer 503 or retry, instead of a 500 in the middle of a failover."""
+
+    async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return await super().execute_command(*args, **kwargs)
+        except (AttributeError, TypeError) as exc:
+            if not _closed_under_us(exc):
+                raise
+            raise RedisConnectionError(f"connection closed while in use: {exc}") from exc
+
+    def pipeline(self, transaction: Any | None = None,
+                 shard_hint: Any | None = None) -> ClusterPipeline:
+        if shard_hint:
+            return super().pipeline(transaction, shard_hint)  # refused by redis-py
+        return _ClusterPipeline(self, transaction)  # type: ignore[abstract]
+
+
+class _ClusterPipeline(ClusterPipeline):
+    async def execute(self, raise_on_error: bool = True,
+                      allow_redirections: bool = True) -> list[Any]:
+        try:
+            return await super().execute(raise_on_error, allow_redirections)
+        except (AttributeError, TypeError) as exc:
+            if not _closed_under_us(exc):
+                raise
+            raise RedisConnectionError(f"connection closed while in use: {exc}") from exc

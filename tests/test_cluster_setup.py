@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from collections import Counter
+from typing import cast
 
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.crc import key_slot
 
+from app import redis_url
 from tests.topologies import ClusterSetup
 
 
@@ -76,3 +79,38 @@ async def test_a_killed_master_is_replaced_by_its_replica(own_cluster: ClusterSe
 
     await asyncio.to_thread(own_cluster.restart, victim)  # back, as a replica
     assert own_cluster.master_for(keys[0]) != victim
+
+
+async def test_a_connection_closed_while_in_use_is_a_connection_error(
+    redis_cluster: ClusterSetup,
+) -> None:
+    """redis-py closes every connection of a node it thinks dead, also those other tasks are
+    writing on; the write then fails inside asyncio (AttributeError), which the gateway read as
+    a bug: a 500 from the API and an executor error in the dispatcher in the middle of a
+    failover. Our client makes it the ConnectionError it is (app/redis_url.py)."""
+    rc = redis_url.client(redis_cluster.url, 2.0)
+    await redis_url.connect(rc)
+    errors: Counter[str] = Counter()
+
+    async def write(i: int) -> None:
+        for j in range(300):
+            try:
+                await rc.set(f"closed-under-us:{i}", j)
+                pipe = rc.pipeline()
+                pipe.set(f"closed-under-us:{i}", j)
+                await pipe.execute()
+            except Exception as exc:  # counted by kind below
+                errors[type(exc).__name__] += 1
+
+    async def close_all() -> None:  # what redis-py does when a node stops answering
+        for _ in range(200):
+            for node in cast(RedisCluster, rc).get_nodes():
+                await node.disconnect()
+            await asyncio.sleep(0.002)
+
+    try:
+        await asyncio.gather(*(write(i) for i in range(50)), close_all())
+    finally:
+        await rc.aclose()
+    assert errors["ConnectionError"] > 0, errors  # the race did happen
+    assert set(errors) == {"ConnectionError"}, errors

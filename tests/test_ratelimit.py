@@ -189,12 +189,16 @@ async def test_window_limiters_pace_a_burst(gateway: Gateway, kind: Kind) -> Non
     limiter = Limiter(redis, Limit(kind, rate=10, interval_ms=1000, guard_ms=20), keys)
     seconds, micros = await redis.time()  # not in a fixed window's closed last guard ms
     await asyncio.sleep((1000 - (seconds * 1000 + micros // 1000) % 1000 + 5) / 1000)
-    first, second = [await limiter.acquire(f"paced-{kind}") for _ in range(2)]
+    first = await limiter.acquire(f"paced-{kind}")
+    t0 = time.monotonic()
+    second = await limiter.acquire(f"paced-{kind}")
+    between_ms = (time.monotonic() - t0) * 1000
     assert first == 0
     if kind == "token_bucket":
         assert second == 0
-    else:  # the next goes 100 ms after the first (an idle endpoint has no catch-up yet)
-        assert 90 <= second <= 100  # less what passed between the two calls (a loaded host)
+    else:  # the next goes 100 ms after the first (an idle endpoint has no catch-up yet),
+        # less what passed between the two calls (tens of ms on a loaded host)
+        assert 100 - between_ms - 1 <= second <= 100, (second, between_ms)
 
 
 async def test_a_call_that_left_late_holds_its_slot_from_when_it_left(gateway: Gateway) -> None:
