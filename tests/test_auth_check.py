@@ -14,6 +14,8 @@ from app import ROOT, permits
 from app.runtime import Runtime
 from tests.conftest import Gateway
 
+pytestmark = pytest.mark.backends("single", "cluster")  # the online path on both
+
 URL = "http://127.0.0.1:9/api/live"
 
 
