@@ -2,6 +2,10 @@
 and calls reaching the mock upstream, the master (on a Cluster, the one holding the load's
 queue) killed with -9, its replica promoted, the dead node started again as a replica.
 
+With `keyed`, every submit carries an Idempotency-Key and the caller a daily quota (the two-step
+submit of a Cluster), each refused submit is sent again with its key once the failover is over,
+and on a Cluster the master killed may be the one holding the caller's keys instead.
+
 Shared by tests/test_sentinel.py, tests/test_cluster_failover.py (asserts) and
 bench/failover.py (prints the figures).
 """
@@ -26,6 +30,7 @@ from tests.servers import QGW, free_port, mock_log, mock_upstream, stop, wait_po
 from tests.topologies import ClusterSetup, SentinelSetup
 
 Kind = Literal["sentinel", "cluster"]
+Victim = Literal["queue", "user"]  # on a Cluster: the master of the load's queue, or the caller's
 
 ADMIN = "failover-admin-token"
 TERMINAL = {"completed", "failed", "expired", "cancelled"}
@@ -49,6 +54,8 @@ class Figures:
     recover_s: float = 0.0  # kill -9 to the first 202 on a submit sent after it
     calls_resumed_s: float = 0.0  # kill -9 to the first upstream call of a task acked after it
     gateway_restarted: bool = False
+    resent: int = 0  # keyed: refused submits sent again with their key after the failover
+    split_keys: int = 0  # keyed: Idempotency-Keys that made more than one task (must be 0)
     errors: Counter[str] = field(default_factory=Counter)
 
     def line(self) -> str:
@@ -57,7 +64,9 @@ class Figures:
                 f"{self.unfinished}, lost {self.lost}, duplicates {self.duplicates}, refused "
                 f"{self.refused} (of which ran {self.refused_ran}); promoted after "
                 f"{self.promoted_s:.2f} s, submits back after {self.recover_s:.2f} s, calls "
-                f"after {self.calls_resumed_s:.2f} s")
+                f"after {self.calls_resumed_s:.2f} s"
+                + (f"; resent {self.resent} by key, {self.split_keys} keys made two tasks"
+                   if self.resent or self.split_keys else ""))
 
 
 def gateway_env(root: Path, url: str, port: int, wait_replicas: int) -> dict[str, str]:
@@ -71,40 +80,62 @@ def gateway_env(root: Path, url: str, port: int, wait_replicas: int) -> dict[str
 class Load:
     """Submitters that keep going through the failover; every answer is kept."""
 
-    def __init__(self, http: httpx.AsyncClient, auth: dict[str, str], target: str) -> None:
-        self.http, self.auth, self.target = http, auth, target
+    def __init__(self, http: httpx.AsyncClient, auth: dict[str, str], target: str,
+                 keyed: bool = False) -> None:
+        self.http, self.auth, self.target, self.keyed = http, auth, target, keyed
         self.acked: list[tuple[float, str]] = []  # (sent at, task id)
         self.refused: Counter[str] = Counter()
+        self.unanswered: list[str] = []  # keyed: the bodies (and keys) of refused submits
+        self.tasks_of: dict[str, set[str]] = {}  # keyed: key -> the task ids it was answered
         self.running = True
+
+    async def submit(self, body: str) -> bool:
+        """One submit; True once answered 202."""
+        headers = {**self.auth, "Idempotency-Key": body} if self.keyed else self.auth
+        sent = time.monotonic()
+        try:
+            r = await self.http.post("/api/v1/tasks", headers=headers, json={
+                "target_url": self.target, "body": body})
+        except httpx.HTTPError as exc:
+            self.refused[type(exc).__name__] += 1
+            return False
+        if r.status_code == 202:
+            self.acked.append((sent, r.json()["task_id"]))
+            self.tasks_of.setdefault(body, set()).add(r.json()["task_id"])
+            return True
+        code = r.json()["error"]["code"] if r.status_code != 500 else "server error"
+        self.refused[f"{r.status_code} {code}"] += 1  # a 500 has no JSON body
+        return False
 
     async def submitter(self, n: int) -> None:
         i = 0
         while self.running:
             i += 1
-            sent = time.monotonic()
-            try:
-                r = await self.http.post("/api/v1/tasks", headers=self.auth, json={
-                    "target_url": self.target, "body": f"{n}-{i}"})
-            except httpx.HTTPError as exc:
-                self.refused[type(exc).__name__] += 1
-                await asyncio.sleep(0.05)
-                continue
-            if r.status_code == 202:
-                self.acked.append((sent, r.json()["task_id"]))
-            else:  # a 500 has no JSON body
-                code = r.json()["error"]["code"] if r.status_code != 500 else "server error"
-                self.refused[f"{r.status_code} {code}"] += 1
+            if not await self.submit(f"{n}-{i}"):
+                self.unanswered.append(f"{n}-{i}")
                 await asyncio.sleep(0.05)
 
+    async def resend(self) -> int:
+        """Each refused submit again with its key, as a client told 503 would: it makes the
+        task if the first never queued it, or answers the task it did queue."""
+        for body in self.unanswered:
+            for _ in range(20):
+                if await self.submit(body):
+                    break
+                await asyncio.sleep(0.2)
+        return len(self.unanswered)
 
-async def _setup(http: httpx.AsyncClient, target: str) -> dict[str, str]:
+
+async def _setup(http: httpx.AsyncClient, target: str, user_id: int = 1,
+                 keyed: bool = False) -> dict[str, str]:
     admin = {"Authorization": f"Bearer {ADMIN}"}
     r = await http.post("/admin/v1/endpoints", headers=admin, json={
         "id": ENDPOINT, "target_url": target, "rate": 2000, "interval_ms": 1000,
         "max_concurrency": 32})
     assert r.status_code == 201, r.text
     r = await http.post("/admin/v1/api-keys", headers=admin,
-                        json={"user_id": 1, "max_priority": 10})
+                        json={"user_id": user_id, "max_priority": 10,
+                              **({"daily_quota": 1_000_000} if keyed else {})})
     assert r.status_code == 201, r.text
     return {"Authorization": f"Bearer {r.json()['key']}"}
 
@@ -144,6 +175,7 @@ class _Topology(ABC):
 
     setup: SentinelSetup | ClusterSetup
     lagged: subprocess.Popen[bytes] | None = None
+    user_id = 1  # the load's caller
 
     def start(self) -> None:
         self.setup.start()
@@ -193,14 +225,20 @@ class _Sentinel(_Topology):
 
 
 class _Cluster(_Topology):
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, victim: Victim = "queue") -> None:
         self.setup = ClusterSetup(root / "cluster")
-        self.victim = ""
+        self.kills, self.victim = victim, ""
 
     def start(self) -> None:
         super().start()
         # The master of the load's endpoint, as the gateway (default prefix) names its keys.
-        self.victim = self.setup.master_for(Keys("qgw", cluster=True).queue(ENDPOINT))
+        keys = Keys("qgw", cluster=True)
+        queue_master = self.setup.master_for(keys.queue(ENDPOINT))
+        self.victim = queue_master
+        if self.kills == "user":  # a caller whose keys live on another master: kill that one
+            self.user_id = next(u for u in range(1, 100) if self.setup.master_for(
+                keys.idempotency(u, "x")) != queue_master)
+            self.victim = self.setup.master_for(keys.idempotency(self.user_id, "x"))
 
     def lag(self) -> None:
         tag = "{" + Keys("qgw", cluster=True).tag(ENDPOINT).partition("{")[2]  # its slot
@@ -217,11 +255,11 @@ class _Cluster(_Topology):
 
 
 async def _drive(fig: Figures, redis: _Topology, port: int, base: str,
-                 before_s: float, after_s: float, lag_s: float) -> None:
+                 before_s: float, after_s: float, lag_s: float, keyed: bool) -> None:
     target = f"{base}/{ENDPOINT}"
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=5) as http:
-        auth = await _setup(http, target)
-        load = Load(http, auth, target)
+        auth = await _setup(http, target, redis.user_id, keyed)
+        load = Load(http, auth, target, keyed)
         workers = [asyncio.create_task(load.submitter(n)) for n in range(6)]
         await asyncio.sleep(before_s)
         if lag_s:
@@ -239,10 +277,13 @@ async def _drive(fig: Figures, redis: _Topology, port: int, base: str,
         load.running = False
         await asyncio.gather(*workers)
         fig.promoted_s = await revived
-        fig.acknowledged, fig.refused = len(load.acked), sum(load.refused.values())
-        fig.errors = load.refused
         after = [s for s, _ in load.acked if s > killed]
         fig.recover_s = min(after) - killed if after else float("inf")
+        if keyed:
+            fig.resent = await load.resend()
+            fig.split_keys = sum(1 for ids in load.tasks_of.values() if len(ids) > 1)
+        fig.acknowledged, fig.refused = len(load.acked), sum(load.refused.values())
+        fig.errors = load.refused
         states = Counter((await _final_states(http, auth, [t for _, t in load.acked], 25))
                          .values())
     fig.completed, fig.lost = states["completed"], states["lost"]
@@ -259,11 +300,12 @@ async def _drive(fig: Figures, redis: _Topology, port: int, base: str,
 
 
 def run_failover(root: Path, wait_replicas: int, before_s: float = 2.0,
-                 after_s: float = 2.0, lag_s: float = 0.0, kind: Kind = "sentinel") -> Figures:
+                 after_s: float = 2.0, lag_s: float = 0.0, kind: Kind = "sentinel",
+                 keyed: bool = False, victim: Victim = "queue") -> Figures:
     """One failover under load; the figures of what the clients saw. With `lag_s`, the
     replica lags that long behind the master before it dies."""
     fig = Figures(wait_replicas, kind)
-    setup = _Sentinel(root) if kind == "sentinel" else _Cluster(root)
+    setup = _Sentinel(root) if kind == "sentinel" else _Cluster(root, victim)
     setup.start()
     try:
         with mock_upstream("--latency-ms", "20") as base:
@@ -273,7 +315,7 @@ def run_failover(root: Path, wait_replicas: int, before_s: float = 2.0,
                                         env=gateway_env(root, setup.setup.url, port, wait_replicas))
             try:
                 wait_port(port, timeout=30, proc=proc)
-                asyncio.run(_drive(fig, setup, port, base, before_s, after_s, lag_s))
+                asyncio.run(_drive(fig, setup, port, base, before_s, after_s, lag_s, keyed))
                 fig.gateway_restarted = proc.poll() is not None
             finally:
                 stop(proc)

@@ -26,3 +26,19 @@ def test_cluster_failover_under_load(tmp_path: Path, wait_replicas: int, lag_s: 
     assert set(fig.errors) <= {"503 redis_unavailable", "ConnectError", "ReadTimeout"}, fig.errors
     if wait_replicas:
         assert fig.lost == 0, fig.line()
+
+
+def test_the_callers_master_dies_under_keyed_submits(tmp_path: Path) -> None:
+    """The master holding a caller's quota and Idempotency-Keys (not the queue's) killed while
+    every submit carries a key and counts against a daily quota: its submits answer 503 until
+    the replica takes over, each sent again with its key makes exactly one task, and no task is
+    lost (the queue's master never stopped)."""
+    fig = run_failover(tmp_path, 0, kind="cluster", keyed=True, victim="user")
+    print(fig.line())
+    assert not fig.gateway_restarted
+    assert fig.resent > 0, fig.line()  # the kill did refuse submits
+    assert fig.split_keys == 0, fig.line()
+    assert fig.acknowledged > 100 and fig.unfinished == 0 and fig.lost == 0, fig.line()
+    assert fig.completed == fig.acknowledged, fig.line()
+    assert set(fig.errors) <= {"503 redis_unavailable", "ConnectionError", "ReadTimeout"}, (
+        fig.errors)
