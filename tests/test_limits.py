@@ -7,6 +7,7 @@ mock's log); wall-clock time only bounds how long a test may take.
 
 from __future__ import annotations
 
+import itertools
 import subprocess
 import time
 from collections.abc import Awaitable, Callable
@@ -90,9 +91,9 @@ async def test_a_cost_limit_holds_where_calls_that_left_late_arrive(
     gateway: Gateway, fresh_upstream: str, start_dispatcher: StartDispatcher,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A per-cost limit alone (no request limit to pace it) admits a whole window at once; when
-    that burst leaves 300 ms late (a busy process, cold connections), the next window's calls
-    must wait for 1 s after the late ones arrived, not after they were admitted."""
+    """A per-cost limit alone (no request limit); when the first claim's call leaves 300 ms
+    late (a busy process, cold connections), the calls after it must keep 1 s windows of the
+    times the calls arrived, not of the times they were admitted."""
     url = f"{fresh_upstream}/late"
     await gateway.add_endpoint("late", url, paused=True, limits=[
         {**COST_LIMIT, "interval_ms": 1000}])
@@ -113,8 +114,29 @@ async def test_a_cost_limit_holds_where_calls_that_left_late_arrive(
 
     times = _arrivals(fresh_upstream, "/late")
     assert len(times) == 4
-    assert times[1] - times[0] < 100  # the first window's two went together, late
     assert most_in_window(times, 1000) == 2  # 10 units: never a third call of cost 5
+
+
+async def test_a_cost_limit_paces_its_units_across_the_window(
+    gateway: Gateway, fresh_upstream: str, start_dispatcher: StartDispatcher
+) -> None:
+    """10 units a second, tasks of cost 5, two dispatchers: the upstream gets one call about
+    every half second (5 units' share of the window), never a window's units in one burst that
+    jitter could push into the next window at the upstream."""
+    url = f"{fresh_upstream}/paced"
+    await gateway.add_endpoint("paced", url, paused=True, limits=[
+        {**COST_LIMIT, "interval_ms": 1000}])
+    auth = await gateway.new_key()
+    await _backlog(gateway, auth, url, 5, cost=5)
+    await _two_dispatchers(start_dispatcher)
+    await _patch(gateway, "paced", paused=False)
+    await _drain(gateway, ["paced"], timeout=20)
+
+    times = _arrivals(fresh_upstream, "/paced")
+    assert len(times) == 5
+    gaps = [b - a for a, b in itertools.pairwise(times)]
+    assert min(gaps) >= 500 - float(GUARD_MS) - 20  # unpaced: pairs within a few ms
+    assert most_in_window(times, 1000) == 2
 
 
 async def test_the_real_cost_settles_the_reservation(

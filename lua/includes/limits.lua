@@ -5,17 +5,23 @@
 -- it limits: a changed limit counts afresh, and claim and ack find the key from any key of the
 -- endpoint without passing it (their KEYS stay fixed; the limits come in ARGV).
 
+-- Per-cost sliding limits over windows up to this long pace (lim_parse); a longer window (a
+-- day's budget) stays spendable in bursts.
+local LIM_PACE_MS = 60000
+
 local function lim_key(any_key, kind, per, rate, interval)
   return sibling_key(any_key, 'rlx:' .. kind .. ':' .. per .. ':' .. rate .. '/' .. interval)
 end
 
 -- The further limits from argv[first]: a count, then kind, rate, interval, guard, per each.
--- Their sliding windows widen by the whole guard. Their entries too are moved to when the calls
--- really left (app/ratelimit/sent.py), but unlike the main limit they do not pace, so a window's
--- admissions leave in one burst and reach the upstream spread over more than half the guard
--- (bench/ratelimit.py, cost limit, two dispatchers: 6 windows over with half). They do not pace:
--- paced at its own emission, 2000/day would mean one call every 43 s, whatever the main limit
--- (3/s) allows; the main limit's pacing spreads the bursts, and their guard covers the rest.
+-- Their sliding windows widen by the whole guard; their entries too are moved to when the calls
+-- really left (app/ratelimit/sent.py). A per-request one does not pace: paced at its own
+-- emission, 2000/day would mean one call every 43 s, whatever the main limit (3/s) allows.
+-- A per-cost sliding one of up to LIM_PACE_MS does, by units, as the main limit paces calls:
+-- unpaced, each window's units left in one burst that reached the upstream spread over more
+-- than the guard (bench/ratelimit.py, 200 units/s, two dispatchers: 25 windows over), and each
+-- round through the log lost the claim's and the send's delay on top of the guard (0.95 of the
+-- rate delivered); the pace keeps its own clock, so the delays do not add up.
 local function lim_parse(any_key, argv, first)
   local list = {}
   for i = 0, (tonumber(argv[first]) or 0) - 1 do
@@ -24,7 +30,11 @@ local function lim_parse(any_key, argv, first)
     local l = {kind = kind, rate = rate, interval = interval, guard = tonumber(argv[j + 3]),
       per = argv[j + 4], key = lim_key(any_key, kind, argv[j + 4], rate, interval)}
     l.widen = l.guard
-    if l.per == 'cost' and kind == 'sliding_window' then l.kind = 'sliding_cost' end
+    if l.per == 'cost' and kind == 'sliding_window' then
+      l.kind, l.paced = 'sliding_cost', interval <= LIM_PACE_MS
+      -- Paced, it has no bursts left for the whole guard to cover: half, as the main log.
+      if l.paced then l.widen = math.floor(l.guard / 2) end
+    end
     list[#list + 1] = l
   end
   return list
@@ -39,7 +49,7 @@ end
 -- What undoes an admission under `l`: the strings it may set, as they were; the entry it adds.
 local function lim_before(l, member, amount)
   local saved = {key = l.key}
-  if l.main and l.kind ~= 'token_bucket' then
+  if (l.main and l.kind ~= 'token_bucket') or l.paced then
     saved[1] = lim_save(rl_pace_key(l.key, l.rate, l.interval))
   end
   if l.kind == 'sliding_window' then saved.zrem = member
@@ -57,6 +67,21 @@ local function lim_undo(saved)
   if saved.zrem then redis.call('ZREM', saved.key, saved.zrem) end
 end
 
+-- A per-cost limit paced by units: `amount` units spend `amount` emissions of its pace. A
+-- unit's emission spans the widened window's share (interval + widen) / rate: a pace of
+-- interval / rate would fill the log faster than it empties, so the log would bind and each
+-- call wait out its claim's and send's delays again, from a pace restarted late each time.
+local function lim_paced(l, now, member, amount)
+  local pace_key = rl_pace_key(l.key, l.rate, l.interval)
+  local w, paced = rl_pace(pace_key, l.rate / amount, l.interval + l.widen, l.guard, now)
+  if w > 0 then return w end
+  w = limiters[l.kind](l.key, l.rate, l.interval, l.guard, now, member, amount, l.widen)
+  if w == 0 then
+    redis.call('SET', pace_key, string.format('%.3f', paced), 'PX', math.max(1, math.ceil(paced - now)))
+  end
+  return w
+end
+
 -- Admit one call under every limit, or under none: each limiter records as it admits, so when
 -- any refuses, what the others recorded in this step is undone. Every limit is asked, so the
 -- tightest (longest wait) names the retry time. A per-cost limit spends `cost` units, at most
@@ -69,6 +94,7 @@ local function lim_acquire(limits, now, member, cost)
     local saved = lim_before(l, member, amount)
     local w
     if l.main then w = rl_acquire(l.kind, l.key, l.rate, l.interval, l.guard, now, member)
+    elseif l.paced then w = lim_paced(l, now, member, amount)
     else w = limiters[l.kind](l.key, l.rate, l.interval, l.guard, now, member, amount, l.widen) end
     if w > 0 then wait = math.max(wait, w) else undo[#undo + 1] = saved end
   end
@@ -93,6 +119,16 @@ local function lim_settle(l, member, reserved, real, started, now)
     if not score then return end
     redis.call('ZREM', l.key, old)
     redis.call('ZADD', l.key, score, member .. ':' .. int(real))
+    if l.paced then  -- its pace too: the units it did not spend pace nobody
+      local pace_key = rl_pace_key(l.key, l.rate, l.interval)
+      local tat = tonumber(redis.call('GET', pace_key))
+      if tat then
+        if delta > 0 then tat = math.max(tat, now) end
+        tat = tat + delta * (l.interval + l.widen) / l.rate
+        if tat <= now then redis.call('DEL', pace_key)
+        else redis.call('SET', pace_key, string.format('%.3f', tat), 'PX', math.ceil(tat - now)) end
+      end
+    end
   elseif l.kind == 'fixed_window' then
     local stored = redis.call('GET', l.key)
     local w, c = string.match(stored or '', '^(%d+):(%d+)$')
