@@ -1,28 +1,25 @@
 -- Several limits per endpoint (API.md `limits`), all checked in the one admission step.
--- Include now.lua, stats.lua (sibling_key) and ratelimit.lua first.
+-- Include now.lua and ratelimit.lua first.
 --
 -- A further limit's state lives beside the endpoint's other keys (same hash tag), named by what
--- it limits: a changed limit counts afresh, and claim and ack find the key from any key of the
--- endpoint without passing it (their KEYS stay fixed; the limits come in ARGV).
+-- it limits (Keys.further_limit): a changed limit counts afresh. The caller passes the state
+-- keys after the script's fixed KEYS, one per limit in the order of the limits in ARGV.
 
-local function lim_key(any_key, kind, per, rate, interval)
-  return sibling_key(any_key, 'rlx:' .. kind .. ':' .. per .. ':' .. rate .. '/' .. interval)
-end
-
--- The further limits from argv[first]: a count, then kind, rate, interval, guard, per each.
+-- The further limits from argv[first]: a count, then kind, rate, interval, guard, per each;
+-- their state keys are keys[first_key], keys[first_key + 1], ...
 -- Their sliding windows widen by the whole guard. Their entries too are moved to when the calls
 -- really left (app/ratelimit/sent.py), but unlike the main limit they do not pace, so a window's
 -- admissions leave in one burst and reach the upstream spread over more than half the guard
 -- (bench/ratelimit.py, cost limit, two dispatchers: 6 windows over with half). They do not pace:
 -- paced at its own emission, 2000/day would mean one call every 43 s, whatever the main limit
 -- (3/s) allows; the main limit's pacing spreads the bursts, and their guard covers the rest.
-local function lim_parse(any_key, argv, first)
+local function lim_parse(argv, first, keys, first_key)
   local list = {}
   for i = 0, (tonumber(argv[first]) or 0) - 1 do
     local j = first + 1 + i * 5
     local kind, rate, interval = argv[j], tonumber(argv[j + 1]), tonumber(argv[j + 2])
     local l = {kind = kind, rate = rate, interval = interval, guard = tonumber(argv[j + 3]),
-      per = argv[j + 4], key = lim_key(any_key, kind, argv[j + 4], rate, interval)}
+      per = argv[j + 4], key = keys[first_key + i]}
     l.widen = l.guard
     if l.per == 'cost' and kind == 'sliding_window' then l.kind = 'sliding_cost' end
     list[#list + 1] = l
@@ -40,7 +37,7 @@ end
 local function lim_before(l, member, amount)
   local saved = {key = l.key}
   if l.main and l.kind ~= 'token_bucket' then
-    saved[1] = lim_save(rl_pace_key(l.key, l.rate, l.interval))
+    saved[1] = lim_save(l.pace)
   end
   if l.kind == 'sliding_window' then saved.zrem = member
   elseif l.kind == 'sliding_cost' then saved.zrem = member .. ':' .. amount
@@ -68,7 +65,7 @@ local function lim_acquire(limits, now, member, cost)
     if l.per == 'cost' then amount = math.min(cost, l.rate) end
     local saved = lim_before(l, member, amount)
     local w
-    if l.main then w = rl_acquire(l.kind, l.key, l.rate, l.interval, l.guard, now, member)
+    if l.main then w = rl_acquire(l.kind, l.key, l.pace, l.rate, l.interval, l.guard, now, member)
     else w = limiters[l.kind](l.key, l.rate, l.interval, l.guard, now, member, amount, l.widen) end
     if w > 0 then wait = math.max(wait, w) else undo[#undo + 1] = saved end
   end
