@@ -120,7 +120,7 @@ class Runtime:
     async def retire_endpoint(self, endpoint_id: str) -> None:
         """Delete an endpoint, only an idle one (409 otherwise), so no task is stranded in a
         queue nobody serves any more. It leaves the Redis registry first: from then on no
-        submit is admitted for it, however stale a process's own copy (submit-7.lua checks
+        submit is admitted for it, however stale a process's own copy (submit-11.lua checks
         the registry in the script that enqueues), so the idle check that follows is final.
         If that check (or anything after it) fails, it is put back from SQL. Its finished
         tasks reach SQL before it goes: the outbox writer serves the endpoints that exist."""

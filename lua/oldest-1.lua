@@ -8,7 +8,7 @@ Returns the id of the oldest band head seen (ids begin with their creation ms), 
 ]]
 --@include now.lua
 
-local BAND = 8796093022208  -- 2^43, one priority step of the score (submit-7.lua)
+local BAND = 8796093022208  -- 2^43, one priority step of the score (submit-11.lua)
 local hi, left = '+inf', tonumber(ARGV[1])
 local best, best_ms = false, nil
 while left > 0 do

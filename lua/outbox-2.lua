@@ -8,6 +8,7 @@ ARGV[1] task key prefix    ARGV[2] max ids
 Returns {source, id, size, id, size, ...}: source 'legacy' (sizes of the JSON records) while
 the legacy hash holds any, then 'tasks' (sizes of the task hashes' results; -1 for a task
 whose hash is gone).
+Task hashes of ids read here are built from ARGV[1] (prefix), same hash tag.
 ]]
 local n = tonumber(ARGV[2])
 local out = {'tasks'}

@@ -1,8 +1,8 @@
 --[[ A submit's first step on a Redis Cluster, in the caller's slot (its keys carry the user's
 tag, the queue the endpoint's): the Idempotency-Key and the daily quota, taken before the task
-is queued (submit-7.lua, with both off) and given back (unreserve-2.lua) if it is not.
+is queued (submit-11.lua, with both off) and given back (unreserve-2.lua) if it is not.
 Counting first keeps the quota exact under races: the count is checked and taken at once.
-KEYS[1] idem     KEYS[2] quota (see submit-7.lua)
+KEYS[1] idem     KEYS[2] quota (see submit-11.lua)
 ARGV[1] task id  ARGV[2] '1' to honour KEYS[1]
 ARGV[3] how long the key holds before confirm-1.lua gives it its whole TTL (ms): a task whose
 queueing failed frees its key by itself

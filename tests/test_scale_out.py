@@ -5,6 +5,7 @@ endpoints spread over every master, each served at once by an idle dispatcher.""
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -12,6 +13,7 @@ import httpx
 import pytest
 
 from app.core.keys import Keys
+from app.core.scripts import LUA_DIR, source
 from app.runtime import Runtime
 from app.settings import Settings
 from tests.conftest import Gateway
@@ -139,3 +141,35 @@ async def test_two_submits_with_one_key_to_a_full_queue_both_hear_it_is_full(
         for _ in range(2)))
     assert [(r.status_code, r.json()["error"]["code"]) for r in answers] == \
         [(503, "queue_full")] * 2
+
+
+def test_every_script_takes_its_keys_in_keys_as_its_name_and_header_say() -> None:
+    """A Cluster runs a script only if its caller names every key it touches (DESIGN.md,
+    "Scaling out"): no script builds a key from another (the events channel is a channel), a
+    script's name counts its fixed KEYS and its header lists exactly those (and any variable
+    tail, `KEYS[n..]`), and a task key built from a prefix in ARGV is said in the header."""
+    channel = (LUA_DIR / "includes" / "events.lua").read_text()
+    channel = channel[channel.index("local function event_channel"):]
+    channel = channel[:channel.index("end\n") + 4]
+    problems = []
+    for path in sorted(LUA_DIR.glob("*.lua")):
+        name, _, count = path.stem.rpartition("-")
+        text = source(name).replace(channel, "")
+        header, _, body = text.partition("]]")
+        body = re.sub(r"--.*", "", body)  # comments name keys as `<prefix>:{e}:<name>`
+        fixed = sorted({int(n) for n in re.findall(r"KEYS\[(\d+)\](?!\.\.)", header)})
+        tail = sorted({int(n) for n in re.findall(r"KEYS\[(\d+)\.\.\]", header)})
+        used = {int(n) for n in re.findall(r"KEYS\[(\d+)\]", body)}
+        if not count.isdigit() or fixed != list(range(1, int(count) + 1)):
+            problems.append(f"{path.name}: header lists KEYS {fixed}")
+        if tail not in ([], [int(count) + 1]) or (
+                tail and not re.search(r"KEYS(,|\[[^\d\]])", body)):
+            problems.append(f"{path.name}: variable KEYS {tail}")
+        if used - set(fixed):
+            problems.append(f"{path.name}: uses KEYS {sorted(used - set(fixed))} not in its header")
+        if "sibling_key" in text or "}:" in body or re.search(r"(KEYS\[\d+\]|key) \.\.", body):
+            problems.append(f"{path.name}: builds a key from another")
+        if re.search(r"(ARGV\[\d+\]|\bprefix) \.\. id\b", body) and not re.search(
+                r"Task hashes of ids read here are built from ARGV", header):
+            problems.append(f"{path.name}: builds task keys without saying so")
+    assert problems == []

@@ -85,16 +85,15 @@ async def finish(gw: Gateway, upstream: str, start: Start, path: str, n: int = 1
     return auth, ids
 
 
-async def test_lua_finds_the_keys_keys_py_names(gateway: Gateway) -> None:
-    """Scripts whose KEYS their callers fix find an endpoint's other keys as siblings of one
-    they were given (sibling_key, lua/includes/stats.lua): the names must agree."""
-    k = Keys("p")
-    script = (LUA_DIR / "includes" / "stats.lua").read_text() + (
-        "return {sibling_key(KEYS[1], 'tosql'), sibling_key(KEYS[2], 'stats'),"
-        " sibling_key(KEYS[3], 'active')}")
-    found = await gateway.rt.redis.eval(
-        script, 3, k.task("0193abc.gen.v2"), k.queue("gen.v2"), k.ratelimit("gen.v2", "x"))
-    assert found == [k.outbox("gen.v2"), k.stats("gen.v2"), k.active("gen.v2")]
+async def test_lua_names_the_events_channel_keys_py_names(gateway: Gateway) -> None:
+    """The one name a script builds from a key it was given is its endpoint's events channel
+    (lua/includes/events.lua); waiters subscribe to the name keys.py gives it."""
+    script = (LUA_DIR / "includes" / "events.lua").read_text() + (
+        "return {event_channel(KEYS[1]), event_channel(KEYS[2]), event_channel(KEYS[3])}")
+    for k in (Keys("p"), Keys("p", cluster=True)):
+        found = await gateway.rt.redis.eval(
+            script, 3, k.task("0193abc.gen.v2"), k.queue("gen.v2"), k.ratelimit("gen.v2", "x"))
+        assert found == [k.events("gen.v2")] * 3
 
 
 async def test_migration_creates_task_results_with_created_at_index(db_url: str) -> None:

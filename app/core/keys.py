@@ -11,8 +11,10 @@ has its own wake and delayed sets in the same slot, which a dispatcher blocks on
 connection per group.  The group tags are picked to lie evenly over the slot space, so the
 groups spread evenly over masters whatever the slot ranges; a user's quota and idempotency
 keys carry the user's tag, and the registry's keys one tag of their own, so its
-transactions stay in one slot.  Lua finds an endpoint's other keys with `sibling_key`, which
-replaces what follows the tag: both layouts keep the tag right before the key's last part.
+transactions stay in one slot.  Every key a script touches that its caller can name comes in
+its KEYS (`of` builds an endpoint's list once); only the task hashes of ids a script reads
+itself are built there, from the task key prefix (same tag), and the events channel from any
+key of the endpoint: both layouts keep the tag right before the key's last part.
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ class Keys:
     prefix: str = "qgw"
     cluster: bool = False
     _tags: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
+    _lists: dict[tuple[str, ...], tuple[str, ...]] = field(
+        default_factory=dict, compare=False, repr=False)
 
     def tag(self, endpoint: str) -> str:
         """`{e}`, or on a Cluster `e:{<group tag>}`: the part every key of the endpoint has."""
@@ -57,6 +61,15 @@ class Keys:
                    else f"{{{endpoint}}}")
             self._tags[endpoint] = tag
         return tag
+
+    def of(self, endpoint: str, *names: str) -> tuple[str, ...]:
+        """The keys `names` (methods here taking only the endpoint id) of one endpoint, in that
+        order: a script's KEYS, built once per endpoint instead of on every call."""
+        found = self._lists.get((endpoint, *names))
+        if found is None:
+            found = tuple(getattr(self, n)(endpoint) for n in names)
+            self._lists[(endpoint, *names)] = found
+        return found
 
     def queue(self, endpoint: str) -> str:
         """ZSet of pending task ids; score orders by priority, then arrival."""
@@ -68,22 +81,44 @@ class Keys:
 
     def ratelimit(self, endpoint: str, limiter: str) -> str:
         """Limiter state; one key per kind, so switching kinds never meets a stale type.
-        The scripts keep the pacing state beside it, `<this key>:pace:<rate>/<interval>`."""
+        The window limiters keep their pacing state beside it (`pace`)."""
         return f"{self.prefix}:{self.tag(endpoint)}:rl:{limiter}"
+
+    def pace(self, endpoint: str, limiter: str, rate: int, interval_ms: int) -> str:
+        """A window limiter's pacing state (lua/includes/ratelimit.lua), named by the rate it
+        paces, so a changed limit paces afresh at once."""
+        return f"{self.ratelimit(endpoint, limiter)}:pace:{rate}/{interval_ms}"
 
     def further_limit(self, endpoint: str, kind: str, per: str, rate: int, interval_ms: int
                       ) -> str:
-        """A further limit's state (API.md `limits`), named by what it limits: lim_key in
-        lua/includes/limits.lua, which finds it as a sibling of any key of the endpoint."""
+        """A further limit's state (API.md `limits`), named by what it limits (claim-12.lua
+        and ack-8.lua take one per limit after their fixed KEYS)."""
         return f"{self.prefix}:{self.tag(endpoint)}:rlx:{kind}:{per}:{rate}/{interval_ms}"
+
+    def further_pace(self, endpoint: str, kind: str, per: str, rate: int, interval_ms: int
+                     ) -> str:
+        """The pacing state of a further limit that paces (a per-cost sliding window up to a
+        minute, lua/includes/limits.lua), beside its state as `pace` is beside the main one."""
+        return (f"{self.further_limit(endpoint, kind, per, rate, interval_ms)}"
+                f":pace:{rate}/{interval_ms}")
 
     def task_prefix(self, endpoint: str) -> str:
         return f"{self.prefix}:{self.tag(endpoint)}:t:"
 
     def retry(self, endpoint: str) -> str:
         """ZSet of started tasks waiting out a retry back-off; score = when due (ms, Redis
-        clock).  claim-5.lua finds it as the sibling `<prefix>:{e}:retry` of the queue."""
+        clock)."""
         return f"{self.prefix}:{self.tag(endpoint)}:retry"
+
+    def deadlines(self, endpoint: str) -> str:
+        """ZSet of pending task ids whose deadline may come before that of tasks ahead of them
+        (a caller's max_wait_s; every task of a per_user endpoint); score = the deadline (ms)."""
+        return f"{self.prefix}:{self.tag(endpoint)}:deadlines"
+
+    def probe(self, endpoint: str) -> str:
+        """The lease token of the one probe call a paused endpoint lets through
+        (lua/includes/upstream.lua); expires with its lease."""
+        return f"{self.prefix}:{self.tag(endpoint)}:probe"
 
     def seq(self, endpoint: str) -> str:
         """Per-endpoint arrival counter: breaks ties inside a priority exactly."""
@@ -91,8 +126,7 @@ class Keys:
 
     def turns(self, endpoint: str, priority: int) -> str:
         """Hash user id -> the last turn given to that user in one priority band of a
-        `fairness: per_user` endpoint (lua/includes/fairness.lua finds it as the sibling
-        `<prefix>:{e}:turns:<priority>` of the queue)."""
+        `fairness: per_user` endpoint (lua/includes/fairness.lua; submit-11.lua's KEYS[11])."""
         return f"{self.prefix}:{self.tag(endpoint)}:turns:{priority}"
 
     def stats(self, endpoint: str) -> str:
@@ -102,16 +136,13 @@ class Keys:
 
     def outbox(self, endpoint: str) -> str:
         """ZSet of finished task ids whose SQL row is not written yet; score = when each ended
-        (app/lifecycle/outbox.py). Their task hashes have no TTL until it is.
-
-        Scripts whose KEYS their callers fix find it as a sibling of a key they were given
-        (sibling_key, lua/includes/stats.lua), so it must stay `<prefix>:{e}:tosql`."""
+        (app/lifecycle/outbox.py). Their task hashes have no TTL until it is."""
         return f"{self.prefix}:{self.tag(endpoint)}:tosql"
 
     def hooks(self, endpoint: str) -> str:
         """ZSet of finished task ids whose webhook is not delivered yet; score = when due, or
-        the lease deadline of the sender trying it (app/queue/webhooks.py). lifecycle.lua
-        finds it as the sibling `<prefix>:{e}:hooks` of the outbox."""
+        the lease deadline of the sender trying it (app/queue/webhooks.py); every script that
+        ends a task takes it in KEYS (lua/includes/lifecycle.lua)."""
         return f"{self.prefix}:{self.tag(endpoint)}:hooks"
 
     def outbox_legacy(self, endpoint: str) -> str:
@@ -148,7 +179,7 @@ class Keys:
 
     def quota(self, user_id: int) -> str:
         """Tasks the user submitted today; expires at the end of the day on the Redis clock
-        (lua/submit-7.lua), so no day in the name: an API host's clock never picks the day."""
+        (lua/submit-11.lua), so no day in the name: an API host's clock never picks the day."""
         if self.cluster:
             return f"{self.prefix}:{{u{user_id}}}:quota"
         return f"{self.prefix}:quota:{user_id}"
@@ -175,7 +206,7 @@ class Keys:
 
     def live(self, endpoint: str) -> str:
         """Hash whose field `endpoint` says it exists, read by the scripts that enqueue
-        (submit-7.lua, requeue-6.lua): the registry hash on one Redis; on a Cluster, a hash in
+        (submit-11.lua, requeue-6.lua): the registry hash on one Redis; on a Cluster, a hash in
         the endpoint's slot that the registry keeps beside its own (core/registry.py)."""
         if self.cluster:
             return f"{self.prefix}:{self.tag(endpoint)}:live"

@@ -27,7 +27,7 @@ _INCLUDE = re.compile(r"^--@include (\S+)$", re.MULTILINE)
 @cache
 def source(name: str) -> str:
     """The text of `lua/<name>-<n>.lua` with its includes inlined."""
-    (path,) = LUA_DIR.glob(f"{name}-[0-9].lua")
+    (path,) = (p for p in LUA_DIR.glob(f"{name}-*.lua") if p.stem[len(name) + 1:].isdigit())
     return _resolve(path)
 
 

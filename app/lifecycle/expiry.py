@@ -38,7 +38,7 @@ class ExpirySweep:
             async with self.redis.pipeline(transaction=False) as pipe:
                 for e in todo:
                     await self.scripts.expire(
-                        keys=[k.queue(e), k.stats(e), k.outbox(e)],
+                        keys=k.of(e, "queue", "stats", "outbox", "deadlines", "hooks"),
                         args=[k.task_prefix(e), self.ttls.done_ms, BATCH, STEPS], client=pipe)
                 results = await pipe.execute()
             total += sum(int(r[0]) for r in results)

@@ -103,7 +103,9 @@ class Outbox:
         if waiting.legacy:
             await self.redis.hdel(k.outbox_legacy(e), *task_ids)
         else:
-            await self._saved(keys=[k.outbox(e)], args=[k.task_prefix(e), done_ms, *task_ids])
+            prefix = k.task_prefix(e)
+            await self._saved(keys=[k.outbox(e), *(prefix + t for t in task_ids)],
+                              args=[done_ms, *task_ids])
 
     async def refused(self, endpoint: str, task_id: str, record: dict[str, Any]) -> None:
         """Keep a record the database refused even without its result, for an operator."""

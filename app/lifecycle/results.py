@@ -8,7 +8,7 @@ TTL, only after its row committed (app/lifecycle/outbox.py). SQL down: tasks wai
 however long, status keeps answering from there, and the API carries on. Several writers at
 once only repeat upserts.
 
-A finished task its owner has read is delivered: status-5.lua takes it out of the outbox and
+A finished task its owner has read is delivered: status-6.lua takes it out of the outbox and
 schedules its row for deletion once the read TTL has run out (the `delivered` ZSet); the writer
 deletes those rows too, in batches.
 """

@@ -6,6 +6,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from app.core.keys import Keys
 from app.endpoints import EndpointConfig
 from app.queue.upstream import Outcome, Request
 from app.ratelimit import further_limits
@@ -43,12 +44,33 @@ class Claim:
 
 
 
-def settle_args(claim: Claim, outcome: Outcome, guard_ms: int) -> list[str | int]:
-    """ack-5.lua's ARGV[10..]: the real cost and the limits it settles; nothing when there is
-    nothing to settle (no per-cost limit, or no real cost read)."""
+def limit_keys(keys: Keys, endpoint: EndpointConfig) -> list[str]:
+    """The further limits' state and pace keys, two a limit in the order further_limits passes
+    the limits: the KEYS claim-12.lua and ack-8.lua take after their fixed ones."""
+    e = endpoint.id
+    return [key for x in endpoint.limits for key in (
+        keys.further_limit(e, x.limiter, x.per, x.rate, x.interval_ms),
+        keys.further_pace(e, x.limiter, x.per, x.rate, x.interval_ms))]
+
+
+def claim_keys(keys: Keys, endpoint: EndpointConfig) -> list[str]:
+    """claim-12.lua's KEYS (the limiter's depend on the endpoint's current limits)."""
+    e, kind = endpoint.id, endpoint.limiter
+    return [*keys.of(e, "queue", "active"), keys.ratelimit(e, kind),
+            *keys.of(e, "wake", "delayed", "retry", "stats", "deadlines", "probe", "outbox",
+                     "hooks"),
+            keys.pace(e, kind, endpoint.rate, endpoint.interval_ms), *limit_keys(keys, endpoint)]
+
+
+def settle_args(claim: Claim, outcome: Outcome, keys: Keys, guard_ms: int
+                ) -> tuple[list[str], list[str | int]]:
+    """ack-8.lua's KEYS[9..] and ARGV[10..]: the limits' state keys, the real cost and the
+    limits it settles; nothing when there is nothing to settle (no per-cost limit, or no real
+    cost read)."""
     if outcome.cost is None or claim.endpoint.max_cost is None:
-        return []
-    return [outcome.cost, *further_limits(claim.endpoint, guard_ms)]
+        return [], []
+    return (limit_keys(keys, claim.endpoint),
+            [outcome.cost, *further_limits(claim.endpoint, guard_ms)])
 
 
 def pause_ms(claim: Claim, outcome: Outcome) -> int:

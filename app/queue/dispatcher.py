@@ -10,7 +10,7 @@ Nothing is lost: a task is in a queue or in `active` under a lease until it is a
 Through a Redis outage every loop retries with a short capped back-off and carries on.  On stop
 (SIGTERM) the dispatcher stops claiming, lets calls in flight finish within a grace period while
 it keeps renewing their leases, and hands the rest back to their queues at once
-(lua/release-5.lua) instead of leaving them to the reaper when their leases run out.
+(lua/release-7.lua) instead of leaving them to the reaper when their leases run out.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from app.core.registry import EndpointRegistry, cancel_all
 from app.core.scripts import Scripts
 from app.endpoints import EndpointConfig
 from app.lifecycle import Ttls
-from app.queue.claims import Claim, pause_ms, settle_args
+from app.queue.claims import Claim, claim_keys, pause_ms, settle_args
 from app.queue.reaper import Reaper
 from app.queue.upstream import Outcome, Request, backoff_s, call
 from app.ratelimit import Limit, Limiter, further_limits
@@ -46,7 +46,7 @@ from app.settings import Settings
 
 log = logging.getLogger(__name__)
 SHARE = 0.75
-CLAIM_FIELDS = 10  # values per claimed task in claim-5.lua's answer
+CLAIM_FIELDS = 10  # values per claimed task in claim-12.lua's answer
 WAKE_BLOCK_S = 1  # BZPOPMIN timeout: how long stopping may wait for the wake loop
 CLAIM_RETRY_S = 1.0  # a claim that met a Redis error is tried again after this
 HEARTBEAT_RETRY_S = 0.5
@@ -199,8 +199,7 @@ class Dispatcher:
         asked = asyncio.get_running_loop().time()
         try:
             res = await self.scripts.claim(
-                keys=[k.queue(e), k.active(e), k.ratelimit(e, endpoint.limiter), k.wake(e),
-                      k.delayed(e)],
+                keys=claim_keys(k, endpoint),
                 args=[e, room, endpoint.max_concurrency, self.settings.lease_ms,
                       endpoint.limiter, endpoint.rate, endpoint.interval_ms, k.task_prefix(e),
                       f"{self._ident}.{secrets.token_hex(8)}", endpoint.permit_ttl_s * 1000,
@@ -300,7 +299,7 @@ class Dispatcher:
             self._done(claim)
 
     async def _retry_later(self, claim: Claim, outcome: Outcome, exec_ms: float) -> None:
-        """Set the task aside in Redis for its back-off (retry-6.lua): its slot serves others
+        """Set the task aside in Redis for its back-off (retry-8.lua): its slot serves others
         meanwhile, and a claim puts it back in line when due (a new admission, as any)."""
         ep, k, e = claim.endpoint, self.keys, claim.endpoint.id
         delay = backoff_s(ep.retry_backoff_ms, claim.attempts, outcome.retry_after_s)
@@ -308,8 +307,8 @@ class Dispatcher:
         log.info("retrying in %.2f s: %s", delay, outcome.status_code or outcome.text,
                  extra=extra)
         due = await persist("retry", lambda: self.scripts.retry(
-            keys=[k.active(e), k.task(claim.task_id), k.retry(e), k.delayed(e), k.queue(e),
-                  k.wake(e)],
+            keys=[k.active(e), k.task(claim.task_id),
+                  *k.of(e, "retry", "delayed", "queue", "wake", "stats", "probe")],
             args=[claim.task_id, claim.token, round(delay * 1000), e, pause_ms(claim, outcome),
                   outcome.status_code or "", round(exec_ms)]))
         if not due:
@@ -320,12 +319,13 @@ class Dispatcher:
     async def _finish(self, claim: Claim, outcome: Outcome, exec_ms: float) -> None:
         k, e = self.keys, claim.endpoint.id
         status = "completed" if outcome.ok else "failed"
+        limit_keys, settle = settle_args(claim, outcome, k, self.settings.rate_guard_ms)
         acked = await persist("ack", lambda: self.scripts.ack(
-            keys=[k.active(e), k.task(claim.task_id), k.queue(e), k.wake(e), k.stats(e)],
+            keys=[k.active(e), k.task(claim.task_id),
+                  *k.of(e, "queue", "wake", "stats", "outbox", "hooks", "probe"), *limit_keys],
             args=[claim.task_id, claim.token, status, outcome.text,
                   outcome.status_code or "", self.ttls.done_ms, e,
-                  round(exec_ms), pause_ms(claim, outcome),
-                  *settle_args(claim, outcome, self.settings.rate_guard_ms)],
+                  round(exec_ms), pause_ms(claim, outcome), *settle],
         ))
         extra = {"task_id": claim.task_id, "endpoint": e, "status": status,
                  "code": outcome.status_code, "attempts": claim.attempts}
@@ -347,7 +347,8 @@ class Dispatcher:
                 for c in claims:
                     e = c.endpoint.id
                     await self.scripts.release(
-                        keys=[k.active(e), k.task(c.task_id), k.queue(e), k.wake(e), k.stats(e)],
+                        keys=[k.active(e), k.task(c.task_id),
+                              *k.of(e, "queue", "wake", "stats", "outbox", "hooks")],
                         args=[c.task_id, c.token, e, c.endpoint.max_retries + 1,
                               self.ttls.done_ms], client=pipe)
                 return await pipe.execute()

@@ -9,7 +9,7 @@ from redis.asyncio import Redis
 
 from app.core.keys import Keys
 
-PRIORITY_STEP = 8_796_093_022_208  # 2^43: one priority band of a queue score (submit-7.lua)
+PRIORITY_STEP = 8_796_093_022_208  # 2^43: one priority band of a queue score (submit-11.lua)
 TURN_STEP = 8192  # 2^13: one turn inside a band (fairness.lua FAIR_TURN)
 MAX_TURN = 2**30 - 1  # fairness.lua FAIR_MAX_TURN: a band never reaches the next one
 

@@ -81,7 +81,7 @@ async def purge(queue: TaskQueue, endpoint_id: str) -> int:
     k, e, total = queue.keys, endpoint_id, 0
     for _ in range(PURGE_ROUNDS):
         cancelled, more = await queue.scripts.purge(
-            keys=[k.queue(e), k.retry(e), k.stats(e), k.outbox(e)],
+            keys=k.of(e, "queue", "retry", "stats", "outbox", "hooks"),
             args=[k.task_prefix(e), PURGE_BATCH])
         total += int(cancelled)
         if not int(more):

@@ -72,7 +72,7 @@ class TaskQueue:
         ]
         if req.callback_url:  # its webhook is signed with the secret of the key that asked
             fields += ["callback_url", req.callback_url, "key_id", key.id]
-        if req.cost != 1:  # what it spends of per-cost limits (claim-5.lua; absent = 1)
+        if req.cost != 1:  # what it spends of per-cost limits (claim-12.lua; absent = 1)
             if endpoint.max_cost is not None and req.cost > endpoint.max_cost:
                 raise ApiError(422, "cost_too_high", f"cost {req.cost} exceeds what a limit of "
                                f"{e!r} admits in a whole interval ({endpoint.max_cost})")
@@ -87,7 +87,7 @@ class TaskQueue:
         user_args = [task_id, "1" if idem_key else "0", IDEMPOTENCY_TTL_MS, key.daily_quota]
         # On a Cluster the caller's keys are in another slot than the queue: taken first, on
         # their own (app/queue/reservations.py), and stand-ins in the queue's slot turn them
-        # off in submit-7.lua.
+        # off in submit-11.lua.
         held = self.reservations.reservation(
             user_keys, task_id, idem_key is not None, key.daily_quota) if k.cluster and (
             idem_key is not None or key.daily_quota > 0) else None
@@ -127,13 +127,14 @@ class TaskQueue:
         user_args: list[Any], pending_ms: int, own_deadline: bool, fields: list[str | int],
     ) -> tuple[list[str], list[Any]]:
         user_id = fields[1]  # fields begin with the caller's user_id (submit)
-        """submit-7.lua's KEYS and ARGV; `user_keys`/`user_args`: the Idempotency-Key and
+        """submit-11.lua's KEYS and ARGV; `user_keys`/`user_args`: the Idempotency-Key and
         quota (keys, then honour flag, TTL, quota), or on a Cluster stand-ins that turn them
         off (reserve-2.lua took them)."""
         k, e = self.keys, endpoint.id
         honour, idem_ttl, quota = user_args
         return (
-            [k.queue(e), k.task(task_id), k.seq(e), k.wake(e), *user_keys, k.live(e)],
+            [k.queue(e), k.task(task_id), k.seq(e), k.wake(e), *user_keys, k.live(e),
+             *k.of(e, "deadlines", "stats", "active"), k.turns(e, req.priority)],
             [task_id, e, req.priority, endpoint.max_queue_len, pending_ms, honour, idem_ttl,
              quota, self.ttls.done_ms, "1" if own_deadline else "0",
              str(user_id) if endpoint.fairness == "per_user" else "", *fields],
@@ -155,7 +156,7 @@ class TaskQueue:
         withdrawn would already hold its Idempotency-Key."""
         k, e = self.keys, endpoint.id
         async with self.redis.pipeline(transaction=False) as pipe:
-            # Ahead of it: every task of its priority or higher (submit-7.lua's score).
+            # Ahead of it: every task of its priority or higher (submit-11.lua's score).
             pipe.zcount(k.queue(e), "-inf", f"({(1 - priority) * PRIORITY_STEP}")
             pipe.zcard(k.active(e))
             pipe.hmget(k.stats(e), "exec_ms", "slot_ms", "last_admit", "upause")
@@ -197,7 +198,7 @@ class TaskQueue:
         owner (its copies go soon); a repeated submit only peeks: it carries no result."""
         k, e = self.keys, endpoint_of(task_id)
         res = await self.scripts.status(
-            keys=[k.task(task_id), k.queue(e), k.stats(e), k.outbox(e), k.delivered(e)],
+            keys=[k.task(task_id), *k.of(e, "queue", "stats", "outbox", "delivered", "active")],
             args=[task_id, user_id, self.ttls.read_ms if deliver else 0],
         )
         if not res:
@@ -237,7 +238,8 @@ class TaskQueue:
     async def cancel(self, user_id: int, task_id: str) -> TaskStatus:
         k, e = self.keys, endpoint_of(task_id)
         res = await self.scripts.cancel(
-            keys=[k.task(task_id), k.queue(e), k.active(e), k.wake(e), k.outbox(e)],
+            keys=[k.task(task_id),
+                  *k.of(e, "queue", "active", "wake", "outbox", "retry", "stats", "hooks")],
             args=[task_id, user_id, self.ttls.done_ms, e],
         )
         if res[0] == "missing":
@@ -252,7 +254,7 @@ class TaskQueue:
         """An admitted online task is done: its slot frees before the permit runs out."""
         k, e = self.keys, endpoint_of(task_id)
         res = await self.scripts.complete(
-            keys=[k.task(task_id), k.active(e), k.queue(e), k.wake(e), k.outbox(e)],
+            keys=[k.task(task_id), *k.of(e, "active", "queue", "wake", "outbox", "stats", "hooks")],
             args=[task_id, user_id, result or "", self.ttls.done_ms, e],
         )
         if res[0] == "missing":
@@ -351,7 +353,7 @@ def estimate_wait(endpoint: EndpointConfig | None, ahead: int, measured: Any) ->
     - the rate limit: the `ahead` admissions before it, at rate / interval.
     With neither, the tasks in flight stand for the cap (the dispatchers' capacity).
     - the upstream's own pause (lua/includes/upstream.lua): nothing starts before it ends.
-    `measured` is status-5.lua's {exec ms, slot ms, in flight, last admission, upstream pause
+    `measured` is status-6.lua's {exec ms, slot ms, in flight, last admission, upstream pause
     until, now}; a shorter list, or a bare exec time (in flight unknown: taken as a full
     endpoint) is accepted too.
     """

@@ -9,7 +9,7 @@ receiver de-duplicates on it. A failure is retried with exponential back-off and
 a 2xx, and given up (a warning) only once the task ended more than GIVE_UP_S ago.
 
 The body is the status JSON the owner would read, rendered from the task hash itself: the
-task stays in Redis while its webhook is due (saved-1.lua, status-5.lua set no TTL then) and
+task stays in Redis while its webhook is due (saved-1.lua, status-6.lua set no TTL then) and
 gets its done TTL once it is delivered or given up (hookdone-3.lua)."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Per-endpoint rate limits: sliding window, fixed window, token bucket; Lua behind one interface.
 
 The limiters live in `lua/includes/ratelimit.lua`.  The dispatcher checks them inside the claim
-script (`claim-5.lua`), atomically with the pop; `Limiter` runs the very same code alone, for
+script (`claim-12.lua`), atomically with the pop; `Limiter` runs the very same code alone, for
 retries and for callers that want a limit without a queue.  Every check uses the Redis clock, so
 processes with skewed clocks agree.
 
@@ -50,7 +50,7 @@ class Limit:
 
 
 def further_limits(endpoint: EndpointConfig, guard_ms: int) -> list[str | int]:
-    """The endpoint's further limits as claim-5.lua (ARGV[12..]) and ack-5.lua (ARGV[11..]) take
+    """The endpoint's further limits as claim-12.lua (ARGV[12..]) and ack-8.lua (ARGV[11..]) take
     them: a count, then kind, rate, interval, guard, per each; nothing when it has none, so such
     an endpoint's claims run exactly as before."""
     if not endpoint.limits:
@@ -82,7 +82,8 @@ class Limiter:
         """
         lim = self.limit
         wait, _now = await self._script(
-            keys=[self.key(endpoint_id)],
+            keys=[self.key(endpoint_id),
+                  self.keys.pace(endpoint_id, lim.kind, lim.rate, lim.interval_ms)],
             args=[lim.kind, lim.rate, lim.interval_ms, member or secrets.token_hex(8),
                   lim.guard_ms],
         )

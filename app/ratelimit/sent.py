@@ -94,7 +94,7 @@ class SendTimes:
 def sliding_logs(keys: Keys, endpoint: EndpointConfig, member: str, cost: int
                  ) -> list[tuple[str, str]]:
     """(key, member) of each sliding-window log an admission under `member` of a task costing
-    `cost` entered (claim-5.lua, limits.lua): the main limit's, and the further limits'; a
+    `cost` entered (claim-12.lua, limits.lua): the main limit's, and the further limits'; a
     per-cost log names the entry by the units it spent too."""
     e = endpoint.id
     logs = []

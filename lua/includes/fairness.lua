@@ -1,5 +1,5 @@
--- Fair turns inside a priority band (endpoint `fairness: "per_user"`). Include stats.lua first
--- (sibling_key) and now.lua (int).
+-- Fair turns inside a priority band (endpoint `fairness: "per_user"`). Include now.lua (int)
+-- first.
 --
 -- The queue stays one ZSet, so claim, cancel, expiry, status (ZRANK) and every hand-back
 -- (release, reap, retry: they put a task back with its stored `score`) work unchanged. Only
@@ -12,15 +12,15 @@
 -- with nothing pending; only a band that never drains in ~10^9 claims reaches the cap, and
 -- past it new tasks share the last turn (in arrival order mod 2^13) instead of overflowing.
 -- Inside one turn (at most one task per user) the order is arrival mod 2^13.
--- State: `<prefix>:{e}:turns:<priority>`, a hash user id -> the last turn given to that user,
--- dropped when the band drains and expiring a pending TTL after the band's last submit.
+-- State: `<prefix>:{e}:turns:<priority>` (Keys.turns, passed by the submitter, who knows the
+-- priority), a hash user id -> the last turn given to that user, dropped when the band drains
+-- and expiring a pending TTL after the band's last submit.
 
 local FAIR_TURN, FAIR_MAX_TURN = 8192, 1073741823  -- 2^13, 2^30 - 1
 
--- The offset inside its band of a new task of `user` (priority string `prio`, band score
--- `band`), updating that user's last turn.
-local function fair_offset(queue, band, prio, user, seq, pending_ttl)
-  local turns = sibling_key(queue, 'turns:' .. prio)
+-- The offset inside its band of a new task of `user` (band score `band`, the band's turns hash
+-- `turns`), updating that user's last turn.
+local function fair_offset(queue, turns, band, user, seq, pending_ttl)
   local lo, hi = int(band), '(' .. int(band + 8796093022208)
   local head = redis.call('ZRANGEBYSCORE', queue, lo, hi, 'WITHSCORES', 'LIMIT', 0, 1)
   local turn = 0

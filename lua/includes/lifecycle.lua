@@ -7,22 +7,22 @@
 
 --
 -- A task with a `callback_url` also gets its webhook due now, in the endpoint's `hooks` ZSet
--- beside the outbox (same hash tag, same slot), and the field `hook` = when it ended, which
+-- beside the outbox (same hash tag, same slot; the caller passes it), and the field `hook` = when it ended, which
 -- names the delivery (app/queue/webhooks.py) and keeps the task in Redis until the webhook is
--- delivered or given up (saved-1.lua and status-5.lua set no TTL while it is there).
-local function to_outbox(outbox, task, id, now)
+-- delivered or given up (saved-1.lua and status-6.lua set no TTL while it is there).
+local function to_outbox(outbox, hooks, task, id, now)
   redis.call('PERSIST', task)
   redis.call('ZADD', outbox, now, id)
   if redis.call('HEXISTS', task, 'callback_url') == 1 then
     redis.call('HSET', task, 'hook', now, 'hook_tries', 0)
-    redis.call('ZADD', (string.gsub(outbox, '}:[^}]*$', '}:hooks')), now, id)
+    redis.call('ZADD', hooks, now, id)
   end
 end
 
 -- A task still pending at its deadline never runs: `expired`, out of its queue, counted.
-local function expire_pending(task, id, queue, stats, outbox, now)
+local function expire_pending(task, id, queue, stats, outbox, hooks, now)
   redis.call('ZREM', queue, id)
   redis.call('HSET', task, 'status', 'expired', 'ended_at', now)
   redis.call('HINCRBY', stats, 'expired', 1)
-  to_outbox(outbox, task, id, now)
+  to_outbox(outbox, hooks, task, id, now)
 end

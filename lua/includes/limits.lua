@@ -1,19 +1,17 @@
 -- Several limits per endpoint (API.md `limits`), all checked in the one admission step.
--- Include now.lua, stats.lua (sibling_key) and ratelimit.lua first.
+-- Include now.lua and ratelimit.lua first.
 --
 -- A further limit's state lives beside the endpoint's other keys (same hash tag), named by what
--- it limits: a changed limit counts afresh, and claim and ack find the key from any key of the
--- endpoint without passing it (their KEYS stay fixed; the limits come in ARGV).
+-- it limits (Keys.further_limit): a changed limit counts afresh. The caller passes two keys a
+-- limit after the script's fixed KEYS, in the order of the limits in ARGV: its state, then its
+-- pace (Keys.further_pace; used by paced per-cost limits only).
 
 -- Per-cost sliding limits over windows up to this long pace (lim_parse); a longer window (a
 -- day's budget) stays spendable in bursts.
 local LIM_PACE_MS = 60000
 
-local function lim_key(any_key, kind, per, rate, interval)
-  return sibling_key(any_key, 'rlx:' .. kind .. ':' .. per .. ':' .. rate .. '/' .. interval)
-end
-
--- The further limits from argv[first]: a count, then kind, rate, interval, guard, per each.
+-- The further limits from argv[first]: a count, then kind, rate, interval, guard, per each;
+-- their state and pace keys are keys[first_key], keys[first_key + 1], then the next limit's.
 -- Their sliding windows widen by the whole guard; their entries too are moved to when the calls
 -- really left (app/ratelimit/sent.py). A per-request one does not pace: paced at its own
 -- emission, 2000/day would mean one call every 43 s, whatever the main limit (3/s) allows.
@@ -22,13 +20,13 @@ end
 -- than the guard (bench/ratelimit.py, 200 units/s, two dispatchers: 25 windows over), and each
 -- round through the log lost the claim's and the send's delay on top of the guard (0.95 of the
 -- rate delivered); the pace keeps its own clock, so the delays do not add up.
-local function lim_parse(any_key, argv, first)
+local function lim_parse(argv, first, keys, first_key)
   local list = {}
   for i = 0, (tonumber(argv[first]) or 0) - 1 do
     local j = first + 1 + i * 5
     local kind, rate, interval = argv[j], tonumber(argv[j + 1]), tonumber(argv[j + 2])
     local l = {kind = kind, rate = rate, interval = interval, guard = tonumber(argv[j + 3]),
-      per = argv[j + 4], key = lim_key(any_key, kind, argv[j + 4], rate, interval)}
+      per = argv[j + 4], key = keys[first_key + 2 * i], pace = keys[first_key + 2 * i + 1]}
     l.widen = l.guard
     if l.per == 'cost' and kind == 'sliding_window' then
       l.kind, l.paced = 'sliding_cost', interval <= LIM_PACE_MS
@@ -50,7 +48,7 @@ end
 local function lim_before(l, member, amount)
   local saved = {key = l.key}
   if (l.main and l.kind ~= 'token_bucket') or l.paced then
-    saved[1] = lim_save(rl_pace_key(l.key, l.rate, l.interval))
+    saved[1] = lim_save(l.pace)
   end
   if l.kind == 'sliding_window' then saved.zrem = member
   elseif l.kind == 'sliding_cost' then saved.zrem = member .. ':' .. amount
@@ -72,12 +70,11 @@ end
 -- interval / rate would fill the log faster than it empties, so the log would bind and each
 -- call wait out its claim's and send's delays again, from a pace restarted late each time.
 local function lim_paced(l, now, member, amount)
-  local pace_key = rl_pace_key(l.key, l.rate, l.interval)
-  local w, paced = rl_pace(pace_key, l.rate / amount, l.interval + l.widen, l.guard, now)
+  local w, paced = rl_pace(l.pace, l.rate / amount, l.interval + l.widen, l.guard, now)
   if w > 0 then return w end
   w = limiters[l.kind](l.key, l.rate, l.interval, l.guard, now, member, amount, l.widen)
   if w == 0 then
-    redis.call('SET', pace_key, string.format('%.3f', paced), 'PX', math.max(1, math.ceil(paced - now)))
+    redis.call('SET', l.pace, string.format('%.3f', paced), 'PX', math.max(1, math.ceil(paced - now)))
   end
   return w
 end
@@ -93,7 +90,7 @@ local function lim_acquire(limits, now, member, cost)
     if l.per == 'cost' then amount = math.min(cost, l.rate) end
     local saved = lim_before(l, member, amount)
     local w
-    if l.main then w = rl_acquire(l.kind, l.key, l.rate, l.interval, l.guard, now, member)
+    if l.main then w = rl_acquire(l.kind, l.key, l.pace, l.rate, l.interval, l.guard, now, member)
     elseif l.paced then w = lim_paced(l, now, member, amount)
     else w = limiters[l.kind](l.key, l.rate, l.interval, l.guard, now, member, amount, l.widen) end
     if w > 0 then wait = math.max(wait, w) else undo[#undo + 1] = saved end
@@ -120,13 +117,12 @@ local function lim_settle(l, member, reserved, real, started, now)
     redis.call('ZREM', l.key, old)
     redis.call('ZADD', l.key, score, member .. ':' .. int(real))
     if l.paced then  -- its pace too: the units it did not spend pace nobody
-      local pace_key = rl_pace_key(l.key, l.rate, l.interval)
-      local tat = tonumber(redis.call('GET', pace_key))
+      local tat = tonumber(redis.call('GET', l.pace))
       if tat then
         if delta > 0 then tat = math.max(tat, now) end
         tat = tat + delta * (l.interval + l.widen) / l.rate
-        if tat <= now then redis.call('DEL', pace_key)
-        else redis.call('SET', pace_key, string.format('%.3f', tat), 'PX', math.ceil(tat - now)) end
+        if tat <= now then redis.call('DEL', l.pace)
+        else redis.call('SET', l.pace, string.format('%.3f', tat), 'PX', math.ceil(tat - now)) end
       end
     end
   elseif l.kind == 'fixed_window' then

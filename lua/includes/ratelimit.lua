@@ -131,15 +131,12 @@ local function rl_pace(key, rate, interval, guard, now)
   return 0, tat + emission
 end
 
--- rate <= 0 means the endpoint has no rate limit.  The pacing state lives beside the limiter's
--- (same hash tag) and names the rate it paces, so a changed limit paces afresh at once.
-local function rl_pace_key(key, rate, interval)
-  return key .. ':pace:' .. rate .. '/' .. interval
-end
-
-local function rl_acquire(kind, key, rate, interval, guard, now, member)
+-- rate <= 0 means the endpoint has no rate limit.  The pacing state `pace_key` lives beside the
+-- limiter's (same hash tag) and names the rate it paces, `<key>:pace:<rate>/<interval>`
+-- (Keys.pace, passed by the caller), so a changed limit paces afresh at once.
+local function rl_acquire(kind, key, pace_key, rate, interval, guard, now, member)
   if rate <= 0 then return 0 end
-  local pace_key, paced = rl_pace_key(key, rate, interval), nil
+  local paced = nil
   if kind ~= 'token_bucket' then
     local wait
     wait, paced = rl_pace(pace_key, rate, interval, guard, now)

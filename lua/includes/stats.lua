@@ -13,12 +13,6 @@
 local STATS_BOUNDS_MS = {5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 30000, 60000, 300000, 1800000}
 local RING_MS, RING_SLOTS, FAIL_KEEP = 10000, 8, 5
 
--- A sibling key of `key` (any key of the same endpoint, '<prefix>:{e}:<name>'): same hash tag,
--- same Cluster slot. Scripts whose callers do not pass the stats hash find it this way.
-local function sibling_key(key, name)
-  return (string.gsub(key, '}:[^}]*$', '}:' .. name))
-end
-
 local function stats_observe(stats, name, ms)
   ms = math.max(0, math.floor(ms))
   local bucket = 'inf'

@@ -3,10 +3,11 @@ caller still holds its lease: no wait for the lease to run out.  The task keeps 
 score, so it goes back to its place in line, and its attempt count: an interrupted call counts,
 so the task fails instead when that call was its last allowed one (as the reaper does).
 KEYS[1] active    KEYS[2] task    KEYS[3] queue    KEYS[4] wake    KEYS[5] stats
+KEYS[6] outbox    KEYS[7] hooks (lifecycle.lua)
 ARGV[1] task id   ARGV[2] lease token   ARGV[3] endpoint id   ARGV[4] max attempts
 ARGV[5] unused (the done TTL: set once SQL has the row)
 Returns 1 (re-queued), 2 (failed: no attempt left) or 0 (lease lost: somebody else has it).
-A failed task goes to the endpoint's outbox (key built from KEYS[2], see lifecycle.lua).
+A failed task goes to the endpoint's outbox (see lifecycle.lua).
 ]]
 --@include now.lua
 --@include lifecycle.lua
@@ -23,7 +24,7 @@ if tonumber(f[1]) >= tonumber(ARGV[4]) then
     'result', 'interrupted on attempt ' .. f[1] .. ': the dispatcher shut down')
   local n = redis.call('HINCRBY', KEYS[5], 'failed', 1)
   stats_failure(KEYS[5], n, now, ARGV[1], '', 'interrupted on attempt ' .. f[1])
-  to_outbox(sibling_key(KEYS[2], 'tosql'), KEYS[2], ARGV[1], now)
+  to_outbox(KEYS[6], KEYS[7], KEYS[2], ARGV[1], now)
   publish_changed(KEYS[1], {ARGV[1]})
   return 2
 end

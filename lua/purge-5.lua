@@ -1,11 +1,13 @@
 --[[ Cancel pending tasks of one endpoint (an operator's purge), at most ARGV[2] per run: the
 caller runs it again while it reports more. Each task ends as a user's cancel ends it
-(cancel-5.lua): `cancelled`, out of its queue, into the outbox, counted, announced.
+(cancel-8.lua): `cancelled`, out of its queue, into the outbox, counted, announced.
 Tasks waiting out a retry back-off are pending too: they go after the queue.
 KEYS[1] queue    KEYS[2] retry (ZSet)    KEYS[3] stats    KEYS[4] outbox
+KEYS[5] hooks (lifecycle.lua)
 ARGV[1] task key prefix    ARGV[2] max tasks this run
 Returns {cancelled, 1 if it stopped at the bound (more may be left) else 0}. A queued id whose
 hash says anything but pending stays where it is: not this script's to judge.
+Task hashes of ids read here are built from ARGV[1] (prefix), same hash tag.
 ]]
 --@include now.lua
 --@include lifecycle.lua
@@ -25,7 +27,7 @@ for _, set in ipairs({KEYS[1], KEYS[2]}) do
     if status == 'pending' then
       redis.call('ZREM', set, id)
       redis.call('HSET', task, 'status', 'cancelled', 'ended_at', now)
-      to_outbox(KEYS[4], task, id, now)
+      to_outbox(KEYS[4], KEYS[5], task, id, now)
       changed[#changed + 1] = id
     elseif not status then
       redis.call('ZREM', set, id)  -- its hash is gone: nothing left to run

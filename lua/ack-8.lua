@@ -1,15 +1,17 @@
 --[[ Finish a claimed task, if the caller still holds its lease.
 KEYS[1] active    KEYS[2] task    KEYS[3] queue    KEYS[4] wake    KEYS[5] stats
+KEYS[6] outbox    KEYS[7] hooks (lifecycle.lua)    KEYS[8] probe (upstream.lua)
+KEYS[9..] the further limits' state and pace keys, two per limit of ARGV[12..] (only with ARGV[10])
 ARGV[1] task id   ARGV[2] lease token   ARGV[3] final status ('completed' | 'failed')
 ARGV[4] result    ARGV[5] result status code ('' if none)
 ARGV[6] unused (the done TTL: set once SQL has the row)
 ARGV[7] endpoint id    ARGV[8] exec time of the last attempt (ms; -1 = no call made)
 ARGV[9] pause the upstream asked for (ms; 0 = none), see upstream.lua
 ARGV[10] the call's real cost ('' or absent = unknown), ARGV[11..] the endpoint's further
-limits as claim-5.lua takes them (ARGV[12..]): the per-cost ones settle the task's reservation
+limits as claim-12.lua takes them (ARGV[12..]): the per-cost ones settle the task's reservation
 (its `cost` field) to the real cost (limits.lua)
 Returns 1, or 0 when the lease was lost (reaped and claimed again): the newer attempt wins.
-The finished task goes to the endpoint's outbox (key built from KEYS[2], see lifecycle.lua).
+The finished task goes to the endpoint's outbox (see lifecycle.lua).
 ]]
 --@include now.lua
 --@include stats.lua
@@ -24,21 +26,21 @@ local now = now_ms()
 local real = tonumber(ARGV[10] or '')
 if real then
   local f = redis.call('HMGET', KEYS[2], 'cost', 'started_at')
-  for _, l in ipairs(lim_parse(KEYS[1], ARGV, 11)) do
+  for _, l in ipairs(lim_parse(ARGV, 11, KEYS, 9)) do
     lim_settle(l, ARGV[2], tonumber(f[1]) or 1, real, tonumber(f[2]) or now, now)
   end
 end
 local pause = tonumber(ARGV[9]) or 0
 if pause > 0 then
-  upstream_pause(KEYS[1], now, pause)
+  upstream_pause(KEYS[5], KEYS[8], now, pause)
 else
-  upstream_call_ended(KEYS[1], ARGV[2], ARGV[3] == 'completed')
+  upstream_call_ended(KEYS[5], KEYS[8], ARGV[2], ARGV[3] == 'completed')
 end
 redis.call('ZREM', KEYS[1], ARGV[1])
 redis.call('HSET', KEYS[2], 'status', ARGV[3], 'result', ARGV[4],
   'result_status_code', ARGV[5], 'ended_at', now)
 redis.call('HDEL', KEYS[2], 'lease', 'deadline')
-to_outbox(sibling_key(KEYS[2], 'tosql'), KEYS[2], ARGV[1], now)
+to_outbox(KEYS[6], KEYS[7], KEYS[2], ARGV[1], now)
 publish_changed(KEYS[1], {ARGV[1]})
 
 local n = redis.call('HINCRBY', KEYS[5], ARGV[3], 1)

@@ -3,16 +3,17 @@ queue and never run. No extra index: within one priority the queue is in arrival
 is deadline order, so the script looks at the head of each priority band and jumps to the next
 band at the first task not yet due (a task handed back after a claim has no deadline; the
 walk steps past it). Bounded: at most ARGV[3] expirations and ARGV[4] steps.
-KEYS[1] queue    KEYS[2] stats    KEYS[3] outbox
+KEYS[1] queue    KEYS[2] stats    KEYS[3] outbox    KEYS[4] deadlines    KEYS[5] hooks
 ARGV[1] task key prefix    ARGV[2] unused (the done TTL: set once SQL has the row)    ARGV[3] max expirations    ARGV[4] max steps
 Returns {expired, 1 if it stopped at a bound (more may be due) else 0}.
+Task hashes of ids read here are built from ARGV[1] (prefix), same hash tag.
 ]]
 --@include now.lua
 --@include lifecycle.lua
 --@include stats.lua
 --@include events.lua
 
-local BAND = 8796093022208  -- 2^43, one priority step of the score (submit-7.lua)
+local BAND = 8796093022208  -- 2^43, one priority step of the score (submit-11.lua)
 local now = now_ms()
 local max_expired, steps_left = tonumber(ARGV[3]), tonumber(ARGV[4])
 local from, expired = '-inf', 0
@@ -23,17 +24,17 @@ local function done(more)
   return {expired, more}
 end
 
--- Tasks with a deadline of their caller's (max_wait_s, submit-7.lua), and every task of a
+-- Tasks with a deadline of their caller's (max_wait_s, submit-11.lua), and every task of a
 -- per_user endpoint (its bands are in turn order, lua/includes/fairness.lua), may be due before
 -- tasks ahead of them in their band: their own set names them. Entries of tasks that started or
 -- ended meanwhile are dropped on the way.
-local deadlines = sibling_key(KEYS[1], 'deadlines')
+local deadlines = KEYS[4]
 for _, id in ipairs(redis.call('ZRANGEBYSCORE', deadlines, '-inf', now, 'LIMIT', 0, max_expired)) do
   local task = ARGV[1] .. id
-  local f = redis.call('HMGET', task, 'status', 'pexp')  -- before writing (reap-4.lua)
+  local f = redis.call('HMGET', task, 'status', 'pexp')  -- before writing (reap-6.lua)
   redis.call('ZREM', deadlines, id)
   if f[1] == 'pending' and f[2] and tonumber(f[2]) <= now then
-    expire_pending(task, id, KEYS[1], KEYS[2], KEYS[3], now)
+    expire_pending(task, id, KEYS[1], KEYS[2], KEYS[3], KEYS[5], now)
     changed[#changed + 1] = id
     expired = expired + 1
   end
@@ -52,7 +53,7 @@ while steps_left > 0 do
   elseif not f[2] then
     from = '(' .. int(score)  -- started once and handed back: no pending deadline any more
   elseif tonumber(f[2]) <= now then
-    expire_pending(task, id, KEYS[1], KEYS[2], KEYS[3], now)
+    expire_pending(task, id, KEYS[1], KEYS[2], KEYS[3], KEYS[5], now)
     expired = expired + 1
     changed[expired] = id
   else

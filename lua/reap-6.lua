@@ -1,10 +1,11 @@
 --[[ Return claims whose lease ran out to their queue, with their original score.
 Safe in many processes at once: each expired id is handled by whichever script runs first.
-KEYS[1] active    KEYS[2] queue    KEYS[3] wake    KEYS[4] stats
+KEYS[1] active    KEYS[2] queue    KEYS[3] wake    KEYS[4] stats    KEYS[5] outbox
+KEYS[6] hooks (lifecycle.lua)
 ARGV[1] endpoint id    ARGV[2] task key prefix    ARGV[3] max attempts
 ARGV[4] unused (the done TTL: set once SQL has the row)    ARGV[5] batch size
-Returns {requeued, failed, ended online}. Ended tasks go to the endpoint's outbox, whose key
-is built from ARGV[2] (lifecycle.lua) since the dispatcher fixes KEYS.
+Returns {requeued, failed, ended online}. Ended tasks go to the endpoint's outbox.
+Task hashes of ids read here are built from ARGV[2] (prefix), same hash tag.
 ]]
 --@include now.lua
 --@include lifecycle.lua
@@ -14,7 +15,7 @@ is built from ARGV[2] (lifecycle.lua) since the dispatcher fixes KEYS.
 local now = now_ms()
 local ids = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, tonumber(ARGV[5]))
 local requeued, failed, ended = 0, 0, 0
-local outbox = sibling_key(KEYS[1], 'tosql')
+local outbox, hooks = KEYS[5], KEYS[6]
 local changed = {}
 for _, id in ipairs(ids) do
   -- Read before writing: while a Cluster reshard moves this slot, a key not yet here fails
@@ -30,14 +31,14 @@ for _, id in ipairs(ids) do
       redis.call('HSET', task, 'status', 'expired', 'ended_at', now)
       redis.call('HINCRBY', KEYS[4], 'expired', 1)
       if tonumber(fields[5]) then stats_ema(KEYS[4], 'slot_ms', now - tonumber(fields[5])) end
-      to_outbox(outbox, task, id, now)
+      to_outbox(outbox, hooks, task, id, now)
       ended = ended + 1
     elseif tonumber(fields[2]) >= tonumber(ARGV[3]) then
       redis.call('HSET', task, 'status', 'failed', 'ended_at', now,
         'result', 'lease expired on attempt ' .. fields[2] .. ': the dispatcher stopped answering')
       local n = redis.call('HINCRBY', KEYS[4], 'failed', 1)
       stats_failure(KEYS[4], n, now, id, '', 'lease expired on attempt ' .. fields[2])
-      to_outbox(outbox, task, id, now)
+      to_outbox(outbox, hooks, task, id, now)
       failed = failed + 1
     else
       redis.call('HSET', task, 'status', 'pending')

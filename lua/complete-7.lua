@@ -1,6 +1,7 @@
 --[[ An online task's caller is done with the business API: free its slot before the permit
 expires, and keep the result it reports.
 KEYS[1] task    KEYS[2] active    KEYS[3] queue    KEYS[4] wake    KEYS[5] outbox
+KEYS[6] stats    KEYS[7] hooks (lifecycle.lua)
 ARGV[1] task id    ARGV[2] user id    ARGV[3] result    ARGV[4] unused (the done TTL: set once SQL has the row)    ARGV[5] endpoint
 Returns {'completed'} | {'missing'} | {'conflict', current status}.
 ]]
@@ -16,9 +17,9 @@ local now = now_ms()
 redis.call('ZREM', KEYS[2], ARGV[1])
 redis.call('HDEL', KEYS[1], 'lease', 'deadline')
 redis.call('HSET', KEYS[1], 'status', 'completed', 'result', ARGV[3], 'ended_at', now)
-to_outbox(KEYS[5], KEYS[1], ARGV[1], now)
+to_outbox(KEYS[5], KEYS[7], KEYS[1], ARGV[1], now)
 publish_changed(KEYS[2], {ARGV[1]})
-local stats = sibling_key(KEYS[2], 'stats')
+local stats = KEYS[6]
 redis.call('HINCRBY', stats, 'completed', 1)
 -- An online slot is held until its caller is done: that time is what the wait estimate needs.
 if tonumber(f[4]) then stats_ema(stats, 'slot_ms', now - tonumber(f[4])) end

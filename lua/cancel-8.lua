@@ -1,6 +1,7 @@
 --[[ Cancel a task of this user: a pending one leaves its queue; an admitted online one loses
 its permit and frees its slot. Anything that already ended, or an offline call in flight, stays.
 KEYS[1] task    KEYS[2] queue    KEYS[3] active    KEYS[4] wake    KEYS[5] outbox
+KEYS[6] retry    KEYS[7] stats    KEYS[8] hooks (lifecycle.lua)
 ARGV[1] task id    ARGV[2] user id    ARGV[3] unused (the done TTL: set once SQL has the row)    ARGV[4] endpoint id
 Returns {'cancelled'} | {'missing'} | {'conflict', current status}.
 ]]
@@ -14,7 +15,7 @@ if not f[1] or f[1] ~= ARGV[2] then return {'missing'} end
 local now = now_ms()
 if f[2] == 'pending' then
   redis.call('ZREM', KEYS[2], ARGV[1])
-  redis.call('ZREM', sibling_key(KEYS[2], 'retry'), ARGV[1])  -- waiting out a retry back-off
+  redis.call('ZREM', KEYS[6], ARGV[1])  -- waiting out a retry back-off
 elseif f[2] == 'processing' and f[3] == 'online' then
   redis.call('ZREM', KEYS[3], ARGV[1])
   redis.call('HDEL', KEYS[1], 'lease', 'deadline')
@@ -25,7 +26,7 @@ else
   return {'conflict', f[2]}
 end
 redis.call('HSET', KEYS[1], 'status', 'cancelled', 'ended_at', now)
-to_outbox(KEYS[5], KEYS[1], ARGV[1], now)
+to_outbox(KEYS[5], KEYS[8], KEYS[1], ARGV[1], now)
 publish_changed(KEYS[2], {ARGV[1]})
-redis.call('HINCRBY', sibling_key(KEYS[2], 'stats'), 'cancelled', 1)
+redis.call('HINCRBY', KEYS[7], 'cancelled', 1)
 return {'cancelled'}

@@ -3,15 +3,14 @@ has been delivered: it keeps only a short TTL, it leaves the outbox (no need to 
 now), and its id is scheduled for deletion from SQL once that TTL has run out; not while its
 webhook is due (field `hook`): the webhook sender needs it, and sets its TTL after.
 KEYS[1] task    KEYS[2] queue    KEYS[3] stats of the endpoint    KEYS[4] outbox (ZSet)
-KEYS[5] delivered (ZSet of ids whose SQL row may go; score = from when)
+KEYS[5] delivered (ZSet of ids whose SQL row may go; score = from when)    KEYS[6] active
 ARGV[1] task id    ARGV[2] user id    ARGV[3] read TTL (ms); 0 = a peek that delivers nothing
 Returns {rank or false, measured, field, value, ...}, or {} when missing or not this user's;
 measured = {exec ms, slot ms, tasks in flight, last admission, upstream pause until, now} of the
 endpoint while the task waits in line (else {}), for the wait
-estimate (app/queue/tasks.py estimate_wait; in flight from the active set, found from KEYS[2]).
+estimate (app/queue/tasks.py estimate_wait; in flight from the active set, KEYS[6]).
 ]]
 --@include now.lua
---@include stats.lua
 
 local fields = redis.call('HGETALL', KEYS[1])
 local owner, hook
@@ -38,7 +37,7 @@ end
 local measured = {}
 if rank then
   local m = redis.call('HMGET', KEYS[3], 'exec_ms', 'slot_ms', 'last_admit', 'upause')
-  measured = {m[1], m[2], redis.call('ZCARD', sibling_key(KEYS[2], 'active')), m[3], m[4],
+  measured = {m[1], m[2], redis.call('ZCARD', KEYS[6]), m[3], m[4],
     now_ms()}
 end
 table.insert(fields, 1, measured)

@@ -1,14 +1,14 @@
 --[[ Put a claimed task whose call failed and may be retried aside until its back-off is over,
 if the caller still holds its lease. Its slot frees at once, and nothing of the wait lives in
-the dispatcher's memory: the claim (claim-5.lua) puts it back in line, with its original score,
+the dispatcher's memory: the claim (claim-12.lua) puts it back in line, with its original score,
 once it is due, and the reaper's promote wakes the endpoint then if its dispatcher died.
 KEYS[1] active    KEYS[2] task    KEYS[3] retry (ZSet id -> due, ms)    KEYS[4] delayed
-KEYS[5] queue     KEYS[6] wake
+KEYS[5] queue     KEYS[6] wake    KEYS[7] stats    KEYS[8] probe (upstream.lua)
 ARGV[1] task id   ARGV[2] lease token   ARGV[3] back-off (ms)   ARGV[4] endpoint id
 ARGV[5] pause the upstream asked for (ms; 0 = none), see upstream.lua
 ARGV[6] the failed call's HTTP status ('' if none)   ARGV[7] its exec time (ms)
 Returns the due time (ms, Redis clock), or 0 when the lease was lost.  The retry is counted in
-the endpoint's stats (a sibling of KEYS[1], stats.lua), with the failed call.
+the endpoint's stats (KEYS[7], stats.lua), with the failed call.
 ]]
 --@include now.lua
 --@include stats.lua
@@ -20,15 +20,15 @@ local now = now_ms()
 local due = now + tonumber(ARGV[3])
 local pause = tonumber(ARGV[5]) or 0
 if pause > 0 then
-  upstream_pause(KEYS[1], now, pause)
+  upstream_pause(KEYS[7], KEYS[8], now, pause)
 else
-  upstream_call_ended(KEYS[1], ARGV[2], false)
+  upstream_call_ended(KEYS[7], KEYS[8], ARGV[2], false)
 end
 redis.call('ZREM', KEYS[1], ARGV[1])
 redis.call('HDEL', KEYS[2], 'lease', 'deadline')
 redis.call('HSET', KEYS[2], 'status', 'pending', 'retry_at', due)
 redis.call('ZADD', KEYS[3], due, ARGV[1])
-local stats = sibling_key(KEYS[1], 'stats')
+local stats = KEYS[7]
 redis.call('HINCRBY', stats, 'retried', 1)
 stats_call_failed(stats, ARGV[6], tonumber(ARGV[7]))
 redis.call('ZADD', KEYS[4], 'LT', due, ARGV[4])  -- the earliest due retry wakes the endpoint

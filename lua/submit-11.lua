@@ -9,22 +9,24 @@ KEYS[6] quota      the caller's counter for today (seed 000: INCR, expiring at t
 KEYS[7] endpoints  Hash of the endpoint registry (app/core/registry.py): a process whose own
                    copy is stale (paused, overloaded) must not fill the queue of an endpoint
                    that is gone, which nobody would claim, reap or expire
+KEYS[8] deadlines  ZSet of tasks whose deadline may come before that of tasks ahead (expire-5.lua)
+KEYS[9] stats      KEYS[10] active
+KEYS[11] turns     the fairness turns of the task's priority band (Keys.turns; per_user only)
 ARGV[1] task id    ARGV[2] endpoint id    ARGV[3] priority    ARGV[4] max queue length
 ARGV[5] pending TTL (ms)    ARGV[6] '1' to honour KEYS[5]    ARGV[7] idempotency TTL (ms)
 ARGV[8] daily quota (0 = none)    ARGV[9] done TTL (ms)
 ARGV[10] '1' when the pending TTL is the caller's deadline (max_wait_s), which may come before
-         that of tasks ahead: the deadline set (a sibling of KEYS[1]) holds it for the sweep
+         that of tasks ahead: the deadline set (KEYS[8]) holds it for the sweep
 ARGV[11] '' (fairness fifo) or the submitting user's id (fairness per_user: the score is by
          turns, lua/includes/fairness.lua, and the deadline set holds every task)
 ARGV[12..] field, value pairs
-The task is pending until `pexp` (now + pending TTL; then lua/expire-3.lua or the claim expires
+The task is pending until `pexp` (now + pending TTL; then lua/expire-5.lua or the claim expires
 it), and its hash lives a done TTL longer, so its status can still say `expired`.
 Returns {'ok', task id, rank, created_at} | {'dup', first task id} | {'full'} |
 {'quota', ms until the quota resets} | {'gone'} (the endpoint is deleted)
 measured = {exec ms, slot ms, in flight, last admission, upstream pause until, now}
 ]]
 --@include now.lua
---@include stats.lua
 --@include fairness.lua
 
 if redis.call('HEXISTS', KEYS[7], ARGV[2]) == 0 then return {'gone'} end
@@ -51,7 +53,7 @@ local score
 if ARGV[11] == '' then
   score = int(band + seq)
 else
-  score = int(band + fair_offset(KEYS[1], band, ARGV[3], ARGV[11], seq, pending_ttl))
+  score = int(band + fair_offset(KEYS[1], KEYS[11], band, ARGV[11], seq, pending_ttl))
 end
 
 redis.call('HSET', KEYS[2], 'status', 'pending', 'created_at', now, 'score', score,
@@ -59,13 +61,13 @@ redis.call('HSET', KEYS[2], 'status', 'pending', 'created_at', now, 'score', sco
 redis.call('PEXPIRE', KEYS[2], pending_ttl + tonumber(ARGV[9]))
 redis.call('ZADD', KEYS[1], score, ARGV[1])
 -- The caller's own deadline (max_wait_s), or turns (a band of a per_user endpoint is not in
--- deadline order): tasks ahead may not be due before it, so expire-3.lua finds it there.
+-- deadline order): tasks ahead may not be due before it, so expire-5.lua finds it there.
 if ARGV[10] == '1' or ARGV[11] ~= '' then
-  redis.call('ZADD', sibling_key(KEYS[1], 'deadlines'), now + pending_ttl, ARGV[1])
+  redis.call('ZADD', KEYS[8], now + pending_ttl, ARGV[1])
   redis.call('HSET', KEYS[2], 'dl', 1)  -- the claim takes it off the set only when marked
 end
 redis.call('ZADD', KEYS[4], 'NX', now, ARGV[2])
-redis.call('HINCRBY', sibling_key(KEYS[1], 'stats'), 'submitted', 1)
+redis.call('HINCRBY', KEYS[9], 'submitted', 1)
 if ARGV[6] == '1' then
   redis.call('SET', KEYS[5], ARGV[1], 'PX', ARGV[7])
 end
@@ -73,7 +75,6 @@ if quota > 0 and redis.call('INCR', KEYS[6]) == 1 then
   redis.call('PEXPIREAT', KEYS[6], int((math.floor(now / 86400000) + 1) * 86400000))
 end
 -- What the wait estimate needs (app/queue/tasks.py estimate_wait), in the same round trip.
-local stats = sibling_key(KEYS[1], 'stats')
-local m = redis.call('HMGET', stats, 'exec_ms', 'slot_ms', 'last_admit', 'upause')
-local measured = {m[1], m[2], redis.call('ZCARD', sibling_key(KEYS[1], 'active')), m[3], m[4], now}
+local m = redis.call('HMGET', KEYS[9], 'exec_ms', 'slot_ms', 'last_admit', 'upause')
+local measured = {m[1], m[2], redis.call('ZCARD', KEYS[10]), m[3], m[4], now}
 return {'ok', ARGV[1], redis.call('ZRANK', KEYS[1], ARGV[1]), now, measured}

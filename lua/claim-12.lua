@@ -1,6 +1,9 @@
 --[[ Claim up to N tasks of one endpoint: limiter, concurrency cap, pop and lease in one step.
 KEYS[1] queue    KEYS[2] active    KEYS[3] limiter state    KEYS[4] wake
 KEYS[5] delayed  ZSet of limited endpoints; score = when the limiter admits again
+KEYS[6] retry    KEYS[7] stats    KEYS[8] deadlines    KEYS[9] probe (upstream.lua)
+KEYS[10] outbox  KEYS[11] hooks (lifecycle.lua)    KEYS[12] the limiter's pacing state
+KEYS[13..] the further limits' state and pace keys, two per limit of ARGV[12..], in that order
 ARGV[1] endpoint id         ARGV[2] N (free capacity of the caller)
 ARGV[3] max concurrency (0 = none)    ARGV[4] lease (ms)
 ARGV[5] limiter kind        ARGV[6] rate (0 = none)    ARGV[7] interval (ms)
@@ -9,17 +12,17 @@ ARGV[9] lease token prefix (unique per call)    ARGV[10] permit TTL (ms) for onl
 ARGV[11] limiter guard (ms), see ratelimit.lua
 ARGV[12] how many further limits (API.md `limits`; 0 or absent = none), then kind, rate,
 interval (ms), guard (ms), per ('request' | 'cost') each: checked with the main one, all or
-none admitting (limits.lua); their state keys are siblings of KEYS[1]. A per-cost limit spends
+none admitting (limits.lua); their state and pace keys are KEYS[13..]. A per-cost limit spends
 the task's `cost` field.
 An endpoint its upstream paused (upstream.lua) is 'limited' until then, then claims one probe.
 Returns {state, wait ms, now, then per claim: id, token, attempts, type, method, url, headers,
 query, body, cost (what it spent of per-cost limits, uncapped)}; state is
 'more' (N reached, work remains), 'empty', 'full' (concurrency cap) or 'limited' (retry in wait ms).
 Task ids whose hash has expired are dropped from the queue on the way; tasks past their
-pending deadline are expired (lifecycle.lua; the stats and outbox keys are siblings of KEYS[1]).
-Tasks whose retry back-off is over (retry-6.lua; the retry set is a sibling of KEYS[1]) go back
-in line first, with their original score; the earliest one not yet due stays scheduled in
+pending deadline are expired (lifecycle.lua).
+Tasks whose retry back-off is over (retry-8.lua, KEYS[6]) go back in line first, with their original score; the earliest one not yet due stays scheduled in
 KEYS[5].
+Task hashes of ids read here are built from ARGV[8] (prefix), same hash tag.
 ]]
 --@include now.lua
 --@include ratelimit.lua
@@ -36,13 +39,13 @@ local lease, kind, rate, interval = tonumber(ARGV[4]), ARGV[5], tonumber(ARGV[6]
 local prefix, token_prefix, permit_ttl = ARGV[8], ARGV[9], tonumber(ARGV[10])
 local guard = tonumber(ARGV[11])
 -- With further limits, the main one is checked among them (undone if another refuses).
-local limits = lim_parse(KEYS[1], ARGV, 12)
+local limits = lim_parse(ARGV, 12, KEYS, 13)
 if #limits > 0 and rate > 0 then
-  table.insert(limits, 1, {kind = kind, key = KEYS[3], rate = rate, interval = interval,
-    guard = guard, per = 'request', main = true})
+  table.insert(limits, 1, {kind = kind, key = KEYS[3], pace = KEYS[12], rate = rate,
+    interval = interval, guard = guard, per = 'request', main = true})
 end
 local now = now_ms()
-local retry = sibling_key(KEYS[1], 'retry')
+local retry = KEYS[6]
 for _, id in ipairs(redis.call('ZRANGEBYSCORE', retry, '-inf', now, 'LIMIT', 0, 1000)) do
   local score = redis.call('HGET', prefix .. id, 'score')
   if score then
@@ -52,8 +55,7 @@ for _, id in ipairs(redis.call('ZRANGEBYSCORE', retry, '-inf', now, 'LIMIT', 0, 
   redis.call('ZREM', retry, id)
 end
 local out = {'more', 0, now}
-local stats = sibling_key(KEYS[1], 'stats')  -- the dispatcher fixes KEYS
-local deadlines = sibling_key(KEYS[1], 'deadlines')
+local stats, deadlines, probe = KEYS[7], KEYS[8], KEYS[9]
 local claimed = 0
 local changed = {}  -- ids whose status this run changes, published once at the end
 
@@ -61,7 +63,7 @@ local changed = {}  -- ids whose status this run changes, published once at the 
 local paused, probing = tonumber(redis.call('HGET', stats, 'upause')), false
 if paused and paused > now then
   out[1], out[2], n = 'limited', paused - now, 0
-elseif paused and redis.call('EXISTS', sibling_key(KEYS[1], 'probe')) == 1 then
+elseif paused and redis.call('EXISTS', probe) == 1 then
   out[1], n = 'full', 0  -- the probe's ending wakes it
 elseif paused then
   probing, n = true, 1
@@ -79,19 +81,19 @@ while true do
   if not ttype then
     redis.call('ZREM', KEYS[1], id)  -- its hash is gone: never runs
   elseif tf[2] and tonumber(tf[2]) <= now then
-    -- Past its pending deadline: never runs, even if the sweep (expire-3.lua) is late.
-    expire_pending(task, id, KEYS[1], stats, sibling_key(KEYS[1], 'tosql'), now)
+    -- Past its pending deadline: never runs, even if the sweep (expire-5.lua) is late.
+    expire_pending(task, id, KEYS[1], stats, KEYS[10], KEYS[11], now)
     changed[#changed + 1] = id
   else
     local token = token_prefix .. ':' .. claimed
     local wait
-    if #limits == 0 then wait = rl_acquire(kind, KEYS[3], rate, interval, guard, now, token)
+    if #limits == 0 then wait = rl_acquire(kind, KEYS[3], KEYS[12], rate, interval, guard, now, token)
     else wait = lim_acquire(limits, now, token, tonumber(tf[3]) or 1) end
     if wait > 0 then out[1] = 'limited'; out[2] = wait; break end
     redis.call('ZREM', KEYS[1], id)
-    -- Started, it has no pending deadline left (expire-3.lua): a per_user endpoint lists
+    -- Started, it has no pending deadline left (expire-5.lua): a per_user endpoint lists
     -- every task there, which must not hold each one for a whole pending TTL. Only tasks
-    -- submit-7.lua put there (marked `dl`): no extra command per task for the others.
+    -- submit-11.lua put there (marked `dl`): no extra command per task for the others.
     if tf[4] then redis.call('ZREM', deadlines, id) end
     local deadline = now + lease
     if ttype == 'online' then deadline = now + permit_ttl end
@@ -118,7 +120,7 @@ while true do
 end
 
 if probing and claimed > 0 then
-  redis.call('SET', sibling_key(KEYS[1], 'probe'), token_prefix .. ':0', 'PX',
+  redis.call('SET', probe, token_prefix .. ':0', 'PX',
     math.max(lease, permit_ttl))
 end
 if claimed > 0 then
