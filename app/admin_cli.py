@@ -128,6 +128,8 @@ async def _run(settings: Settings, job: Job, needs_runtime: bool) -> Any:
     from redis.exceptions import RedisError
     from sqlalchemy.exc import SQLAlchemyError
 
+    from app.redis_url import WrongKind
+
     target: Runtime | _SqlOnly
     if needs_runtime:  # the runtime's imports (aiohttp, the dispatcher...) cost a read time
         from app.runtime import Runtime
@@ -146,6 +148,8 @@ async def _run(settings: Settings, job: Job, needs_runtime: bool) -> Any:
             return await job(target)
         finally:
             await target.stop()
+    except WrongKind as exc:
+        raise Refused(str(exc)) from None
     except (RedisError, OSError) as exc:
         url = getattr(target, "redis_url", None) or settings.redis_url or "(embedded)"
         raise Refused(f"cannot reach Redis at {hide_password(url)}: {one_line(exc)}; is the "

@@ -17,6 +17,7 @@ from redis.asyncio.connection import parse_url
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisClusterException, ResponseError, SlotNotCoveredError
 from redis.retry import Retry
 
 Kind = Literal["single", "sentinel", "cluster"]
@@ -132,11 +133,24 @@ def client(url: str, timeout_s: float | None, max_connections: int = 512) -> Red
     return master
 
 
+class WrongKind(Exception):
+    """The server is not the kind the URL names: a configuration mistake, not an outage."""
+
+
 async def connect(redis: Redis) -> None:
     """A Cluster client reads the slot map before it is shared: left to its first commands,
-    run at once, each reads it and they trip over each other (closed connections)."""
+    run at once, each reads it and they trip over each other (closed connections). One Redis
+    is asked whether it is a Cluster node: through `redis://` every other key would be MOVED."""
     if isinstance(redis, RedisCluster):
         await redis.initialize()
+        return
+    try:
+        info = await redis.execute_command("INFO", "cluster")  # type: ignore[no-untyped-call]
+    except ResponseError:  # a server without the section is no Cluster node
+        return
+    if isinstance(info, dict) and str(info.get("cluster_enabled")) == "1":
+        raise WrongKind("QGW_REDIS_URL names one Redis, but the server is a Redis Cluster "
+                        "node: use redis+cluster://host:port[,host:port...]")
 
 
 def is_cluster(url: str) -> bool:
@@ -158,6 +172,26 @@ def _cluster(target: RedisTarget, options: dict[str, Any]) -> Redis:
         require_full_coverage=False, **tls, **options))
 
 
+_UNREACHABLE = ("Redis Cluster cannot be connected", "startup_nodes could not agree",
+                "All slots are not covered")
+
+
+def _as_redis_error(exc: Exception) -> Exception | None:
+    """What an exception of the Cluster client means to its callers, where redis-py raises it
+    as something other than a RedisError: a ConnectionError for an outage (every node down,
+    slots without a master, a connection closed under a write), WrongKind for a node not in
+    cluster mode; None for anything else (a bug of ours, left as it is)."""
+    if isinstance(exc, RedisClusterException) and "Cluster mode is not enabled" in str(exc):
+        return WrongKind("QGW_REDIS_URL names a Redis Cluster, but the server is not in "
+                         "cluster mode: use redis:// (or redis+sentinel://) for it")
+    if isinstance(exc, SlotNotCoveredError) or (
+            isinstance(exc, RedisClusterException) and str(exc).startswith(_UNREACHABLE)):
+        return RedisConnectionError(str(exc).splitlines()[0])
+    if _closed_under_us(exc):
+        return RedisConnectionError(f"connection closed while in use: {exc}")
+    return None
+
+
 def _closed_under_us(exc: BaseException) -> bool:
     """An AttributeError or TypeError raised while writing to a connection that another task
     closed: redis-py's Cluster client closes every connection of a node it found dead,
@@ -174,16 +208,25 @@ def _closed_under_us(exc: BaseException) -> bool:
 
 
 class _RedisCluster(RedisCluster):
-    """A write on a connection closed under it is a ConnectionError, as on one Redis: callers
-    answer 503 or retry, instead of a 500 in the middle of a failover."""
+    """A Cluster that cannot be reached, or a connection closed under a write, is a
+    ConnectionError as on one Redis (_as_redis_error): callers answer 503 or retry and loops
+    carry on, instead of a 500 or a dead loop in the middle of a failover."""
+
+    async def initialize(self, *args: Any, **kwargs: Any) -> RedisCluster:
+        try:
+            return await super().initialize(*args, **kwargs)
+        except Exception as exc:
+            if (mapped := _as_redis_error(exc)) is None:
+                raise
+            raise mapped from exc
 
     async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
         try:
             return await super().execute_command(*args, **kwargs)
-        except (AttributeError, TypeError) as exc:
-            if not _closed_under_us(exc):
+        except Exception as exc:
+            if (mapped := _as_redis_error(exc)) is None:
                 raise
-            raise RedisConnectionError(f"connection closed while in use: {exc}") from exc
+            raise mapped from exc
 
     def pipeline(self, transaction: Any | None = None,
                  shard_hint: Any | None = None) -> ClusterPipeline:
@@ -197,7 +240,7 @@ class _ClusterPipeline(ClusterPipeline):
                       allow_redirections: bool = True) -> list[Any]:
         try:
             return await super().execute(raise_on_error, allow_redirections)
-        except (AttributeError, TypeError) as exc:
-            if not _closed_under_us(exc):
+        except Exception as exc:
+            if (mapped := _as_redis_error(exc)) is None:
                 raise
-            raise RedisConnectionError(f"connection closed while in use: {exc}") from exc
+            raise mapped from exc

@@ -37,8 +37,14 @@ def hide_password(url: str) -> str:
 
 
 def one_line(exc: BaseException) -> str:
-    """An error for a one-line message: drivers' messages run over several lines."""
+    """An error for a one-line message: drivers' messages run over several lines, and some
+    (redis-py's Sentinel: "No master found for 'x' : {<every connection's repr>}") carry
+    their clients' state after the sentence."""
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    if type(exc).__name__ == "MasterNotFoundError":
+        first = first.partition(" : ")[0] + " (is the service name in the URL right?)"
+    if len(first) > 300:
+        first = first[:300] + "..."
     return f"{type(exc).__name__}: {first}"
 
 
@@ -109,6 +115,7 @@ async def start_runtime(
     outage later on. None if `stop` is set first."""
     from redis.exceptions import RedisError
 
+    from app.redis_url import WrongKind
     from app.runtime import Runtime
 
     tries = 0
@@ -118,6 +125,10 @@ async def start_runtime(
         try:
             await rt.start()
             return rt
+        except WrongKind as exc:
+            with contextlib.suppress(Exception):
+                await rt.stop(0)
+            raise Refused(str(exc)) from None
         except (RedisError, OSError) as exc:
             with contextlib.suppress(Exception):
                 await rt.stop(0)

@@ -1,5 +1,5 @@
-"""QGW_REDIS_URL beyond one Redis: Sentinel URLs, a real failover under load, Cluster refused at
-start, and a replica (a demoted master) answering writes with a JSON 503."""
+"""QGW_REDIS_URL beyond one Redis: Sentinel URLs, a real failover under load, bad URLs refused
+at start in one line, and a replica (a demoted master) answering writes with a JSON 503."""
 
 from __future__ import annotations
 

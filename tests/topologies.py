@@ -292,6 +292,19 @@ class ClusterSetup:
 
         self._until(unready, f"{name} did not rejoin")
 
+    def kill_all(self) -> None:
+        """kill -9 every node: the whole Cluster gone (a rack's power cut)."""
+        for proc in self.procs.values():
+            proc.kill()
+            proc.wait()
+
+    def start_all(self) -> None:
+        """Every node started again from its nodes.conf (empty: they persist nothing), until
+        the Cluster is whole."""
+        for name in self.ports:
+            self._spawn(name)
+        self._until(self._unsettled, "the Cluster did not come back whole")
+
     def move_slot(self, slot: int, to: str) -> None:
         """Reshard one slot, keys and all, to master `to` while clients run (as
         `valkey-cli --cluster reshard` does: IMPORTING/MIGRATING, MIGRATE, SETSLOT NODE)."""

@@ -6,8 +6,8 @@ status and cancel find the task key without a lookup.
 
 On one Redis (or Sentinel) the tag is the endpoint id, `qgw:{e}:q`, and the wake markers are
 one global set.  On a Cluster a script may not reach a global set, so endpoints are grouped
-in SHARDS groups: an endpoint's keys carry its group's tag, `qgw:e:{g7}:q`, and each group
-has its own wake and delayed sets in the same slot, which a dispatcher blocks on, one
+in SHARDS groups: an endpoint's keys carry its group's tag, `qgw:<endpoint>:{g7.12}:q`, and
+each group has its own wake and delayed sets in the same slot, which a dispatcher blocks on, one
 connection per group.  The group tags are picked to lie evenly over the slot space, so the
 groups spread evenly over masters whatever the slot ranges; a user's quota and idempotency
 keys carry the user's tag, and the registry's keys one tag of their own, so its

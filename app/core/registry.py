@@ -27,6 +27,7 @@ from redis.exceptions import RedisError, WatchError
 
 from app.core.keys import Keys
 from app.core.loop import STORE_ERRORS
+from app.core.scripts import Lua, source
 from app.endpoints import EndpointConfig, url_key
 
 log = logging.getLogger(__name__)
@@ -53,6 +54,7 @@ class Mirror(Generic[T]):
         where the scripts that need to know can read it in their own slot."""
         self.redis, self.table, self._parse, self._load_sql = redis, table, parse, load_sql
         self._marker = marker
+        self._put_right = Lua(redis, source("mirror"))
         self.hash_key = getattr(keys, table)
         self.version_key, self.channel = keys.version(table), keys.channel(table)
         self.items: dict[str, T] = {}
@@ -138,36 +140,34 @@ class Mirror(Generic[T]):
     async def reconcile(self) -> bool:
         """Make the Redis hash what SQL says; True if it had to change.
 
-        WATCH on the version: an admin write published between the reads and this write
-        (its SQL state possibly newer than what was read here) makes this one give way."""
-        async with self.redis.pipeline(transaction=True) as pipe:
-            await pipe.watch(self.version_key)
-            raw: dict[str, str] = await pipe.hgetall(self.hash_key)  # type: ignore[assignment]
-            rows = await self._load_sql()
-            want = {k: json.loads(v) for k, v in rows.items()}
-            gone = [k for k in raw if k not in want]
-            changed = {k: v for k, v in rows.items() if _parsed(raw.get(k)) != want[k]}
-            back = [k for k in changed if k not in raw]
-            held: set[str] = set()
-            if back:  # rows withdrawn ahead of their delete stay out
-                # MGET by name: redis-py refuses pipe.mget() on a Cluster, though the keys
-                # share the registry's tag (one slot).
-                marks: list[str | None] = await pipe.execute_command(  # type: ignore[assignment]
-                    "MGET", *[self._held_prefix + k for k in back])
-                held = {k for k, h in zip(back, marks, strict=True) if h is not None}
-                for k in held:
-                    del changed[k]
-            # Markers may have been lost on their own (a failover of their slot's master).
-            await self._mark([k for k in want if k not in held], gone)
-            if not gone and not changed:
-                return False
-            pipe.multi()  # type: ignore[no-untyped-call]
-            if gone:
-                pipe.hdel(self.hash_key, *gone)
-            if changed:
-                pipe.hset(self.hash_key, mapping=changed)  # type: ignore[arg-type]
-            pipe.incr(self.version_key)
-            await pipe.execute()
+        A compare-and-set on the version (lua/mirror-2.lua): an admin write published between
+        the reads and this write (its SQL state possibly newer than what was read here) makes
+        this one give way."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.get(self.version_key)
+            pipe.hgetall(self.hash_key)
+            version, raw = await pipe.execute()
+        rows = await self._load_sql()
+        want = {k: json.loads(v) for k, v in rows.items()}
+        gone = [k for k in raw if k not in want]
+        changed = {k: v for k, v in rows.items() if _parsed(raw.get(k)) != want[k]}
+        back = [k for k in changed if k not in raw]
+        held: set[str] = set()
+        if back:  # rows withdrawn ahead of their delete stay out
+            # MGET by name: the keys share the registry's tag (one slot) on a Cluster.
+            marks: list[str | None] = await self.redis.execute_command(  # type: ignore[no-untyped-call]
+                "MGET", *[self._held_prefix + k for k in back])
+            held = {k for k, h in zip(back, marks, strict=True) if h is not None}
+            for k in held:
+                del changed[k]
+        # Markers may have been lost on their own (a failover of their slot's master).
+        await self._mark([k for k in want if k not in held], gone)
+        if not gone and not changed:
+            return False
+        pairs = [x for kv in changed.items() for x in kv]
+        if not await self._put_right([self.hash_key, self.version_key],
+                                     [version or "", len(gone), *gone, *pairs]):
+            raise WatchError("an admin write came in between")  # it published its own change
         await self.redis.publish(self.channel, "*")
         log.warning("the %s mirror disagreed with SQL (%d gone, %d changed): put right",
                     self.table, len(gone), len(changed))
