@@ -52,8 +52,8 @@ elseif ARGV[3] == 'failed' then
   stats_failure(KEYS[5], n, now, ARGV[1], ARGV[5], ARGV[4])
   if exec >= 0 then stats_call_failed(KEYS[5], ARGV[5], exec) end
 end
--- The wait estimate needs how long a task holds its slot, from claim to here (retries and
--- back-off included), not only the last call.
+-- The wait estimate needs how long a task holds its slot, from its claim to here (a retry's
+-- back-off is not in it: retry-8.lua gives the slot back, and the claim sets started_at anew).
 local started = tonumber(redis.call('HGET', KEYS[2], 'started_at'))
 if started then stats_ema(KEYS[5], 'slot_ms', now - started) end
 stats_tick(KEYS[5], 'done', now, 1)

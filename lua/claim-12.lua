@@ -57,6 +57,7 @@ end
 local out = {'more', 0, now}
 local stats, deadlines, probe = KEYS[7], KEYS[8], KEYS[9]
 local claimed = 0
+local limited_by = 'upstream'  -- what holds the line when 'limited' (operators, stats.py)
 local changed = {}  -- ids whose status this run changes, published once at the end
 
 -- Paused by its upstream (upstream.lua): nothing until then, then one probe at a time.
@@ -86,10 +87,10 @@ while true do
     changed[#changed + 1] = id
   else
     local token = token_prefix .. ':' .. claimed
-    local wait
+    local wait, binding
     if #limits == 0 then wait = rl_acquire(kind, KEYS[3], KEYS[12], rate, interval, guard, now, token)
-    else wait = lim_acquire(limits, now, token, tonumber(tf[3]) or 1) end
-    if wait > 0 then out[1] = 'limited'; out[2] = wait; break end
+    else wait, binding = lim_acquire(limits, now, token, tonumber(tf[3]) or 1) end
+    if wait > 0 then out[1] = 'limited'; out[2] = wait; limited_by = lim_name(binding); break end
     redis.call('ZREM', KEYS[1], id)
     -- Started, it has no pending deadline left (expire-5.lua): a per_user endpoint lists
     -- every task there, which must not hold each one for a whole pending TTL. Only tasks
@@ -128,9 +129,17 @@ if claimed > 0 then
   redis.call('HINCRBY', stats, 'admitted', claimed)
   stats_tick(stats, 'admitted', now, claimed)
 end
+-- The line emptied under further limits: when the next task would be admitted, for the next
+-- submit's estimate (estimate_wait reads `limited_until`, as after a refusal). Once a burst.
+if out[1] == 'empty' and claimed > 0 and #limits > 0 then
+  local cost = tonumber(redis.call('HGET', stats, 'cost_avg')) or 1
+  local w, b = lim_acquire(limits, now, token_prefix .. ':peek', cost, true)
+  if w > 0 then redis.call('HSET', stats, 'limited_until', now + w, 'limited_by', lim_name(b)) end
+end
 if out[1] == 'limited' then
   redis.call('HINCRBY', stats, 'limited', 1)
-  redis.call('HSET', stats, 'limited_until', now + out[2])  -- for operators (stats.py binding)
+  -- For operators (stats.py binding) and the head of the line's wait (estimate_wait).
+  redis.call('HSET', stats, 'limited_until', now + out[2], 'limited_by', limited_by)
   redis.call('ZADD', KEYS[5], now + out[2], endpoint)
 elseif out[1] == 'more' then
   redis.call('ZADD', KEYS[4], 'NX', now, endpoint)

@@ -4,9 +4,14 @@ the dispatcher's memory: the claim (claim-12.lua) puts it back in line, with its
 once it is due, and the reaper's promote wakes the endpoint then if its dispatcher died.
 KEYS[1] active    KEYS[2] task    KEYS[3] retry (ZSet id -> due, ms)    KEYS[4] delayed
 KEYS[5] queue     KEYS[6] wake    KEYS[7] stats    KEYS[8] probe (upstream.lua)
+KEYS[9..] the further limits' state and pace keys, two per limit of ARGV[9..] (only with ARGV[8])
 ARGV[1] task id   ARGV[2] lease token   ARGV[3] back-off (ms)   ARGV[4] endpoint id
 ARGV[5] pause the upstream asked for (ms; 0 = none), see upstream.lua
 ARGV[6] the failed call's HTTP status ('' if none)   ARGV[7] its exec time (ms)
+ARGV[8] the call's real cost ('' or absent = unknown; 0 when the upstream refused it), ARGV[9..]
+the endpoint's further limits as claim-12.lua takes them: the per-cost ones settle this
+attempt's reservation (limits.lua), as ack-8.lua does; the retry is a new admission, which
+reserves again
 Returns the due time (ms, Redis clock), or 0 when the lease was lost.  The retry is counted in
 the endpoint's stats (KEYS[7], stats.lua), with the failed call.
 ]]
@@ -14,9 +19,18 @@ the endpoint's stats (KEYS[7], stats.lua), with the failed call.
 --@include stats.lua
 --@include upstream.lua
 --@include events.lua
+--@include ratelimit.lua
+--@include limits.lua
 
 if redis.call('HGET', KEYS[2], 'lease') ~= ARGV[2] then return 0 end
 local now = now_ms()
+local real = tonumber(ARGV[8] or '')
+if real then
+  local f = redis.call('HMGET', KEYS[2], 'cost', 'started_at')
+  for _, l in ipairs(lim_parse(ARGV, 9, KEYS, 9)) do
+    lim_settle(l, ARGV[2], tonumber(f[1]) or 1, real, tonumber(f[2]) or now, now)
+  end
+end
 local due = now + tonumber(ARGV[3])
 local pause = tonumber(ARGV[5]) or 0
 if pause > 0 then

@@ -19,15 +19,19 @@ ARGV[10] '1' when the pending TTL is the caller's deadline (max_wait_s), which m
          that of tasks ahead: the deadline set (KEYS[8]) holds it for the sweep
 ARGV[11] '' (fairness fifo) or the submitting user's id (fairness per_user: the score is by
          turns, lua/includes/fairness.lua, and the deadline set holds every task)
-ARGV[12..] field, value pairs
+ARGV[12] the task's cost, for the average the wait estimate counts tasks ahead at ('' = the
+         endpoint has no per-cost limit: nothing kept)
+ARGV[13..] field, value pairs
 The task is pending until `pexp` (now + pending TTL; then lua/expire-5.lua or the claim expires
 it), and its hash lives a done TTL longer, so its status can still say `expired`.
 Returns {'ok', task id, rank, created_at} | {'dup', first task id} | {'full'} |
 {'quota', ms until the quota resets} | {'gone'} (the endpoint is deleted)
-measured = {exec ms, slot ms, in flight, last admission, upstream pause until, now}
+measured = {exec ms, slot ms, in flight, last admission, upstream pause until, now, limited
+until, average cost} (app/queue/tasks.py MEASURED_FIELDS)
 ]]
 --@include now.lua
 --@include fairness.lua
+--@include stats.lua
 
 if redis.call('HEXISTS', KEYS[7], ARGV[2]) == 0 then return {'gone'} end
 if ARGV[6] == '1' then
@@ -57,7 +61,7 @@ else
 end
 
 redis.call('HSET', KEYS[2], 'status', 'pending', 'created_at', now, 'score', score,
-  'attempts', 0, 'pexp', now + pending_ttl, unpack(ARGV, 12))
+  'attempts', 0, 'pexp', now + pending_ttl, unpack(ARGV, 13))
 redis.call('PEXPIRE', KEYS[2], pending_ttl + tonumber(ARGV[9]))
 redis.call('ZADD', KEYS[1], score, ARGV[1])
 -- The caller's own deadline (max_wait_s), or turns (a band of a per_user endpoint is not in
@@ -68,6 +72,7 @@ if ARGV[10] == '1' or ARGV[11] ~= '' then
 end
 redis.call('ZADD', KEYS[4], 'NX', now, ARGV[2])
 redis.call('HINCRBY', KEYS[9], 'submitted', 1)
+if ARGV[12] ~= '' then stats_ema(KEYS[9], 'cost_avg', tonumber(ARGV[12])) end
 if ARGV[6] == '1' then
   redis.call('SET', KEYS[5], ARGV[1], 'PX', ARGV[7])
 end
@@ -75,6 +80,7 @@ if quota > 0 and redis.call('INCR', KEYS[6]) == 1 then
   redis.call('PEXPIREAT', KEYS[6], int((math.floor(now / 86400000) + 1) * 86400000))
 end
 -- What the wait estimate needs (app/queue/tasks.py estimate_wait), in the same round trip.
-local m = redis.call('HMGET', KEYS[9], 'exec_ms', 'slot_ms', 'last_admit', 'upause')
-local measured = {m[1], m[2], redis.call('ZCARD', KEYS[10]), m[3], m[4], now}
+local m = redis.call('HMGET', KEYS[9], 'exec_ms', 'slot_ms', 'last_admit', 'upause',
+  'limited_until', 'cost_avg')
+local measured = {m[1], m[2], redis.call('ZCARD', KEYS[10]), m[3], m[4], now, m[5], m[6]}
 return {'ok', ARGV[1], redis.call('ZRANK', KEYS[1], ARGV[1]), now, measured}

@@ -7,12 +7,27 @@ import time
 from collections.abc import Awaitable, Callable
 from datetime import datetime
 
+import pytest
+
 from app.runtime import Runtime
 from tests.conftest import Gateway
 
+pytestmark = pytest.mark.backends("single", "cluster")
+StartDispatcher = Callable[[], Awaitable[Runtime]]
+
+
+async def _admitted_once(gateway: Gateway, auth: dict[str, str], url: str, n: int,
+                         start_dispatcher: StartDispatcher) -> None:
+    """n tasks run by a dispatcher, which then stops: the limiter's state is theirs."""
+    ids = [(await gateway.submit(auth, url))["task_id"] for _ in range(n)]
+    rt = await start_dispatcher()
+    done = await gateway.wait_finished(auth, ids)
+    assert {d["task_status"] for d in done} == {"completed"}
+    await rt.stop(grace_s=0)
+
 
 async def test_the_head_of_a_rate_held_line_waits_for_the_limiter(
-    gateway: Gateway, upstream: str, start_dispatcher: Callable[[], Awaitable[Runtime]]
+    gateway: Gateway, upstream: str, start_dispatcher: StartDispatcher
 ) -> None:
     """1 a minute: the task after one just admitted is next in line, but a minute away."""
     url = f"{upstream}/slow-rate"
@@ -27,6 +42,80 @@ async def test_the_head_of_a_rate_held_line_waits_for_the_limiter(
     assert second["wait_num"] == 0 and 55 <= second["wait_time"] <= 60, second
     status = await gateway.status(auth, second["task_id"])
     assert 55 <= status["wait_time"] <= 60  # status says the same
+
+
+async def test_a_further_limit_alone_holds_the_head_of_the_line(
+    gateway: Gateway, upstream: str, start_dispatcher: StartDispatcher
+) -> None:
+    """No main rate, `limits: 1 a minute`: the task after one just admitted is a minute away,
+    at submit (the claim that emptied the line noted when the limits admit next) and at
+    status (the claim the submit woke was refused until then)."""
+    url = f"{upstream}/limits-only"
+    await gateway.add_endpoint("limits-only", url, limits=[{"rate": 1, "interval_ms": 60_000}])
+    auth = await gateway.new_key()
+    await _admitted_once(gateway, auth, url, 1, start_dispatcher)
+    second = await gateway.submit(auth, url)
+    assert second["wait_num"] == 0 and 55 <= second["wait_time"] <= 60, second
+    await start_dispatcher()
+    await asyncio.sleep(1)
+    status = await gateway.status(auth, second["task_id"])
+    assert status["task_status"] == "pending" and 54 <= status["wait_time"] <= 60, status
+
+
+async def test_a_spent_second_limit_holds_the_head_of_the_line(
+    gateway: Gateway, upstream: str, start_dispatcher: StartDispatcher
+) -> None:
+    """3/s and 4 per 30 s, the 30 s spent: the next task waits out the 30 s, not a third of
+    a second."""
+    url = f"{upstream}/two-limits"
+    await gateway.add_endpoint("two-limits", url, rate=3, interval_ms=1000,
+                               limits=[{"rate": 4, "interval_ms": 30_000}])
+    auth = await gateway.new_key()
+    await _admitted_once(gateway, auth, url, 4, start_dispatcher)
+    nxt = await gateway.submit(auth, url)
+    assert nxt["wait_num"] == 0 and 25 <= nxt["wait_time"] <= 30, nxt
+
+
+async def test_a_per_cost_limit_counts_the_cost_of_the_tasks_ahead(
+    gateway: Gateway, upstream: str
+) -> None:
+    """1,000 units a minute, paced (limits.lua), tasks of cost 500: the 20th waits for 19
+    half-minutes, and a deadline short of that is refused."""
+    url = "http://127.0.0.1:9/cost-eta"
+    await gateway.add_endpoint("cost-eta", url, limits=[
+        {"rate": 1000, "interval_ms": 60_000, "per": "cost"}])
+    auth = await gateway.new_key()
+    for _ in range(19):
+        await gateway.submit(auth, url, cost=500)
+    last = await gateway.submit(auth, url, cost=500)
+    assert last["wait_num"] == 19 and 540 <= last["wait_time"] <= 600, last
+    status = await gateway.status(auth, last["task_id"])
+    assert 540 <= status["wait_time"] <= 600, status
+    r = await gateway.http.post("/api/v1/tasks", headers=auth,
+                                json={"target_url": url, "cost": 500, "max_wait_s": 300})
+    assert r.status_code == 409 and r.json()["error"]["wait_time"] >= 540, r.text
+
+
+async def test_operators_see_which_further_limit_binds(
+    gateway: Gateway, upstream: str, start_dispatcher: StartDispatcher
+) -> None:
+    """A limits-only endpoint held by its 1-a-minute limit names that limit."""
+    url = f"{upstream}/binding-limits"
+    await gateway.add_endpoint("binding-limits", url, limits=[
+        {"rate": 1, "interval_ms": 60_000}, {"rate": 100, "interval_ms": 1000}])
+    auth = await gateway.new_key()
+    ids = [(await gateway.submit(auth, url))["task_id"] for _ in range(2)]
+    await start_dispatcher()
+    await gateway.wait_finished(auth, ids[:1])
+    for _ in range(50):
+        r = await gateway.http.get("/admin/v1/queues", headers=gateway.admin)
+        (row,) = [q for q in r.json()["endpoints"] if q["id"] == "binding-limits"]
+        if row["binding_limit"]:
+            break
+        await asyncio.sleep(0.1)
+    assert row["binding_limit"] == "limits: 1/60000ms per request", row
+    admits = datetime.fromisoformat(row["admits_next_at"]).timestamp()
+    assert 50 < admits - time.time() <= 60
 
 
 async def test_operators_see_the_rate_limit_binding_and_when_it_admits_next(
@@ -83,6 +172,31 @@ async def test_max_wait_s_refuses_a_deadline_the_estimate_already_misses(
     r = await gateway.http.post("/api/v1/tasks", headers=auth,
                                 json={"target_url": url, "max_wait_s": 5, "priority": 5})
     assert r.status_code == 202, r.text
+
+
+async def test_a_resent_submit_is_answered_with_its_task_whatever_the_estimate(
+    gateway: Gateway, upstream: str
+) -> None:
+    """Queued within its deadline, then 5 more behind it: resending it (same Idempotency-Key,
+    same body) answers with that task, not 409 deadline_unreachable for a task not refused."""
+    url = "http://127.0.0.1:9/resend"
+    await gateway.add_endpoint("resend", url, max_concurrency=1, avg_exec_ms=10_000)
+    auth = await gateway.new_key()
+    keyed = {**auth, "Idempotency-Key": "resend-1"}
+    body = {"target_url": url, "max_wait_s": 5}
+    first = await gateway.http.post("/api/v1/tasks", headers=keyed, json=body)
+    assert first.status_code == 202, first.text
+    for _ in range(5):
+        await gateway.submit(auth, url)
+    again = await gateway.http.post("/api/v1/tasks", headers=keyed, json=body)
+    assert again.status_code == 202, again.text
+    assert again.json()["task_id"] == first.json()["task_id"]
+    assert again.json()["wait_num"] == 0
+    assert (await gateway.rt.redis.zcard(gateway.rt.keys.queue("resend"))) == 6
+    # A new key is still held to the deadline.
+    other = await gateway.http.post("/api/v1/tasks", headers={**auth, "Idempotency-Key": "r-2"},
+                                    json=body)
+    assert other.status_code == 409, other.text
 
 
 async def test_a_task_not_started_by_its_deadline_expires_even_behind_older_ones(

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 import httpx
+import pytest
 
 from tests.conftest import Gateway
 
@@ -40,6 +41,7 @@ async def test_a_backlog_never_stalls_when_the_dispatchers_share_is_full(
     assert gap < 500, f"dispatch paused {gap:.0f} ms with a backlog waiting"
 
 
+@pytest.mark.backends("single", "cluster")  # the retry set and its wake-ups on both
 async def test_a_task_waiting_to_retry_frees_its_slot(
     gateway: Gateway, fresh_upstream: str,
     dispatcher_process: Callable[..., subprocess.Popen[bytes]],
@@ -59,6 +61,7 @@ async def test_a_task_waiting_to_retry_frees_its_slot(
     assert calls == [failing["task_id"], behind["task_id"], failing["task_id"]]
 
 
+@pytest.mark.backends("single", "cluster")  # the retry set and its wake-ups on both
 async def test_kill_9_while_a_task_waits_to_retry_loses_nothing(
     gateway: Gateway, fresh_upstream: str,
     dispatcher_process: Callable[..., subprocess.Popen[bytes]],

@@ -16,6 +16,7 @@ from app.settings import Settings
 from tests.conftest import Gateway
 from tests.test_storage import open_gateway
 
+pytestmark = pytest.mark.backends("single", "cluster")
 BACKLOG, SMALL = 200, 5
 
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import itertools
 import subprocess
 import time
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, cast
 
 import pytest
 
@@ -19,6 +19,7 @@ from app.queue.claims import Claim
 from app.runtime import Runtime
 from app.settings import Settings
 from tests.conftest import Gateway
+from tests.servers import mock_log
 from tests.test_ratelimit import (
     GUARD_MS,
     _arrivals,
@@ -38,6 +39,12 @@ COST_LIMIT = {"limiter": "sliding_window", "rate": 10, "interval_ms": 2000, "per
 @pytest.fixture
 def settings(settings: Settings) -> Settings:
     return settings.model_copy(update={"rate_guard_ms": int(GUARD_MS)})
+
+
+def most_cost_in_window(spent: Sequence[tuple[float, int]], width: float) -> int:
+    """The most units really spent in any window [t, t + width) starting at a call, from
+    (arrival ms, real cost) pairs in arrival order."""
+    return max(sum(c for u, c in spent if t <= u < t + width) for t, _ in spent)
 
 
 async def _two_dispatchers(start_dispatcher: StartDispatcher) -> None:
@@ -150,12 +157,13 @@ async def test_the_real_cost_settles_the_reservation(
     auth = await gateway.new_key()
     await _two_dispatchers(start_dispatcher)
     reply = {"X-Mock-Reply-Headers": ['{"X-Usage": "1"}']}
-    await _backlog(gateway, auth, url, 8, cost=4, headers=reply)
+    await _backlog(gateway, auth, url, 16, cost=4, headers=reply)
     await _drain(gateway, ["settle"], timeout=30)
 
     times = _arrivals(fresh_upstream, "/settle")
-    assert len(times) == 8
+    assert len(times) == 16
     assert most_in_window(times, 2000) >= 4  # estimates alone: 2
+    assert most_in_window(times, 2000) <= 10  # a real cost of 1 each: never over the 10 units
 
 
 async def test_the_real_cost_can_be_read_from_the_json_body(
@@ -167,12 +175,41 @@ async def test_the_real_cost_can_be_read_from_the_json_body(
     await gateway.add_endpoint("json", url, limits=[COST_LIMIT], cost_from="json:n")
     auth = await gateway.new_key()
     await _two_dispatchers(start_dispatcher)
-    await _backlog(gateway, auth, url, 4, cost=5)
+    await _backlog(gateway, auth, url, 5, cost=5)
     await _drain(gateway, ["json"], timeout=30)
     times = _arrivals(fresh_upstream, "/json")
-    assert len(times) == 4
+    assert len(times) == 5
     # Reserved 5 each: two a window; settled to 1 and 2, the first two leave room for a third.
     assert most_in_window(times, 2000) >= 3
+    # What they really spent (1, 2, 3, 4, 5) never tops the 10 units of a window.
+    assert most_cost_in_window([(t, n) for n, t in enumerate(times, 1)], 2000) <= 10
+
+
+async def test_a_call_the_upstream_refused_gives_its_cost_back(
+    gateway: Gateway, fresh_upstream: str, start_dispatcher: StartDispatcher
+) -> None:
+    """10 units per 2 s. The first task (cost 10) is refused, 429 with Retry-After, on each of
+    its attempts: the upstream did no work for it, so each attempt's reservation settles to 0
+    and the two tasks of cost 5 behind it go at once, not a whole window later; the units
+    really spent in any 2 s (0 for a refused call) stay within 10."""
+    url = f"{fresh_upstream}/refused"
+    await gateway.add_endpoint("refused", url, paused=True, honor_upstream_limits=False,
+                               max_retries=1, retry_backoff_ms=100, limits=[COST_LIMIT])
+    auth = await gateway.new_key()
+    first = await gateway.submit(auth, url, cost=10, headers={
+        "X-Mock-Status": ["429"], "X-Mock-Reply-Headers": ['{"Retry-After": "3"}']})
+    ids = await _backlog(gateway, auth, url, 2, cost=5)
+    await start_dispatcher()
+    await _patch(gateway, "refused", paused=False)
+    done = await gateway.wait_finished(auth, [first["task_id"], *ids])
+    assert [d["task_status"] for d in done] == ["failed", "completed", "completed"]
+
+    log = [e for e in mock_log(fresh_upstream) if e["path"] == "/refused"]
+    spent = [(float(cast(float, e["t"])), 0 if e["status"] == 429 else 5) for e in log]
+    assert [c for _, c in spent].count(0) == 2 and len(spent) == 4  # refused twice, 2 served
+    refused_at, served_at = spent[0][0], next(t for t, c in spent if c)
+    assert served_at - refused_at < 1000  # kept, its 10 units would hold them 2 s
+    assert most_cost_in_window(spent, 2000) <= 10
 
 
 async def test_limits_are_validated(gateway: Gateway, upstream: str) -> None:

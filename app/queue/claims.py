@@ -64,13 +64,21 @@ def claim_keys(keys: Keys, endpoint: EndpointConfig) -> list[str]:
 
 def settle_args(claim: Claim, outcome: Outcome, keys: Keys, guard_ms: int
                 ) -> tuple[list[str], list[str | int]]:
-    """ack-8.lua's KEYS[9..] and ARGV[10..]: the limits' state keys, the real cost and the
-    limits it settles; nothing when there is nothing to settle (no per-cost limit, or no real
-    cost read)."""
-    if outcome.cost is None or claim.endpoint.max_cost is None:
+    """ack-8.lua's KEYS[9..] and ARGV[10..] (retry-8.lua's KEYS[9..] and ARGV[8..]): the
+    limits' state keys, the real cost and the limits it settles; nothing when there is nothing
+    to settle (no per-cost limit, or no real cost read). A call the upstream refused with a
+    pause (429/503 with Retry-After or its reset) spent nothing there: it settles to 0, or
+    each refused attempt would spend the budget its retry reserves again."""
+    cost = 0 if refused(outcome) else outcome.cost
+    if cost is None or claim.endpoint.max_cost is None:
         return [], []
     return (limit_keys(keys, claim.endpoint),
-            [outcome.cost, *further_limits(claim.endpoint, guard_ms)])
+            [cost, *further_limits(claim.endpoint, guard_ms)])
+
+
+def refused(outcome: Outcome) -> bool:
+    """The upstream turned the call away, asking for a pause: it did no work for it."""
+    return outcome.status_code in (429, 503) and outcome.pause_s is not None
 
 
 def pause_ms(claim: Claim, outcome: Outcome) -> int:

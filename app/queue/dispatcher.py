@@ -306,11 +306,12 @@ class Dispatcher:
         extra = {"task_id": claim.task_id, "endpoint": e}
         log.info("retrying in %.2f s: %s", delay, outcome.status_code or outcome.text,
                  extra=extra)
+        limit_keys, settle = settle_args(claim, outcome, k, self.settings.rate_guard_ms)
         due = await persist("retry", lambda: self.scripts.retry(
             keys=[k.active(e), k.task(claim.task_id),
-                  *k.of(e, "retry", "delayed", "queue", "wake", "stats", "probe")],
+                  *k.of(e, "retry", "delayed", "queue", "wake", "stats", "probe"), *limit_keys],
             args=[claim.task_id, claim.token, round(delay * 1000), e, pause_ms(claim, outcome),
-                  outcome.status_code or "", round(exec_ms)]))
+                  outcome.status_code or "", round(exec_ms), *settle]))
         if not due:
             log.warning("lease lost before the retry was scheduled", extra=extra)
         elif not self.stopping.is_set():

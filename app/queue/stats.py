@@ -242,8 +242,19 @@ def _binding(s: EndpointStats, now: int) -> dict[str, Any]:
     elif s.upstream_paused_until is not None:
         binding = "upstream"
         at = s.upstream_paused_until if s.upstream_paused_until > now else None  # then: a probe
-    elif ep.rate and limited_until > now:
-        binding, at = "rate", limited_until
+    elif limited_until > now:
+        # The claim names the limit that refused longest (limits.lua lim_name): the endpoint's
+        # own rate, or one of `limits` as rate/interval/per.
+        binding, at = _limit_named(raw.get("limited_by") or "main"), limited_until
     elif ep.max_concurrency and s.in_flight >= ep.max_concurrency:
         binding = "concurrency"
     return {"binding_limit": binding, "admits_next_at": rfc3339(at)}
+
+
+def _limit_named(name: str) -> str:
+    """`rate` for the endpoint's own limit, else the further limit as operators wrote it
+    (`limits: 1/60000ms per request`)."""
+    if name.count("/") != 2:
+        return "upstream" if name == "upstream" else "rate"
+    rate, interval, per = name.split("/")
+    return f"limits: {rate}/{interval}ms per {per}"

@@ -80,7 +80,7 @@ class TaskQueue:
         idem = k.idempotency(user_id, idem_key) if idem_key else k.idempotency(user_id, "-")
         pending_ms, own_deadline = self.ttls.pending_ms, False
         if req.max_wait_s is not None:
-            await self._check_deadline(endpoint, req.priority, req.max_wait_s, user_id)
+            await self._check_deadline(endpoint, req, user_id, idem if idem_key else None)
             own_deadline = req.max_wait_s * 1000 < pending_ms
             pending_ms = min(pending_ms, req.max_wait_s * 1000)
         user_keys = [idem, k.quota(user_id)]
@@ -137,7 +137,8 @@ class TaskQueue:
              *k.of(e, "deadlines", "stats", "active"), k.turns(e, req.priority)],
             [task_id, e, req.priority, endpoint.max_queue_len, pending_ms, honour, idem_ttl,
              quota, self.ttls.done_ms, "1" if own_deadline else "0",
-             str(user_id) if endpoint.fairness == "per_user" else "", *fields],
+             str(user_id) if endpoint.fairness == "per_user" else "",
+             req.cost if endpoint.max_cost is not None else "", *fields],
         )
 
     async def _unreserve(self, held: Reservation) -> None:
@@ -149,23 +150,28 @@ class TaskQueue:
             log.warning("could not give back a quota reservation: %s", exc,
                         extra={"task_id": held.args[0]})
 
-    async def _check_deadline(self, endpoint: EndpointConfig, priority: int,
-                              max_wait_s: int, user_id: int) -> None:
+    async def _check_deadline(self, endpoint: EndpointConfig, req: SubmitRequest,
+                              user_id: int, idem: str | None) -> None:
         """409 when a task submitted now would not start within `max_wait_s` by the estimate.
         A read before the submit, only for callers who set a deadline: a task queued and then
-        withdrawn would already hold its Idempotency-Key."""
-        k, e = self.keys, endpoint.id
+        withdrawn would already hold its Idempotency-Key. A resend whose key already names a
+        task is never refused: the submit answers with that task (read in the same trip)."""
+        k, e, priority, max_wait_s = self.keys, endpoint.id, req.priority, req.max_wait_s or 0
         async with self.redis.pipeline(transaction=False) as pipe:
             # Ahead of it: every task of its priority or higher (submit-11.lua's score).
             pipe.zcount(k.queue(e), "-inf", f"({(1 - priority) * PRIORITY_STEP}")
             pipe.zcard(k.active(e))
-            pipe.hmget(k.stats(e), "exec_ms", "slot_ms", "last_admit", "upause")
+            pipe.hmget(k.stats(e), *MEASURED_FIELDS)
             queue_time(pipe, k.stats(e))
-            ahead, in_flight, m, (secs, micros) = await pipe.execute()
+            if idem is not None:
+                pipe.exists(idem)
+            ahead, in_flight, m, (secs, micros), *known = await pipe.execute()
+        if known and known[0]:
+            return
         if endpoint.fairness == "per_user":  # its turn, not the whole band, is ahead of it
             ahead = await fair_ahead(self.redis, k, e, priority, user_id)
         now = int(secs) * 1000 + int(micros) // 1000
-        estimate = estimate_wait(endpoint, ahead, [m[0], m[1], in_flight, m[2], m[3], now])
+        estimate = estimate_wait(endpoint, ahead, [m[0], m[1], in_flight, m[2], m[3], now, *m[4:]])
         if estimate > max_wait_s:
             raise ApiError(409, "deadline_unreachable",
                            f"the estimated wait ({math.ceil(estimate)} s) already exceeds "
@@ -339,32 +345,39 @@ def wait_seconds(endpoint: EndpointConfig | None, ahead: int, measured: Any) -> 
     return math.ceil(estimate_wait(endpoint, ahead, measured))
 
 
+# The stats fields the wait estimate reads (status-6.lua and submit-11.lua read the same, in
+# this order, into `measured`: {exec, slot, in flight, last admission, upstream pause, now,
+# limited until, average cost}).
+MEASURED_FIELDS = ("exec_ms", "slot_ms", "last_admit", "upause", "limited_until", "cost_avg")
+PACED_COST_MS = 60_000  # per-cost sliding limits up to this long pace units (limits.lua)
+
+
 def estimate_wait(endpoint: EndpointConfig | None, ahead: int, measured: Any) -> float:
     """Seconds until a task with `ahead` tasks before it in line starts.
 
-    Two limits hold it back, and it waits for the slower (DESIGN.md, "Estimated wait"):
+    It waits for the slowest of what holds it back (DESIGN.md, "Estimated wait"):
     - the concurrency cap C: the task starts once `ahead + 1 - free` slots have been given
       back, free = C - in flight.  Slots come back at C / slot time, the slot time being
-      measured by the scripts from claim to finish (retries and back-off included, since
-      they hold the slot too; a moving average of recent tasks; `avg_exec_ms` until there is
-      one).  Under a backlog the next slot comes back on average half a gap from now, so
-      the n-th after (n - 1/2) gaps; counting from "now" rather than "a full gap" is what
-      keeps the estimate unbiased for the first tasks in line.
-    - the rate limit: the `ahead` admissions before it, at rate / interval.
+      measured by the scripts from claim to finish (the calls of one attempt: a task waiting
+      out a retry back-off gives its slot back, retry-8.lua; a moving average of recent
+      tasks; `avg_exec_ms` until there is one).  Under a backlog the next slot comes back on
+      average half a gap from now, so the n-th after (n - 1/2) gaps; counting from "now"
+      rather than "a full gap" is what keeps the estimate unbiased for the first tasks in line.
+    - the limits (`rate` and every one of `limits`): the head of the line waits until the
+      limiter admits again (the claim records when, `limited_until`, whichever limit refused;
+      for the main rate also one emission after the last admission), the rest for their share
+      of each limit, a per-cost limit counting each task ahead at the recent average cost.
     With neither, the tasks in flight stand for the cap (the dispatchers' capacity).
     - the upstream's own pause (lua/includes/upstream.lua): nothing starts before it ends.
-    `measured` is status-6.lua's {exec ms, slot ms, in flight, last admission, upstream pause
-    until, now}; a shorter list, or a bare exec time (in flight unknown: taken as a full
-    endpoint) is accepted too.
+    `measured` is status-6.lua's list (MEASURED_FIELDS, with in flight third and now sixth);
+    a shorter list, or a bare exec time (in flight unknown: taken as a full endpoint) is
+    accepted too.
     """
     if endpoint is None:
         return 0.0
-    last_admit = paused_until = now = None
-    if isinstance(measured, (list, tuple)):
-        exec_ms, slot_ms, flight, last_admit, paused_until, now = [*measured, *[None] * 6][:6]
-        in_flight = int(flight) if flight is not None else None
-    else:
-        exec_ms, slot_ms, in_flight = measured, None, None
+    m = [*measured, *[None] * 8][:8] if isinstance(measured, (list, tuple)) else [measured]
+    exec_ms, slot_ms, flight, last_admit, paused_until, now, limited, cost = [*m, *[None] * 8][:8]
+    in_flight = int(flight) if flight is not None else None
     wait = 0.0
     cap = endpoint.max_concurrency
     if cap == 0 and endpoint.rate == 0 and in_flight:
@@ -377,23 +390,39 @@ def estimate_wait(endpoint: EndpointConfig | None, ahead: int, measured: Any) ->
         behind = ahead + 1 - max(0, free)  # slots that must come back before it starts
         if behind > 0:
             wait = (behind - 0.5) * slot_s / cap
+    now_ms = int(now) if now else None
+    head = max(0.0, (int(limited) - now_ms) / 1000) if limited and now_ms else 0.0
+    wait = max(wait, head, _limits_wait(endpoint, ahead, head, last_admit, now_ms,
+                                        float(cost or 1)))
+    if paused_until and now_ms and int(paused_until) > now_ms:
+        wait += (int(paused_until) - now_ms) / 1000  # its upstream admits nothing till then
+    return round(wait, 3)
+
+
+def _limits_wait(endpoint: EndpointConfig, ahead: int, head: float, last_admit: Any,
+                 now: int | None, avg_cost: float) -> float:
+    """How long the limits hold the task with `ahead` before it, the head of the line held
+    `head` seconds (the limiter's own word)."""
+    wait = 0.0
     if endpoint.rate > 0:
         # The limiter paces admissions one emission apart: the head of the line waits for the
         # one after the last admission (a minute, on a 1-a-minute endpoint), the rest for one
         # emission each.
         emission = endpoint.interval_ms / 1000 / endpoint.rate
-        head = 0.0
         if last_admit and now:
-            head = max(0.0, (int(last_admit) - int(now)) / 1000 + emission)
-        wait = max(wait, head + ahead * emission)
+            head = max(head, (int(last_admit) - now) / 1000 + emission)
+        wait = head + ahead * emission
     for limit in endpoint.limits:
-        # A further limit lets `rate` through per interval: every full window's worth of tasks
-        # ahead is one more interval (a task's cost taken as 1: a per-cost limit's estimate is
-        # then a floor, the cost of the tasks ahead being unknown here).
-        wait = max(wait, ahead // limit.rate * limit.interval_ms / 1000)
-    if paused_until and now and int(paused_until) > int(now):
-        wait += (int(paused_until) - int(now)) / 1000  # its upstream admits nothing till then
-    return round(wait, 3)
+        # A further limit lets `rate` units through per interval: a request 1 a task, a cost
+        # the recent average. A paced per-cost limit (limits.lua) spreads them evenly; the
+        # others admit a window's worth at once, each full window ahead one more interval.
+        units = ahead * (avg_cost if limit.per == "cost" else 1.0)
+        windows = units / limit.rate
+        paced = (limit.per == "cost" and limit.limiter == "sliding_window"
+                 and limit.interval_ms <= PACED_COST_MS)
+        wait = max(wait, head + (windows if paced else math.floor(windows))
+                   * limit.interval_ms / 1000)
+    return wait
 
 
 def _retry_wait(retry_at: str | None) -> float:

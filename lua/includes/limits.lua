@@ -81,10 +81,11 @@ end
 
 -- Admit one call under every limit, or under none: each limiter records as it admits, so when
 -- any refuses, what the others recorded in this step is undone. Every limit is asked, so the
--- tightest (longest wait) names the retry time. A per-cost limit spends `cost` units, at most
--- its whole rate (a task costing more, after the limit was lowered, still gets through alone).
-local function lim_acquire(limits, now, member, cost)
-  local undo, wait = {}, 0
+-- tightest (longest wait) names the retry time; it is returned second (for operators). A
+-- per-cost limit spends `cost` units, at most its whole rate (a task costing more, after the
+-- limit was lowered, still gets through alone). `dry`: only ask, undoing an admission too.
+local function lim_acquire(limits, now, member, cost, dry)
+  local undo, wait, binding = {}, 0, nil
   for _, l in ipairs(limits) do
     local amount = 1
     if l.per == 'cost' then amount = math.min(cost, l.rate) end
@@ -93,12 +94,20 @@ local function lim_acquire(limits, now, member, cost)
     if l.main then w = rl_acquire(l.kind, l.key, l.pace, l.rate, l.interval, l.guard, now, member)
     elseif l.paced then w = lim_paced(l, now, member, amount)
     else w = limiters[l.kind](l.key, l.rate, l.interval, l.guard, now, member, amount, l.widen) end
+    if w > wait then binding = l end
     if w > 0 then wait = math.max(wait, w) else undo[#undo + 1] = saved end
   end
-  if wait > 0 then
+  if wait > 0 or dry then
     for _, saved in ipairs(undo) do lim_undo(saved) end
   end
-  return wait
+  return wait, binding
+end
+
+-- How operators read the limit that binds (app/queue/stats.py): rate/interval/per, 'main' for
+-- the endpoint's own rate.
+local function lim_name(l)
+  if not l or l.main then return 'main' end
+  return int(l.rate) .. '/' .. int(l.interval) .. '/' .. l.per
 end
 
 -- Settle a per-cost admission (made at `started` under lease token `member`, `reserved` units)
