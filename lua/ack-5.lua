@@ -41,22 +41,20 @@ redis.call('HDEL', KEYS[2], 'lease', 'deadline')
 to_outbox(sibling_key(KEYS[2], 'tosql'), KEYS[2], ARGV[1], now)
 publish_changed(KEYS[1], {ARGV[1]})
 
-local b = stats_batch(KEYS[5])
-sb_add(b, ARGV[3], 1)
+local n = redis.call('HINCRBY', KEYS[5], ARGV[3], 1)
 local exec = tonumber(ARGV[8])
 if ARGV[3] == 'completed' and exec >= 0 then
-  sb_ema(b, 'exec_ms', exec)  -- recent completions, for the dashboard
-  sb_observe(b, 'upstream_ms', exec)
-elseif ARGV[3] == 'failed' and exec >= 0 then
-  sb_call_failed(b, ARGV[5], exec)
+  stats_ema(KEYS[5], 'exec_ms', exec)  -- recent completions, for the dashboard
+  stats_observe(KEYS[5], 'upstream_ms', exec)
+elseif ARGV[3] == 'failed' then
+  stats_failure(KEYS[5], n, now, ARGV[1], ARGV[5], ARGV[4])
+  if exec >= 0 then stats_call_failed(KEYS[5], ARGV[5], exec) end
 end
 -- The wait estimate needs how long a task holds its slot, from claim to here (retries and
 -- back-off included), not only the last call.
 local started = tonumber(redis.call('HGET', KEYS[2], 'started_at'))
-if started then sb_ema(b, 'slot_ms', now - started) end
-sb_tick(b, 'done', now, 1)
-local n = stats_flush(b)[ARGV[3]]
-if ARGV[3] == 'failed' then stats_failure(KEYS[5], n, now, ARGV[1], ARGV[5], ARGV[4]) end
+if started then stats_ema(KEYS[5], 'slot_ms', now - started) end
+stats_tick(KEYS[5], 'done', now, 1)
 if redis.call('ZCARD', KEYS[3]) > 0 then
   redis.call('ZADD', KEYS[4], 'NX', now, ARGV[7])  -- a slot is free: worth a claim
 end

@@ -55,7 +55,6 @@ local out = {'more', 0, now}
 local stats = sibling_key(KEYS[1], 'stats')  -- the dispatcher fixes KEYS
 local deadlines = sibling_key(KEYS[1], 'deadlines')
 local claimed = 0
-local b = stats_batch(stats)
 local changed = {}  -- ids whose status this run changes, published once at the end
 
 -- Paused by its upstream (upstream.lua): nothing until then, then one probe at a time.
@@ -108,7 +107,7 @@ while true do
     changed[#changed + 1] = id
     if attempts == 1 then  -- time in line before its first start (not after a hand-back)
       local created = tonumber(redis.call('HGET', task, 'created_at')) or now
-      sb_observe(b, 'queue_wait_ms', now - created)
+      stats_observe(stats, 'queue_wait_ms', now - created)
     end
     local req = redis.call('HMGET', task, 'method', 'url', 'headers', 'query', 'body')
     local fields = {id, token, attempts, ttype, req[1], req[2], req[3], req[4], req[5], tf[3] or 1}
@@ -123,19 +122,18 @@ if probing and claimed > 0 then
     math.max(lease, permit_ttl))
 end
 if claimed > 0 then
-  b.set.last_admit = now  -- when the limiter admits next (estimate_wait)
-  sb_add(b, 'admitted', claimed)
-  sb_tick(b, 'admitted', now, claimed)
+  redis.call('HSET', stats, 'last_admit', now)  -- when the limiter admits next (estimate_wait)
+  redis.call('HINCRBY', stats, 'admitted', claimed)
+  stats_tick(stats, 'admitted', now, claimed)
 end
 if out[1] == 'limited' then
-  sb_add(b, 'limited', 1)
-  b.set.limited_until = now + out[2]  -- for operators (stats.py binding)
+  redis.call('HINCRBY', stats, 'limited', 1)
+  redis.call('HSET', stats, 'limited_until', now + out[2])  -- for operators (stats.py binding)
   redis.call('ZADD', KEYS[5], now + out[2], endpoint)
 elseif out[1] == 'more' then
   redis.call('ZADD', KEYS[4], 'NX', now, endpoint)
 end
 local next_retry = redis.call('ZRANGE', retry, 0, 0, 'WITHSCORES')
 if #next_retry > 0 then redis.call('ZADD', KEYS[5], 'LT', next_retry[2], endpoint) end
-stats_flush(b)
 publish_changed(KEYS[1], changed)
 return out

@@ -19,12 +19,10 @@ redis.call('HSET', KEYS[1], 'status', 'completed', 'result', ARGV[3], 'ended_at'
 to_outbox(KEYS[5], KEYS[1], ARGV[1], now)
 publish_changed(KEYS[2], {ARGV[1]})
 local stats = sibling_key(KEYS[2], 'stats')
-local b = stats_batch(stats)
-sb_add(b, 'completed', 1)
+redis.call('HINCRBY', stats, 'completed', 1)
 -- An online slot is held until its caller is done: that time is what the wait estimate needs.
-if tonumber(f[4]) then sb_ema(b, 'slot_ms', now - tonumber(f[4])) end
-sb_tick(b, 'done', now, 1)
-stats_flush(b)
+if tonumber(f[4]) then stats_ema(stats, 'slot_ms', now - tonumber(f[4])) end
+stats_tick(stats, 'done', now, 1)
 if redis.call('ZCARD', KEYS[3]) > 0 then
   redis.call('ZADD', KEYS[4], 'NX', now, ARGV[5])
 end

@@ -29,10 +29,8 @@ redis.call('HDEL', KEYS[2], 'lease', 'deadline')
 redis.call('HSET', KEYS[2], 'status', 'pending', 'retry_at', due)
 redis.call('ZADD', KEYS[3], due, ARGV[1])
 local stats = sibling_key(KEYS[1], 'stats')
-local b = stats_batch(stats)
-sb_add(b, 'retried', 1)
-sb_call_failed(b, ARGV[6], tonumber(ARGV[7]))
-stats_flush(b)
+redis.call('HINCRBY', stats, 'retried', 1)
+stats_call_failed(stats, ARGV[6], tonumber(ARGV[7]))
 redis.call('ZADD', KEYS[4], 'LT', due, ARGV[4])  -- the earliest due retry wakes the endpoint
 if redis.call('ZCARD', KEYS[5]) > 0 then
   redis.call('ZADD', KEYS[6], 'NX', now, ARGV[4])  -- its slot is free: worth a claim

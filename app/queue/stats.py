@@ -28,7 +28,7 @@ from app.timefmt import rfc3339
 COUNTERS = ("submitted", "admitted", "completed", "failed", "retried", "expired", "cancelled",
             "limited")
 HISTOGRAMS = ("queue_wait_ms", "upstream_ms", "upstream_failed_ms")
-FAIL_CLASSES = ("2xx", "3xx", "4xx", "5xx", "none")  # fields fail_<class>, sb_call_failed
+FAIL_CLASSES = ("2xx", "3xx", "4xx", "5xx", "none")  # fields fail_<class>, stats_call_failed
 AVERAGES = ("exec_ms", "slot_ms")
 OLDEST_BANDS = 64  # priority bands the oldest-pending lookup visits (lua/oldest-1.lua)
 
@@ -183,7 +183,7 @@ async def queue_stats(redis: Redis, keys: Keys, scripts: Scripts,
 
 
 def _rate(raw: dict[str, str], ring: str, now: int) -> float:
-    """Events a second over the last minute, from the 10-second ring (stats.lua sb_tick)."""
+    """Events a second over the last minute, from the 10-second ring (stats.lua stats_tick)."""
     current = now // RING_MS
     window_slots = 60_000 // RING_MS
     total = 0
