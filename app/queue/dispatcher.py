@@ -226,8 +226,9 @@ class Dispatcher:
             self._claim_later(e, wait_ms / 1000)
 
     def _room_for(self, endpoint_id: str) -> int:
+        # At least one slot: a process of one slot has a share of 0.75, which claimed nothing.
         return min(self.capacity - len(self.inflight),
-                   int(self.capacity * SHARE) - self.per_endpoint[endpoint_id])
+                   max(1, int(self.capacity * SHARE)) - self.per_endpoint[endpoint_id])
 
     def _claim_later(self, endpoint_id: str, delay_s: float) -> None:
         """Claim again after `delay_s`, keeping one timer per endpoint: every ack of a limited
