@@ -198,7 +198,8 @@ async def test_window_limiters_pace_a_burst(gateway: Gateway, kind: Kind) -> Non
         assert second == 0
     else:  # the next goes 100 ms after the first (an idle endpoint has no catch-up yet),
         # less what passed between the two calls (tens of ms on a loaded host)
-        assert 100 - between_ms - 1 <= second <= 100, (second, between_ms)
+        # (and a few ms the two Redis clock readings may differ from ours by)
+        assert 100 - between_ms - 5 <= second <= 100, (second, between_ms)
 
 
 async def test_a_call_that_left_late_holds_its_slot_from_when_it_left(gateway: Gateway) -> None:

@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 LINGER_S = 60.0  # a channel nobody waits on stays subscribed this long (no churn per request)
 READ_S = 30.0  # longest quiet read; each read checks the connection's health (a PING / 30 s)
 RETRY_MAX_S = 2.0
+STOP_S = 1.0  # longest wait for the listener at stop
 
 
 class Watch:
@@ -140,7 +141,7 @@ class TaskEvents:
 
     async def _read(self, pubsub: Any) -> None:
         next_sweep = time.monotonic() + self.linger_s
-        while self._requested:
+        while self._requested and not self._closed:
             msg = await pubsub.get_message(timeout=READ_S)
             if msg is not None:
                 self._dispatch(msg)
@@ -185,9 +186,10 @@ class TaskEvents:
                 w.closed = True
                 w.wake()
         if self._listener is not None:
+            # Bounded: redis-py's PubSub may swallow the cancellation of a read on a connection
+            # made after an outage and read on (30 s, READ_S); stopping does not wait for it.
             self._listener.cancel()
-            with contextlib.suppress(asyncio.CancelledError, RedisError, OSError):
-                await self._listener
+            await asyncio.wait({self._listener}, timeout=STOP_S)
 
 
 async def next_change(
