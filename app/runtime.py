@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import socket
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +41,11 @@ log = logging.getLogger(__name__)
 RETIRE_HOLD_S = 30.0
 
 
+def process_ident() -> str:
+    """This process among all of the deployment's (hosts, or containers by their hostname)."""
+    return f"{os.getpid()}@{socket.gethostname()}"
+
+
 def redis_client(url: str, timeout_s: float | None, max_connections: int = 512) -> Redis:
     """The client for QGW_REDIS_URL: one Redis, or the master a Sentinel names (app/redis_url)."""
     return redis_url.client(url, timeout_s, max_connections)
@@ -48,6 +55,7 @@ def redis_client(url: str, timeout_s: float | None, max_connections: int = 512) 
 class Runtime:
     settings: Settings
     with_dispatcher: bool = False
+    ident: str = field(default_factory=process_ident)  # picks the /readyz probe's key
     redis_url: str = field(init=False)
     redis: Redis = field(init=False)
     engine: AsyncEngine = field(init=False)

@@ -109,7 +109,8 @@ async def test_a_rate_limited_claim_is_counted(
     m = await scrape(gateway)
     assert value(m, "qgw_tasks_admitted_total", "slowrate") == 1
     assert value(m, "qgw_queue_pending", "slowrate") == 1
-    assert value(m, "qgw_estimated_wait_seconds", "slowrate") == 60  # one ahead, 1 a minute
+    # The one in line waits out the minute since the first admission, a new task one more.
+    assert 110 < value(m, "qgw_estimated_wait_seconds", "slowrate") <= 120
 
 
 async def test_admin_queues_has_what_the_dashboard_shows(
@@ -398,3 +399,60 @@ async def test_an_operators_pause_shows_in_metrics(gateway: Gateway, upstream: s
 
 async def _paused(gateway: Gateway) -> bool:
     return value(await scrape(gateway), "qgw_endpoint_paused", "held") == 1
+
+
+async def _held(gateway: Gateway, endpoint: str) -> dict[str, Any]:
+    """The admin view's row once the limiter holds the endpoint's line."""
+    for _ in range(100):
+        r = await gateway.http.get("/admin/v1/queues", headers=gateway.admin)
+        (row,) = [q for q in r.json()["endpoints"] if q["id"] == endpoint]
+        if row["binding_limit"]:
+            return row
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"{endpoint} never held: {row}")
+
+
+async def test_metrics_name_the_limit_holding_the_line_and_when_it_admits_next(
+    gateway: Gateway, upstream: str, start_dispatcher: Callable[[], Awaitable[Runtime]]
+) -> None:
+    """/metrics says what /admin/v1/queues says: which limit binds, and for how long."""
+    url = f"{upstream}/held-by-rate"
+    await gateway.add_endpoint("held-by-rate", url, rate=1, interval_ms=60_000,
+                               max_concurrency=2, limits=[{"rate": 100, "interval_ms": 1000}])
+    await gateway.add_endpoint("free", f"{upstream}/free")
+    auth = await gateway.new_key()
+    ids = [(await gateway.submit(auth, url))["task_id"] for _ in range(2)]
+    await start_dispatcher()
+    await gateway.wait_finished(auth, ids[:1])
+    assert (await _held(gateway, "held-by-rate"))["binding_limit"] == "rate"
+    m = await scrape(gateway)
+    limited = {lab["limit"]: v for (name, labels), v in m.items()
+               if name == "qgw_endpoint_limited" and (lab := dict(labels))["endpoint"]
+               == "held-by-rate"}
+    assert limited == {"paused": 0, "upstream": 0, "rate": 1, "concurrency": 0,
+                       "limits: 100/1000ms per request": 0}
+    assert 50 < value(m, "qgw_endpoint_admits_next_seconds", "held-by-rate") <= 60
+    assert value(m, "qgw_endpoint_limited", "free", limit="paused") == 0
+    assert ("qgw_endpoint_admits_next_seconds", (("endpoint", "free"),)) not in m
+
+
+async def test_the_admin_view_and_metrics_estimate_a_new_task_as_its_submit_does(
+    gateway: Gateway, upstream: str, start_dispatcher: Callable[[], Awaitable[Runtime]]
+) -> None:
+    """A limits-only 1-a-minute endpoint after one admission: the task in line waits for the
+    limiter (about 60 s), a new one behind it a minute more; the admin view and the metric
+    count the head's wait as the submit does."""
+    url = f"{upstream}/held-eta"
+    await gateway.add_endpoint("held-eta", url, limits=[{"rate": 1, "interval_ms": 60_000}])
+    auth = await gateway.new_key()
+    ids = [(await gateway.submit(auth, url))["task_id"] for _ in range(2)]
+    await start_dispatcher()
+    await gateway.wait_finished(auth, ids[:1])
+    row = await _held(gateway, "held-eta")
+    metric = value(await scrape(gateway), "qgw_estimated_wait_seconds", "held-eta")
+    held = await gateway.status(auth, ids[1])
+    new = await gateway.submit(auth, url)
+    assert 50 < held["wait_time"] <= 60, held
+    assert 110 < new["wait_time"] <= 120, new
+    assert new["wait_time"] - 2 <= row["wait_time_new_s"] <= new["wait_time"], row
+    assert new["wait_time"] - 2 <= metric <= new["wait_time"], metric

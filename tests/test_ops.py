@@ -3,10 +3,15 @@ outage that submit survives keeps the API process in rotation (API.md, Operation
 
 from __future__ import annotations
 
+import httpx
 import pytest
+from redis.asyncio.cluster import RedisCluster
+from redis.crc import key_slot
 
+from app.main import create_app
+from app.runtime import Runtime
 from app.settings import Settings
-from tests.conftest import Gateway
+from tests.conftest import Gateway, _migrated
 from tests.servers import RedisServer, free_port
 from tests.test_storage import Outage, SqliteOutageCase
 
@@ -55,3 +60,34 @@ class TestDatabaseOutage(SqliteOutageCase):
         finally:
             await outage.up()
         assert (await gateway.http.get("/readyz")).json()["status"] == "ok"
+
+
+@pytest.mark.backends("single", "cluster")
+async def test_on_a_cluster_each_process_probes_readiness_in_a_slot_its_id_picks(
+    settings: Settings, backend: str
+) -> None:
+    """/readyz writes a key: on a Cluster, processes of different ids write theirs on
+    different masters (here one in the first group of slots, one in the last), so a master's
+    failover takes out of rotation only the processes probing it. One Redis: one key, as ever."""
+    await _migrated(settings)
+    for ident in ("api-8", "api-5"):  # groups 2 and 15 (app/core/keys.py group_of)
+        rt = Runtime(settings, ident=ident)
+        await rt.start()
+        try:
+            app = create_app(rt, manage=False)
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app),
+                                         base_url="http://gateway") as http:
+                assert (await http.get("/readyz")).status_code == 200
+            if isinstance(rt.redis, RedisCluster):
+                probes = await rt.redis.keys(f"{settings.key_prefix}*readyz*",
+                                             target_nodes=RedisCluster.PRIMARIES)
+                nodes = {rt.redis.get_node_from_key(k).name for k in probes}
+                slots = {key_slot(k.encode()) for k in probes}
+            else:
+                probes = await rt.redis.keys(f"{settings.key_prefix}*readyz*")
+        finally:
+            await rt.stop()
+    if backend == "cluster":
+        assert len(probes) == len(slots) == len(nodes) == 2, probes
+    else:
+        assert probes == [f"{settings.key_prefix}:readyz"]

@@ -6,14 +6,17 @@ from __future__ import annotations
 
 import asyncio
 import re
+import shutil
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
+from app.core import scripts
 from app.core.keys import Keys
-from app.core.scripts import LUA_DIR, source
+from app.core.scripts import LUA_DIR
 from app.runtime import Runtime
 from app.settings import Settings
 from tests.conftest import Gateway
@@ -148,13 +151,40 @@ def test_every_script_takes_its_keys_in_keys_as_its_name_and_header_say() -> Non
     "Scaling out"): no script builds a key from another (the events channel is a channel), a
     script's name counts its fixed KEYS and its header lists exactly those (and any variable
     tail, `KEYS[n..]`), and a task key built from a prefix in ARGV is said in the header."""
-    channel = (LUA_DIR / "includes" / "events.lua").read_text()
+    assert _script_problems(LUA_DIR) == []
+
+
+@pytest.mark.parametrize("mutation", [
+    "local k = ARGV[1] .. ':q'\nredis.call('ZADD', k, 0, 'x')\n",
+    "redis.call('HSET', ARGV[2] .. ':stats', 'a', 1)\n",
+    "redis.call('DEL', KEYS[1], 'qgw:' .. ARGV[1])\n",
+    "stats_observe(ARGV[1] .. ':stats', 'queue_wait_ms', 1)\n",
+], ids=["through-a-name", "direct", "second-key", "through-an-include"])
+def test_the_key_guard_sees_a_key_built_from_argv(
+    mutation: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The guard above catches a script that builds a key from ARGV (a copy of lua/ with
+    one such line added to submit), not only one built from KEYS."""
+    lua = tmp_path / "lua"
+    shutil.copytree(LUA_DIR, lua)
+    monkeypatch.setattr(scripts, "LUA_DIR", lua)  # the includes inlined are the copy's
+    assert _script_problems(lua) == []
+    path = lua / "submit-11.lua"
+    path.write_text(path.read_text().replace("--@include stats.lua\n",
+                                             "--@include stats.lua\n" + mutation))
+    assert [p for p in _script_problems(lua) if "built key" in p], mutation
+
+
+def _script_problems(lua_dir: Path) -> list[str]:
+    """What the guard finds wrong in the scripts of `lua_dir`."""
+    channel = (lua_dir / "includes" / "events.lua").read_text()
     channel = channel[channel.index("local function event_channel"):]
     channel = channel[:channel.index("end\n") + 4]
     problems = []
-    for path in sorted(LUA_DIR.glob("*.lua")):
-        name, _, count = path.stem.rpartition("-")
-        text = source(name).replace(channel, "")
+    for path in sorted(lua_dir.glob("*.lua")):
+        count = path.stem.rpartition("-")[2]
+        # What source() gives, read afresh (source is cached) from this directory.
+        text = scripts._resolve(path).replace(channel, "")
         header, _, body = text.partition("]]")
         body = re.sub(r"--.*", "", body)  # comments name keys as `<prefix>:{e}:<name>`
         fixed = sorted({int(n) for n in re.findall(r"KEYS\[(\d+)\](?!\.\.)", header)})
@@ -172,4 +202,65 @@ def test_every_script_takes_its_keys_in_keys_as_its_name_and_header_say() -> Non
         if re.search(r"(ARGV\[\d+\]|\bprefix) \.\. id\b", body) and not re.search(
                 r"Task hashes of ids read here are built from ARGV", header):
             problems.append(f"{path.name}: builds task keys without saying so")
-    assert problems == []
+        problems += [f"{path.name}: {p}" for p in _built_keys(body)]
+    return problems
+
+
+def _args(text: str, start: int) -> list[str]:
+    """The comma-separated arguments of the call whose `(` is at text[start - 1] (strings
+    blanked to '' so their commas and dots do not count)."""
+    depth, out, arg, i = 0, [], "", start
+    while i < len(text):
+        c = text[i]
+        if c in "'\"":
+            end = text.index(c, i + 1)
+            arg, i = arg + "''", end + 1
+            continue
+        if c in "([{":
+            depth += 1
+        elif c in ")]}":
+            if depth == 0:
+                return [*out, arg.strip()]
+            depth -= 1
+        elif c == "," and depth == 0:
+            out, arg, i = [*out, arg.strip()], "", i + 1
+            continue
+        arg, i = arg + c, i + 1
+    raise AssertionError("unclosed call")
+
+
+_TASK_HASH = re.compile(r"(ARGV\[\d+\]|prefix) \.\. id")  # the documented task-key prefix
+
+
+def _built_keys(body: str) -> list[str]:
+    """Keys reaching redis.call (or an include's function that passes its parameter on to
+    it) as a string concatenation, directly or through a name assigned one: on a Cluster such a
+    key is not among those the caller named. Exceptions: a task hash from the prefix in ARGV
+    (said in the header, checked above) and the PUBLISH channel."""
+    built = {m.group(1).split(".")[-1]: m.group(2)
+             for m in re.finditer(r"^\s*(?:local\s+)?([\w.]+)\s*=\s*(.*\.\..*)$", body, re.M)}
+
+    def concatenated(expr: str) -> bool:
+        expr = re.sub(r"'[^']*'|\"[^\"]*\"", "''", expr)
+        if ".." in expr:
+            return not _TASK_HASH.fullmatch(expr)
+        name = re.sub(r"\[.*", "", expr).split(".")[-1]
+        return name in built and not _TASK_HASH.fullmatch(built[name].strip())
+
+    problems, passes = [], {}  # function -> index of a parameter used as a key
+    for m in re.finditer(r"redis\.p?call\(\s*(?:'(\w+)')?", body):
+        cmd, (_, *args) = m.group(1), _args(body, m.start() + m.group(0).index("(") + 1)
+        keys = args if cmd in ("DEL", "EXISTS") else [] if cmd == "PUBLISH" else args[:1]
+        problems += [f"redis.call('{cmd}', {key}, ...) on a built key" for key in keys
+                     if concatenated(key)]
+        fn = list(re.finditer(r"function (\w+)\(([^)]*)\)", body[:m.start()]))
+        if fn and keys and (params := [p.strip() for p in fn[-1].group(2).split(",")]) \
+                and keys[0] in params:
+            passes[fn[-1].group(1)] = params.index(keys[0])
+    for fname, i in passes.items():
+        for m in re.finditer(rf"(?<![\w.]){fname}\(", body):
+            args = _args(body, m.end())
+            if not body[:m.start()].endswith("function ") and len(args) > i \
+                    and ".." in re.sub(r"'[^']*'", "''", args[i]):
+                problems.append(f"{fname}(...) given a built key {args[i]}")
+    return problems

@@ -245,9 +245,12 @@ class Keys:
     def channel(self, table: str) -> str:
         return f"{self._registry}:{table}:changed"
 
-    @property
-    def ready_probe(self) -> str:
-        """A short-lived key /readyz writes: a server that went read-only (a replica) fails."""
+    def ready_probe(self, process: str) -> str:
+        """A short-lived key /readyz writes: a server that went read-only (a replica) fails.
+        On a Cluster each process writes its own, in the group its id picks, so the failover
+        of one master makes only the processes probing it unready, not every one at once."""
+        if self.cluster:
+            return f"{self.prefix}:{{{group_tags()[group_of(process)]}}}:readyz:{process}"
         return f"{self.prefix}:readyz"
 
 

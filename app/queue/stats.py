@@ -22,7 +22,7 @@ from app.core.keys import Keys
 from app.core.scripts import LUA_DIR, Scripts
 from app.endpoints import EndpointConfig
 from app.queue.presence import Dispatchers, tally
-from app.queue.tasks import estimate_wait
+from app.queue.tasks import MEASURED_FIELDS, estimate_wait
 from app.timefmt import rfc3339
 
 COUNTERS = ("submitted", "admitted", "completed", "failed", "retried", "expired", "cancelled",
@@ -81,10 +81,13 @@ class EndpointStats:
         """Failed upstream calls (retried or final) by the class of the upstream's status."""
         return {c: int(self.raw.get(f"fail_{c}", 0)) for c in FAIL_CLASSES}
 
-    def wait_for_new_s(self) -> float:
-        """The estimate a task submitted now would get (app/queue/tasks.py estimate_wait)."""
-        return estimate_wait(self.endpoint, self.pending, [self.exec_ms, self.slot_ms,
-                                                           self.in_flight])
+    def wait_for_new_s(self, now_ms: int) -> float:
+        """The estimate a task submitted now would get (app/queue/tasks.py estimate_wait), from
+        the same stats fields the submit reads: the head's limiter state and the average cost
+        too, so the admin view, /metrics and the answers agree."""
+        m = [self.raw.get(f) for f in MEASURED_FIELDS]
+        return estimate_wait(self.endpoint, self.pending,
+                             [m[0], m[1], self.in_flight, m[2], m[3], now_ms, *m[4:]])
 
 
 def _parse(ep: EndpointConfig, pending: int, in_flight: int, raw: dict[str, str]
@@ -214,7 +217,7 @@ def _view(s: EndpointStats, now: int, oldest: int | None, admitted: int | None
         "rate_limit_per_s": round(ep.rate * 1000 / ep.interval_ms, 3) if ep.rate else None,
         "exec_ms": s.exec_ms, "slot_ms": s.slot_ms,
         "avg_queue_wait_s": round(qw.sum_ms / qw.count / 1000, 3) if qw.count else None,
-        "wait_time_new_s": s.wait_for_new_s(),
+        "wait_time_new_s": s.wait_for_new_s(now),
         "oldest_pending_age_s": round(max(0, now - oldest) / 1000, 3) if oldest else None,
         "recent_failures": [
             {"task_id": f["task_id"], "at_s_ago": round((now - int(f["at"])) / 1000, 1),
@@ -230,25 +233,40 @@ def _view(s: EndpointStats, now: int, oldest: int | None, admitted: int | None
 
 
 def _binding(s: EndpointStats, now: int) -> dict[str, Any]:
-    """What holds the endpoint's line back now, and when it admits next (None: at once, or
-    once a slot frees): the operator's pause, its upstream's, the rate limit, or the cap."""
+    binding, at = binding_limit(s, now)
+    return {"binding_limit": binding, "admits_next_at": rfc3339(at)}
+
+
+def binding_limit(s: EndpointStats, now: int) -> tuple[str | None, int | None]:
+    """What holds the endpoint's line back now, and when (ms) it admits next (None: at once,
+    or once a slot frees): the operator's pause, its upstream's, the rate limit, or the cap."""
     ep, raw = s.endpoint, s.raw
     limited_until = int(raw.get("limited_until") or 0)
-    binding, at = None, None
     if s.pending == 0:  # nothing waits: nothing binds
-        return {"binding_limit": None, "admits_next_at": None}
+        return None, None
     if ep.paused:
-        binding = "paused"
-    elif s.upstream_paused_until is not None:
-        binding = "upstream"
-        at = s.upstream_paused_until if s.upstream_paused_until > now else None  # then: a probe
-    elif limited_until > now:
+        return "paused", None
+    if s.upstream_paused_until is not None:  # past its time: until a probe call succeeds
+        return "upstream", (s.upstream_paused_until if s.upstream_paused_until > now else None)
+    if limited_until > now:
         # The claim names the limit that refused longest (limits.lua lim_name): the endpoint's
         # own rate, or one of `limits` as rate/interval/per.
-        binding, at = _limit_named(raw.get("limited_by") or "main"), limited_until
-    elif ep.max_concurrency and s.in_flight >= ep.max_concurrency:
-        binding = "concurrency"
-    return {"binding_limit": binding, "admits_next_at": rfc3339(at)}
+        return _limit_named(raw.get("limited_by") or "main"), limited_until
+    if ep.max_concurrency and s.in_flight >= ep.max_concurrency:
+        return "concurrency", None
+    return None, None
+
+
+def possible_limits(ep: EndpointConfig) -> list[str]:
+    """Every `binding_limit` the endpoint can show, named as binding_limit names them: the
+    series /metrics keeps at 0 or 1, so none appears only while it binds."""
+    names = ["paused", "upstream"]
+    if ep.rate:
+        names.append("rate")
+    names += [_limit_named(f"{x.rate}/{x.interval_ms}/{x.per}") for x in ep.limits]
+    if ep.max_concurrency:
+        names.append("concurrency")
+    return names
 
 
 def _limit_named(name: str) -> str:

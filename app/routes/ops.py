@@ -39,7 +39,7 @@ async def readyz(rt: Annotated[Runtime, Depends(runtime)]) -> JSONResponse:
     checks: dict[str, str] = {}
     try:
         # A write, not a PING: a server demoted to replica answers PING and refuses submits.
-        await rt.redis.set(rt.keys.ready_probe, "1", px=READY_PROBE_TTL_MS)
+        await rt.redis.set(rt.keys.ready_probe(rt.ident), "1", px=READY_PROBE_TTL_MS)
         checks["redis"] = "ok"
     except Exception as exc:  # any failure means not ready; say which
         checks["redis"] = f"error: {type(exc).__name__}"
