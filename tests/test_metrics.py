@@ -178,6 +178,7 @@ async def test_a_scrape_of_1000_endpoints_is_one_round_trip(
     await mirror.refresh()
     assert len(rt.registry.all()) == 1000
 
+    await scrape(gateway)  # a Redis new to this test run loads the oldest-pending script first
     pipelines: list[int] = []
     commands: list[tuple[Any, ...]] = []
     real_execute, real_command = Pipeline.execute, Redis.execute_command
