@@ -193,16 +193,20 @@ def _as_redis_error(exc: Exception) -> Exception | None:
 
 
 def _closed_under_us(exc: BaseException) -> bool:
-    """An AttributeError or TypeError raised while writing to a connection that another task
-    closed: redis-py's Cluster client closes every connection of a node it found dead,
-    including ones in use, and the write then fails inside asyncio's streams instead of with a
-    ConnectionError (redis-py #3546, #4287). Told apart from a bug of ours by where it arose."""
-    if not isinstance(exc, (AttributeError, TypeError)):
+    """An error raised while writing to a connection that another task closed: redis-py's
+    Cluster client closes every connection of a node it found dead, including ones in use,
+    and the write then fails inside the event loop's transport instead of with a
+    ConnectionError (redis-py #3546, #4287): an AttributeError or TypeError from asyncio's
+    streams, a RuntimeError ("the handler is closed") from uvloop's. Told apart from a bug of
+    ours by where it arose."""
+    if not isinstance(exc, (AttributeError, TypeError, RuntimeError)):
         return False
     tb = exc.__traceback__
     while tb is not None and tb.tb_next is not None:
         tb = tb.tb_next
     where = tb.tb_frame.f_code.co_filename if tb is not None else ""
+    if isinstance(exc, RuntimeError):
+        return "uvloop" in where and "closed" in str(exc)
     return where.endswith(("redis/asyncio/connection.py", "asyncio/streams.py",
                            "asyncio/selector_events.py"))
 

@@ -9,6 +9,7 @@ import uuid
 from collections import Counter
 from typing import cast
 
+import uvloop
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.crc import key_slot
 
@@ -81,14 +82,10 @@ async def test_a_killed_master_is_replaced_by_its_replica(own_cluster: ClusterSe
     assert own_cluster.master_for(keys[0]) != victim
 
 
-async def test_a_connection_closed_while_in_use_is_a_connection_error(
-    redis_cluster: ClusterSetup,
-) -> None:
-    """redis-py closes every connection of a node it thinks dead, also those other tasks are
-    writing on; the write then fails inside asyncio (AttributeError), which the gateway read as
-    a bug: a 500 from the API and an executor error in the dispatcher in the middle of a
-    failover. Our client makes it the ConnectionError it is (app/redis_url.py)."""
-    rc = redis_url.client(redis_cluster.url, 2.0)
+async def _writes_while_closed(url: str) -> Counter[str]:
+    """50 writers (commands and pipelines) while every node's connections are closed under
+    them again and again, as redis-py does when a node stops answering: their errors by kind."""
+    rc = redis_url.client(url, 2.0)
     await redis_url.connect(rc)
     errors: Counter[str] = Counter()
 
@@ -102,7 +99,7 @@ async def test_a_connection_closed_while_in_use_is_a_connection_error(
             except Exception as exc:  # counted by kind below
                 errors[type(exc).__name__] += 1
 
-    async def close_all() -> None:  # what redis-py does when a node stops answering
+    async def close_all() -> None:
         for _ in range(200):
             for node in cast(RedisCluster, rc).get_nodes():
                 await node.disconnect()
@@ -112,5 +109,24 @@ async def test_a_connection_closed_while_in_use_is_a_connection_error(
         await asyncio.gather(*(write(i) for i in range(50)), close_all())
     finally:
         await rc.aclose()
+    return errors
+
+
+async def test_a_connection_closed_while_in_use_is_a_connection_error(
+    redis_cluster: ClusterSetup,
+) -> None:
+    """redis-py closes every connection of a node it thinks dead, also those other tasks are
+    writing on; the write then fails inside asyncio (AttributeError), which the gateway read as
+    a bug: a 500 from the API and an executor error in the dispatcher in the middle of a
+    failover. Our client makes it the ConnectionError it is (app/redis_url.py)."""
+    errors = await _writes_while_closed(redis_cluster.url)
     assert errors["ConnectionError"] > 0, errors  # the race did happen
+    assert set(errors) == {"ConnectionError"}, errors
+
+
+def test_under_uvloop_too(redis_cluster: ClusterSetup) -> None:
+    """`qgw serve` runs on uvloop, whose transport says so with a RuntimeError ("the handler
+    is closed"): a ConnectionError as well."""
+    errors = uvloop.run(_writes_while_closed(redis_cluster.url))
+    assert errors["ConnectionError"] > 0, errors
     assert set(errors) == {"ConnectionError"}, errors

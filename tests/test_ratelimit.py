@@ -199,7 +199,7 @@ async def test_window_limiters_pace_a_burst(gateway: Gateway, kind: Kind) -> Non
     else:  # the next goes 100 ms after the first (an idle endpoint has no catch-up yet),
         # less what passed between the two calls (tens of ms on a loaded host)
         # (and a few ms the two Redis clock readings may differ from ours by)
-        assert 100 - between_ms - 5 <= second <= 100, (second, between_ms)
+        assert 100 - between_ms - 10 <= second <= 100, (second, between_ms)
 
 
 async def test_a_call_that_left_late_holds_its_slot_from_when_it_left(gateway: Gateway) -> None:
