@@ -4,13 +4,15 @@ KEYS[6] outbox    KEYS[7] hooks (lifecycle.lua)    KEYS[8] probe (upstream.lua)
 KEYS[9..] the further limits' state and pace keys, two per limit of ARGV[12..] (only with ARGV[10])
 ARGV[1] task id   ARGV[2] lease token   ARGV[3] final status ('completed' | 'failed')
 ARGV[4] result    ARGV[5] result status code ('' if none)
-ARGV[6] unused (the done TTL: set once SQL has the row)
+ARGV[6] 'claims' when the caller runs claim-12.lua for this endpoint right after, in the same
+pipeline (it then leaves the wake marker to that claim); anything else: the marker is added here
 ARGV[7] endpoint id    ARGV[8] exec time of the last attempt (ms; -1 = no call made)
 ARGV[9] pause the upstream asked for (ms; 0 = none), see upstream.lua
 ARGV[10] the call's real cost ('' or absent = unknown), ARGV[11..] the endpoint's further
 limits as claim-12.lua takes them (ARGV[12..]): the per-cost ones settle the task's reservation
 (its `cost` field) to the real cost (limits.lua)
-Returns 1, or 0 when the lease was lost (reaped and claimed again): the newer attempt wins.
+Returns 1, 2 when tasks still wait in the queue, or 0 when the lease was lost (reaped and
+claimed again): the newer attempt wins.
 The finished task goes to the endpoint's outbox (see lifecycle.lua).
 ]]
 --@include now.lua
@@ -57,7 +59,8 @@ end
 local started = tonumber(redis.call('HGET', KEYS[2], 'started_at'))
 if started then stats_ema(KEYS[5], 'slot_ms', now - started) end
 stats_tick(KEYS[5], 'done', now, 1)
-if redis.call('ZCARD', KEYS[3]) > 0 then
+if redis.call('ZCARD', KEYS[3]) == 0 then return 1 end
+if ARGV[6] ~= 'claims' then
   redis.call('ZADD', KEYS[4], 'NX', now, ARGV[7])  -- a slot is free: worth a claim
 end
-return 1
+return 2

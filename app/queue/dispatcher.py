@@ -37,6 +37,7 @@ from app.core.registry import EndpointRegistry, cancel_all
 from app.core.scripts import Scripts
 from app.endpoints import EndpointConfig
 from app.lifecycle import Ttls
+from app.queue.acks import AckBatch
 from app.queue.claims import Claim, claim_keys, pause_ms, settle_args
 from app.queue.reaper import Reaper
 from app.queue.upstream import Outcome, Request, backoff_s, call
@@ -80,6 +81,7 @@ class Dispatcher:
 
     def __post_init__(self) -> None:
         self.ttls = Ttls.of(self.settings)
+        self.acks = AckBatch(self)
         self.send_times = SendTimes(self.redis, self.keys, self.scripts.sent)
         # Lease tokens name their holder, so an operator can tell who holds a task.
         self._ident = f"{os.getpid()}@{socket.gethostname()}"
@@ -194,24 +196,35 @@ class Dispatcher:
             # its slot freed here: claim again when one frees (_done), not at the next nudge.
             self._starved.add(endpoint_id)
             return
-        k, e = self.keys, endpoint_id
+        keys, args = self.claim_call(endpoint, room)
         # Asked for now: the admissions happen after this, however late the answer is read.
         asked = asyncio.get_running_loop().time()
         try:
-            res = await self.scripts.claim(
-                keys=claim_keys(k, endpoint),
-                args=[e, room, endpoint.max_concurrency, self.settings.lease_ms,
-                      endpoint.limiter, endpoint.rate, endpoint.interval_ms, k.task_prefix(e),
-                      f"{self._ident}.{secrets.token_hex(8)}", endpoint.permit_ttl_s * 1000,
-                      self._limiter(endpoint).limit.guard_ms,
-                      *further_limits(endpoint, self.settings.rate_guard_ms)],
-            )
+            res = await self.scripts.claim(keys=keys, args=args)
         except (RedisError, OSError) as exc:
             # Its wake marker is spent: try again rather than wait for somebody to re-add it.
-            log.warning("claim failed: %s", exc, extra={"endpoint": e})
-            self._claim_later(e, CLAIM_RETRY_S)
+            log.warning("claim failed: %s", exc, extra={"endpoint": endpoint_id})
+            self._claim_later(endpoint_id, CLAIM_RETRY_S)
             return
+        self.claimed(endpoint, res, asked)
+
+    def claim_call(self, endpoint: EndpointConfig, room: int) -> tuple[list[str], list[Any]]:
+        """claim-12.lua's KEYS and ARGV for up to `room` tasks of this endpoint."""
+        k, e = self.keys, endpoint.id
+        return claim_keys(k, endpoint), [
+            e, room, endpoint.max_concurrency, self.settings.lease_ms, endpoint.limiter,
+            endpoint.rate, endpoint.interval_ms, k.task_prefix(e),
+            f"{self._ident}.{secrets.token_hex(8)}", endpoint.permit_ttl_s * 1000,
+            self._limiter(endpoint).limit.guard_ms,
+            *further_limits(endpoint, self.settings.rate_guard_ms)]
+
+    def claimed(self, endpoint: EndpointConfig, res: list[Any], asked: float) -> None:
+        """Start what a claim-12.lua answer holds."""
         state, wait_ms = res[0], int(res[1])
+        # Only a claim this process's share cut short is followed by claims behind its acks:
+        # slots an endpoint's cap frees go by marker to whichever dispatcher pops it first, or
+        # the one that holds them would keep them all (app/queue/acks.py).
+        self.acks.backlog[endpoint.id] = state == "more"
         for i in range(3, len(res), CLAIM_FIELDS):
             tid, token, attempts, ttype, method, url, headers, query, body, cost = \
                 res[i:i + CLAIM_FIELDS]
@@ -223,7 +236,7 @@ class Dispatcher:
                 self._start(Claim(endpoint, tid, token, int(attempts), ttype, req, asked,
                                   int(cost)))
         if state == "limited":
-            self._claim_later(e, wait_ms / 1000)
+            self._claim_later(endpoint.id, wait_ms / 1000)
 
     def _room_for(self, endpoint_id: str) -> int:
         # At least one slot: a process of one slot has a share of 0.75, which claimed nothing.
@@ -263,8 +276,10 @@ class Dispatcher:
             self._room.clear()
 
     def _done(self, claim: Claim) -> None:
+        """Free its slot; once only (an ack batch frees its slots before starting the next)."""
+        if self.leases.pop(claim.task_id, None) is None:
+            return
         self.inflight.pop(claim.task_id, None)
-        self.leases.pop(claim.task_id, None)
         self.per_endpoint[claim.endpoint.id] -= 1
         self._room.set()
         if self.stopping.is_set():
@@ -322,13 +337,11 @@ class Dispatcher:
         k, e = self.keys, claim.endpoint.id
         status = "completed" if outcome.ok else "failed"
         limit_keys, settle = settle_args(claim, outcome, k, self.settings.rate_guard_ms)
-        acked = await persist("ack", lambda: self.scripts.ack(
-            keys=[k.active(e), k.task(claim.task_id),
-                  *k.of(e, "queue", "wake", "stats", "outbox", "hooks", "probe"), *limit_keys],
-            args=[claim.task_id, claim.token, status, outcome.text,
-                  outcome.status_code or "", self.ttls.done_ms, e,
-                  round(exec_ms), pause_ms(claim, outcome), *settle],
-        ))
+        acked = await self.acks.ack(claim, [
+            k.active(e), k.task(claim.task_id),
+            *k.of(e, "queue", "wake", "stats", "outbox", "hooks", "probe"), *limit_keys], [
+            claim.task_id, claim.token, status, outcome.text, outcome.status_code or "", "", e,
+            round(exec_ms), pause_ms(claim, outcome), *settle])
         extra = {"task_id": claim.task_id, "endpoint": e, "status": status,
                  "code": outcome.status_code, "attempts": claim.attempts}
         if acked and outcome.ok:
