@@ -90,7 +90,7 @@ async def _writes_while_closed(url: str) -> Counter[str]:
     errors: Counter[str] = Counter()
 
     async def write(i: int) -> None:
-        for j in range(300):
+        for j in range(100):
             try:
                 await rc.set(f"closed-under-us:{i}", j)
                 pipe = rc.pipeline()
@@ -100,7 +100,7 @@ async def _writes_while_closed(url: str) -> Counter[str]:
                 errors[type(exc).__name__] += 1
 
     async def close_all() -> None:
-        for _ in range(200):
+        for _ in range(80):
             for node in cast(RedisCluster, rc).get_nodes():
                 await node.disconnect()
             await asyncio.sleep(0.002)

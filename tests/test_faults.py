@@ -71,7 +71,10 @@ async def test_kill_9_with_calls_in_flight_loses_nothing(
     await gateway.add_endpoint("k9", url, max_concurrency=12, max_retries=2)
     auth = await gateway.new_key()
     ids = await submit_many(gateway, auth, url, 72)
-    procs = {p.pid: p for p in (dispatcher_process(), dispatcher_process())}
+    # 8 slots a process, 6 of them for one endpoint: neither takes the whole cap of 12, so
+    # both hold calls when one dies, however the wake-ups fall between them.
+    procs = {p.pid: p for p in (dispatcher_process(QGW_DISPATCH_CONCURRENCY="8"),
+                                dispatcher_process(QGW_DISPATCH_CONCURRENCY="8"))}
 
     async def both_busy() -> bool:
         held = await leases_by_pid(gateway, "k9")
