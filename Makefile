@@ -20,7 +20,7 @@ run: $(STAMP)
 
 ## Lint, type-check and run the test suite against real servers.
 test: $(SYSDEPS) $(STAMP) lint
-	$(BIN)/pytest -q -n 2
+	$(BIN)/pytest -q -n 3
 
 ## The system packages the tests drive (MariaDB, nginx, Chromium) and lint uses (promtool):
 ## installed once on Debian as root, named in one line elsewhere (scripts/system-deps).

@@ -9,7 +9,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
-from redis.exceptions import ClusterDownError
+from redis.exceptions import ClusterError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ReadOnlyError as RedisReadOnlyError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -114,8 +114,10 @@ def install(app: FastAPI) -> None:
     # A replica (e.g. a master demoted by a failover, still named by a plain redis:// URL)
     # takes no writes: to a client that is the queue store being unavailable, not a bug.
     @app.exception_handler(RedisReadOnlyError)
-    # A Cluster between a master's death and its replica's promotion: nothing was run.
-    @app.exception_handler(ClusterDownError)
+    # A Cluster between a master's death and its replica's promotion (CLUSTERDOWN), or a slot
+    # moving between masters longer than redis-py follows it (TRYAGAIN/ASK until "TTL
+    # exhausted"): nothing was run.
+    @app.exception_handler(ClusterError)
     async def _redis_down(_: Request, exc: Exception) -> JSONResponse:
         log.warning("redis unavailable: %s", exc)
         return error_response(
