@@ -36,6 +36,9 @@ _FIELDS = ("user_id", "status", "type", "priority", "attempts", "created_at", "s
 LIVE = (TaskStatus.PENDING.value, TaskStatus.PROCESSING.value)
 
 
+MAX_AT = 253_402_300_800_000  # ms from the epoch to the year 10000
+
+
 @dataclass(frozen=True, slots=True)
 class Cursor:
     """Where the last page ended: a score (pending, processing) or an end time in ms."""
@@ -48,7 +51,10 @@ class Cursor:
         if not raw:
             return None
         at, sep, task_id = raw.partition(":")
-        if not sep or not task_id or not at.lstrip("-").isdigit():
+        # Scores and end times (ms) lie well inside both bounds: a Redis score is exact to
+        # 2^53, and an end time must name a datetime (year 9999 at most) for the SQL query.
+        if (not sep or not task_id or not at.lstrip("-").isdigit() or not task_id.isprintable()
+                or not -MAX_AT < int(at) < MAX_AT):
             raise ApiError(422, "bad_cursor", "cursor must be a next_cursor this route gave")
         return cls(int(at), task_id)
 
