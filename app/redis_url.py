@@ -7,8 +7,9 @@ read, so they are parsed here, and every mistake is one line for the operator.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable
 from dataclasses import dataclass
-from typing import Any, Literal, cast
+from typing import Any, Literal, TypeVar, cast
 from urllib.parse import unquote
 
 from redis.asyncio import BlockingConnectionPool, Redis
@@ -20,6 +21,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisClusterException, ResponseError, SlotNotCoveredError
 from redis.retry import Retry
 
+T = TypeVar("T")
 Kind = Literal["single", "sentinel", "cluster"]
 _KINDS: dict[str, tuple[Kind, bool]] = {
     "redis": ("single", False), "rediss": ("single", True), "unix": ("single", False),
@@ -211,26 +213,26 @@ def _closed_under_us(exc: BaseException) -> bool:
                            "asyncio/selector_events.py"))
 
 
+async def _mapped(call: Awaitable[T]) -> T:
+    """`call`'s answer, with the Cluster client's errors as _as_redis_error names them."""
+    try:
+        return await call
+    except Exception as exc:
+        if (mapped := _as_redis_error(exc)) is None:
+            raise
+        raise mapped from exc
+
+
 class _RedisCluster(RedisCluster):
     """A Cluster that cannot be reached, or a connection closed under a write, is a
     ConnectionError as on one Redis (_as_redis_error): callers answer 503 or retry and loops
     carry on, instead of a 500 or a dead loop in the middle of a failover."""
 
     async def initialize(self, *args: Any, **kwargs: Any) -> RedisCluster:
-        try:
-            return await super().initialize(*args, **kwargs)
-        except Exception as exc:
-            if (mapped := _as_redis_error(exc)) is None:
-                raise
-            raise mapped from exc
+        return await _mapped(super().initialize(*args, **kwargs))
 
     async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return await super().execute_command(*args, **kwargs)
-        except Exception as exc:
-            if (mapped := _as_redis_error(exc)) is None:
-                raise
-            raise mapped from exc
+        return await _mapped(super().execute_command(*args, **kwargs))
 
     def pipeline(self, transaction: Any | None = None,
                  shard_hint: Any | None = None) -> ClusterPipeline:
@@ -242,9 +244,4 @@ class _RedisCluster(RedisCluster):
 class _ClusterPipeline(ClusterPipeline):
     async def execute(self, raise_on_error: bool = True,
                       allow_redirections: bool = True) -> list[Any]:
-        try:
-            return await super().execute(raise_on_error, allow_redirections)
-        except Exception as exc:
-            if (mapped := _as_redis_error(exc)) is None:
-                raise
-            raise mapped from exc
+        return await _mapped(super().execute(raise_on_error, allow_redirections))

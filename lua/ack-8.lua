@@ -25,13 +25,7 @@ The finished task goes to the endpoint's outbox (see lifecycle.lua).
 
 if redis.call('HGET', KEYS[2], 'lease') ~= ARGV[2] then return 0 end
 local now = now_ms()
-local real = tonumber(ARGV[10] or '')
-if real then
-  local f = redis.call('HMGET', KEYS[2], 'cost', 'started_at')
-  for _, l in ipairs(lim_parse(ARGV, 11, KEYS, 9)) do
-    lim_settle(l, ARGV[2], tonumber(f[1]) or 1, real, tonumber(f[2]) or now, now)
-  end
-end
+lim_settle_task(KEYS[2], ARGV[2], tonumber(ARGV[10] or ''), ARGV, 11, KEYS, 9, now)
 local pause = tonumber(ARGV[9]) or 0
 if pause > 0 then
   upstream_pause(KEYS[5], KEYS[8], now, pause)

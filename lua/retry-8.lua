@@ -24,13 +24,7 @@ the endpoint's stats (KEYS[7], stats.lua), with the failed call.
 
 if redis.call('HGET', KEYS[2], 'lease') ~= ARGV[2] then return 0 end
 local now = now_ms()
-local real = tonumber(ARGV[8] or '')
-if real then
-  local f = redis.call('HMGET', KEYS[2], 'cost', 'started_at')
-  for _, l in ipairs(lim_parse(ARGV, 9, KEYS, 9)) do
-    lim_settle(l, ARGV[2], tonumber(f[1]) or 1, real, tonumber(f[2]) or now, now)
-  end
-end
+lim_settle_task(KEYS[2], ARGV[2], tonumber(ARGV[8] or ''), ARGV, 9, KEYS, 9, now)
 local due = now + tonumber(ARGV[3])
 local pause = tonumber(ARGV[5]) or 0
 if pause > 0 then

@@ -6,6 +6,7 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from datetime import datetime
+from typing import Any
 
 import pytest
 
@@ -96,6 +97,17 @@ async def test_a_per_cost_limit_counts_the_cost_of_the_tasks_ahead(
     assert r.status_code == 409 and r.json()["error"]["wait_time"] >= 540, r.text
 
 
+async def _held_row(gateway: Gateway, endpoint: str) -> dict[str, Any]:
+    """The endpoint's row of /admin/v1/queues once a limit holds its line (or after 5 s)."""
+    for _ in range(50):
+        r = await gateway.http.get("/admin/v1/queues", headers=gateway.admin)
+        (row,) = [q for q in r.json()["endpoints"] if q["id"] == endpoint]
+        if row["binding_limit"]:
+            break
+        await asyncio.sleep(0.1)
+    return dict(row)
+
+
 async def test_operators_see_which_further_limit_binds(
     gateway: Gateway, upstream: str, start_dispatcher: StartDispatcher
 ) -> None:
@@ -107,12 +119,7 @@ async def test_operators_see_which_further_limit_binds(
     ids = [(await gateway.submit(auth, url))["task_id"] for _ in range(2)]
     await start_dispatcher()
     await gateway.wait_finished(auth, ids[:1])
-    for _ in range(50):
-        r = await gateway.http.get("/admin/v1/queues", headers=gateway.admin)
-        (row,) = [q for q in r.json()["endpoints"] if q["id"] == "binding-limits"]
-        if row["binding_limit"]:
-            break
-        await asyncio.sleep(0.1)
+    row = await _held_row(gateway, "binding-limits")
     assert row["binding_limit"] == "limits: 1/60000ms per request", row
     admits = datetime.fromisoformat(row["admits_next_at"]).timestamp()
     assert 50 < admits - time.time() <= 60
@@ -127,12 +134,7 @@ async def test_operators_see_the_rate_limit_binding_and_when_it_admits_next(
     ids = [(await gateway.submit(auth, url))["task_id"] for _ in range(2)]
     await start_dispatcher()
     await gateway.wait_finished(auth, ids[:1])
-    for _ in range(50):
-        r = await gateway.http.get("/admin/v1/queues", headers=gateway.admin)
-        (row,) = [q for q in r.json()["endpoints"] if q["id"] == "binding"]
-        if row["binding_limit"]:
-            break
-        await asyncio.sleep(0.1)
+    row = await _held_row(gateway, "binding")
     assert row["binding_limit"] == "rate" and row["pending"] == 1
     admits = datetime.fromisoformat(row["admits_next_at"]).timestamp()
     assert 50 < admits - time.time() <= 60

@@ -148,3 +148,14 @@ local function lim_settle(l, member, reserved, real, started, now)
     else redis.call('SET', l.key, string.format('%.3f', tat), 'PX', math.ceil(tat - now)) end
   end
 end
+
+-- Settle the per-cost admissions of the task in hash `task` (lease token `member`) to its real
+-- cost `real` (nil: not read, nothing to settle), under the further limits of argv[first] with
+-- their keys from keys[first_key] (lim_parse): what ack and retry do when a call ends.
+local function lim_settle_task(task, member, real, argv, first, keys, first_key, now)
+  if not real then return end
+  local f = redis.call('HMGET', task, 'cost', 'started_at')
+  for _, l in ipairs(lim_parse(argv, first, keys, first_key)) do
+    lim_settle(l, member, tonumber(f[1]) or 1, real, tonumber(f[2]) or now, now)
+  end
+end
