@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import select
 import shutil
 import socket
@@ -21,10 +22,36 @@ from app.embedded import server_binary
 QGW = [sys.executable, "-m", "app"]
 
 
+def _port_slice() -> Iterator[int]:
+    """Ports for this process to hand out, each once: below the kernel's ephemeral range
+    (32768 and up), so no outgoing connection's source port and no other program's
+    bind(0) takes one between our pick and the server's bind, and one slice per xdist
+    worker, so two workers never pick the same port (a cluster node bound by one worker's
+    fixture answered another's handshake with a reset). The start inside the slice is
+    random, so a benchmark run beside the tests rarely meets them."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1)
+    worker = int((os.environ.get("PYTEST_XDIST_WORKER") or "gw0").removeprefix("gw") or 0)
+    span = (_PORTS_TOP - _PORTS_BASE) // max(workers, 1)
+    low = _PORTS_BASE + worker * span
+    start = random.randrange(span)
+    for i in range(span):
+        yield low + (start + i) % span
+
+
+_PORTS_BASE, _PORTS_TOP = 20000, 32000
+_ports = _port_slice()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A loopback port nothing listens on, never the same twice in this process."""
+    for port in _ports:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("this worker's port range is used up")
 
 
 def wait_port(
