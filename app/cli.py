@@ -197,7 +197,8 @@ def _dispatcher(settings: Settings, args: argparse.Namespace) -> None:
         await rt.stop(settings.shutdown_grace_s)
 
     prepare_db(settings)
-    asyncio.run(run())
+    with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+        runner.run(run())
 
 
 def _migrate(settings: Settings, args: argparse.Namespace) -> None:

@@ -19,6 +19,7 @@ from redis.exceptions import MovedError, NoScriptError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from app import data_path
+from app.core.autopipe import AutoPipeline
 
 LUA_DIR = data_path("lua")
 _INCLUDE = re.compile(r"^--@include (\S+)$", re.MULTILINE)
@@ -37,15 +38,16 @@ def _resolve(path: Path) -> str:
 
 
 class Lua:
-    """One script: EVALSHA straight through `execute_command` on the hot path (redis-py's
-    Script adds a deprecation-checking wrapper that cost about a tenth of a submit), loading it
-    on NOSCRIPT; in a pipeline, redis-py's Script (it loads scripts before the pipeline runs).
-    """
+    """One script: EVALSHA with the calls of other tasks on one Redis (app/core/autopipe.py),
+    on a Cluster straight through `execute_command` (redis-py's Script adds a
+    deprecation-checking wrapper that cost about a tenth of a submit), loading it on NOSCRIPT;
+    in a pipeline, redis-py's Script (it loads scripts before the pipeline runs)."""
 
-    __slots__ = ("_redis", "_script")
+    __slots__ = ("_batched", "_redis", "_script")
 
-    def __init__(self, redis: Redis, text: str) -> None:
+    def __init__(self, redis: Redis, text: str, batched: AutoPipeline | None = None) -> None:
         self._redis, self._script = redis, redis.register_script(text)
+        self._batched = batched
 
     async def __call__(
         self, keys: Sequence[Any] = (), args: Sequence[Any] = (), client: Any = None
@@ -57,6 +59,9 @@ class Lua:
         if client is not None:
             return await self._script(keys=keys, args=args, client=client)
         try:
+            if self._batched is not None:
+                return await self._batched.execute(
+                    "EVALSHA", self._script.sha, len(keys), *keys, *args)
             return await self._redis.execute_command(  # type: ignore[no-untyped-call]
                 "EVALSHA", self._script.sha, len(keys), *keys, *args)
         except NoScriptError:
@@ -146,5 +151,5 @@ class Scripts:
 
     @classmethod
     def register(cls, redis: Redis) -> Scripts:
-        names = cls.__dataclass_fields__
-        return cls(**{n: Lua(redis, source(n)) for n in names})
+        names, batched = cls.__dataclass_fields__, AutoPipeline.of(redis)
+        return cls(**{n: Lua(redis, source(n), batched) for n in names})
