@@ -11,7 +11,7 @@ from fastapi_offline import FastAPIOffline
 from app import __version__, errors, logs, openapi
 from app.metrics import HttpRequests
 from app.routes import admin, admin_ops, admin_tasks, auth_check, dashboard, follow, ops, tasks
-from app.routes.body import call_directly
+from app.routes.fastlane import fast_lane
 from app.runtime import Runtime
 
 
@@ -43,8 +43,8 @@ def create_app(
                    admin_tasks.router, admin_ops.router, ops.router,
                    dashboard.router):
         app.include_router(router)
-    call_directly(app, tasks.router, tasks.submit)
     openapi.install(app)
+    fast_lane(app, tasks.router, tasks.submit)  # inside the counter: it counts them too
     app.add_middleware(HttpRequests, counts=runtime.scrapes.http)  # /metrics, by route
     # Patterns catch keys and permits; these two have no recognisable shape.
     logs.redact(runtime.settings.admin_secret, runtime.settings.permit_key.decode())

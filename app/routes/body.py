@@ -5,15 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-from fastapi import APIRouter, FastAPI, Request
-from fastapi.routing import APIRoute
+from fastapi import Request
 from pydantic import BaseModel, ValidationError
-from starlette.responses import Response
-from starlette.routing import Route
-from starlette.types import Receive, Scope, Send
 
 from app.errors import ApiError, describe
 
@@ -82,25 +77,3 @@ def body_schema(model: type[BaseModel]) -> dict[str, Any]:
     """openapi_extra for a route that reads its body itself."""
     return {"requestBody": {"required": True, "content": {
         "application/json": {"schema": model.model_json_schema()}}}}
-
-
-def call_directly(app: FastAPI, router: APIRouter,
-                  *handlers: Callable[[Request], Awaitable[Response]]) -> None:
-    """Have Starlette call these handlers of `router` (each takes only the request and reads
-    its body itself) without FastAPI's per-request work: solving a dependency graph with
-    nothing in it, two exit stacks, its own wrapping. A plain route in front answers; the
-    FastAPI route behind it still describes them in the OpenAPI document."""
-    for route in router.routes:
-        if isinstance(route, APIRoute) and route.endpoint in handlers:
-            app.router.routes.insert(0, _Direct(route))
-
-
-class _Direct(Route):
-    def __init__(self, declared: APIRoute) -> None:
-        super().__init__(declared.path, declared.endpoint, name=declared.name,
-                         methods=list(declared.methods or ()), include_in_schema=False)
-        self.declared = declared
-
-    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
-        scope["route"] = self.declared  # what FastAPI names it by (/metrics counts by route)
-        await super().handle(scope, receive, send)
