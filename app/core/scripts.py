@@ -5,6 +5,7 @@ redis-py's `Script` runs EVALSHA and reloads the script on NOSCRIPT (after a Red
 
 from __future__ import annotations
 
+import asyncio
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -66,6 +67,22 @@ class Lua:
                 "EVALSHA", self._script.sha, len(keys), *keys, *args)
         except NoScriptError:
             return await self._script(keys=keys, args=args)
+
+    @staticmethod
+    async def together(redis: Redis, calls: Sequence[tuple[Lua, Sequence[Any], Sequence[Any]]]
+                       ) -> list[Any]:
+        """Several script calls in one round trip: each one's reply or exception, in order
+        (a NoScriptError among them is the caller's to handle). On one Redis they join the
+        auto-pipeline's next batch; on a Cluster they go as one redis-py pipeline."""
+        batched = calls[0][0]._batched if calls else None
+        if batched is not None:
+            return await asyncio.gather(*(batched.execute(
+                "EVALSHA", lua._script.sha, len(keys), *keys, *args)
+                for lua, keys, args in calls), return_exceptions=True)
+        pipe = redis.pipeline(transaction=False)
+        for lua, keys, args in calls:
+            lua.queue_on(pipe, keys, args)
+        return list(await pipe.execute(raise_on_error=False))
 
     def queue_on(self, pipe: Any, keys: Sequence[Any], args: Sequence[Any]) -> None:
         """A bare EVALSHA on a pipeline, without the SCRIPT EXISTS trip redis-py's Script makes

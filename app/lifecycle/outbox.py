@@ -66,10 +66,12 @@ class Outbox:
     keys: Keys
     _list: Lua = field(init=False)
     _saved: Lua = field(init=False)
+    _rows: Lua = field(init=False)
 
     def __post_init__(self) -> None:
         self._list = Lua(self.redis, source("outbox"))
         self._saved = Lua(self.redis, source("saved"))
+        self._rows = Lua(self.redis, source("rows"))
 
     async def waiting(self, endpoint: str, limit: int) -> Waiting:
         """Up to `limit` tasks, oldest first (what is left in a legacy outbox before them)."""
@@ -84,13 +86,11 @@ class Outbox:
         k, e = self.keys, waiting.endpoint
         out: dict[str, dict[str, Any] | None] = {}
         for group in by_bytes(waiting.sizes, READ_BYTES):
-            async with self.redis.pipeline(transaction=False) as pipe:
-                for tid, _ in group:
-                    if waiting.legacy:
-                        pipe.hget(k.outbox_legacy(e), tid)
-                    else:
-                        pipe.hmget(k.task(tid), ROW_FIELDS)
-                replies = await pipe.execute()
+            if waiting.legacy:
+                replies = await self.redis.hmget(k.outbox_legacy(e), [tid for tid, _ in group])
+            else:  # one script call: an HMGET each in a pipeline cost ~5x the client's CPU
+                replies = await self._rows(keys=[k.task(tid) for tid, _ in group],
+                                           args=ROW_FIELDS)
             for (tid, _), reply in zip(group, replies, strict=True):
                 out[tid] = _record(reply, waiting.legacy)
         return out

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 from redis.exceptions import NoScriptError, RedisError
 
 from app.core.loop import persist
+from app.core.scripts import Lua
 from app.endpoints import EndpointConfig
 from app.queue.claims import Claim
 
@@ -87,12 +88,9 @@ class AckBatch:
         calls = {e: d.claim_call(ep, room) for e, (ep, room) in claims.items()}
         asked = asyncio.get_running_loop().time()
         try:
-            pipe = d.redis.pipeline(transaction=False)
-            for a in batch:
-                d.scripts.ack.queue_on(pipe, a.keys, a.args)
-            for keys, args in calls.values():
-                d.scripts.claim.queue_on(pipe, keys, args)
-            res: list[Any] = await pipe.execute(raise_on_error=False)
+            res = await Lua.together(d.redis, [
+                *((d.scripts.ack, a.keys, a.args) for a in batch),
+                *((d.scripts.claim, keys, args) for keys, args in calls.values())])
         except (RedisError, OSError) as exc:
             log.warning("ack batch failed: %s", exc)
             res = [exc] * (len(batch) + len(calls))
