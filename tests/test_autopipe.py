@@ -10,7 +10,7 @@ import uuid
 import pytest
 from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError
+from redis.exceptions import DataError, ResponseError
 
 from app.core.autopipe import AutoPipeline
 from app.runtime import redis_client
@@ -49,7 +49,9 @@ async def test_an_error_reply_is_its_callers_alone(redis_server: RedisServer) ->
         ap = AutoPipeline.of(r)
         assert ap is not None
         calls = [ap.execute("EVAL", FAIL if i % 3 == 1 else PUSH, 1, key, i) for i in range(9)]
-        results = await asyncio.gather(*calls, return_exceptions=True)
+        calls.append(ap.execute("EVAL", PUSH, 1, key, None))  # Redis cannot take a None
+        *results, unsendable = await asyncio.gather(*calls, return_exceptions=True)
+        assert isinstance(unsendable, DataError)
         for i, res in enumerate(results):
             if i % 3 == 1:
                 assert isinstance(res, ResponseError) and f"refused {i}" in str(res)

@@ -22,10 +22,11 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from hiredis import pack_command  # in C: a fraction of redis-py's packing in Python
 from redis.asyncio import Redis
 from redis.asyncio.connection import ConnectionPool
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError
+from redis.exceptions import DataError, ResponseError
 
 _Call = tuple[tuple[Any, ...], "asyncio.Future[Any]"]
 
@@ -95,8 +96,16 @@ class AutoPipeline:
 
     @staticmethod
     async def _send(conn: Any, batch: list[_Call]) -> None:
-        await conn.send_packed_command(conn.pack_commands([args for args, _ in batch]))
-        for _, fut in batch:
+        chunks, sent = [], []
+        for args, fut in batch:
+            try:
+                chunks.append(pack_command(args))
+            except (TypeError, DataError) as exc:  # an argument Redis cannot take: its own
+                fut.set_exception(DataError(str(exc)))
+                continue
+            sent.append(fut)
+        await conn.send_packed_command(b"".join(chunks))
+        for fut in sent:
             try:
                 reply = await conn.read_response()
             except ResponseError as exc:  # this command's error; the connection is fine
