@@ -3,11 +3,12 @@
 A submit spent more CPU in the layers between the server and its handler (the router trying
 each route's pattern, two exception-handling wrappers, an exit stack per request, FastAPI's
 dependency solving for a route that has none, each layer wrapping `send` again) than in the
-handler itself. A route named here is called by exact method and path from a middleware
-placed just inside the /metrics request counter: its handler takes only the request (it reads
-its body and resolves its caller itself), its errors go through the app's own exception
-handlers, and the FastAPI route behind it still describes it in the OpenAPI document and
-serves every other spelling of the path (a trailing slash, a HEAD).
+handler itself. A route named here is matched by method and path from a middleware placed
+just inside the /metrics request counter: its fast handler takes only the request (it reads
+its body, parameters and caller itself) and may decline a request (None), which then takes
+the usual way; its errors go through the app's own exception handlers. The FastAPI route
+behind it still describes it in the OpenAPI document and serves every other spelling of the
+path (a trailing slash, a HEAD).
 """
 
 from __future__ import annotations
@@ -20,30 +21,41 @@ from fastapi.routing import APIRoute
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-Handler = Callable[[Request], Awaitable[Response]]
+FastHandler = Callable[[Request], Awaitable[Response | None]]
 
 
-def fast_lane(app: FastAPI, router: APIRouter, *handlers: Handler) -> None:
-    """Answer these handlers of `router` in the fast lane; call before adding the middleware
-    that should see them (the request counter)."""
-    routes = {(method, route.path): (route, route.endpoint)
-              for route in router.routes if isinstance(route, APIRoute)
-              and route.endpoint in handlers for method in route.methods or ()}
-    app.add_middleware(_FastLane, owner=app, routes=routes)
+def fast_lane(app: FastAPI, router: APIRouter, handlers: dict[Any, FastHandler]) -> None:
+    """Answer these routes of `router` (by their endpoint function) with the fast handler
+    given for each; call before adding the middleware that should see them (the counter).
+    A route's path is fixed, or ends in its one parameter: `/tasks/{task_id}`."""
+    exact: dict[tuple[str, str], tuple[APIRoute, FastHandler]] = {}
+    tails: dict[tuple[str, str], tuple[APIRoute, FastHandler, str]] = {}
+    for route in router.routes:
+        if not isinstance(route, APIRoute) or route.endpoint not in handlers:
+            continue
+        handler = handlers[route.endpoint]
+        head, _, param = route.path.rpartition("/")
+        for method in route.methods or ():
+            if "{" not in route.path:
+                exact[(method, route.path)] = (route, handler)
+            elif "{" not in head and param.startswith("{") and param.endswith("}"):
+                tails[(method, head + "/")] = (route, handler, param[1:-1])
+            else:
+                raise ValueError(f"{route.path}: not a path the fast lane matches")
+    app.add_middleware(_FastLane, owner=app, exact=exact, tails=tails)
 
 
 class _FastLane:
     def __init__(self, app: ASGIApp, owner: FastAPI,
-                 routes: dict[tuple[str, str], tuple[APIRoute, Handler]]) -> None:
-        self.app, self.owner, self.routes = app, owner, routes
+                 exact: dict[tuple[str, str], tuple[APIRoute, FastHandler]],
+                 tails: dict[tuple[str, str], tuple[APIRoute, FastHandler, str]]) -> None:
+        self.app, self.owner, self.exact, self.tails = app, owner, exact, tails
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or (
-                hit := self.routes.get((scope["method"], _route_path(scope)))) is None:
+        handler = self._match(scope) if scope["type"] == "http" else None
+        if handler is None:
             await self.app(scope, receive, send)
             return
-        route, handler = hit
-        scope["route"] = route  # what FastAPI names it by (/metrics counts by route)
         request = Request(scope, receive)
         try:
             response = await handler(request)
@@ -52,7 +64,23 @@ class _FastLane:
             if on_error is None:
                 raise  # a bug: the server error middleware outside answers 500
             response = await on_error(request, exc)
+        if response is None:  # declined: the router answers, as for any other request
+            await self.app(scope, receive, send)
+            return
         await response(scope, receive, send)
+
+    def _match(self, scope: Scope) -> FastHandler | None:
+        """The fast handler for this request, its route and parameters set in `scope`."""
+        method, path = scope["method"], _route_path(scope)
+        if (hit := self.exact.get((method, path))) is not None:
+            scope["route"] = hit[0]  # what FastAPI names it by (/metrics counts by route)
+            return hit[1]
+        head, _, value = path.rpartition("/")
+        if value and (tail := self.tails.get((method, head + "/"))) is not None:
+            route, handler, name = tail
+            scope["route"], scope["path_params"] = route, {name: value}
+            return handler
+        return None
 
     def _exception_handler(self, exc: Exception) -> Callable[..., Awaitable[Response]] | None:
         handlers: dict[Any, Any] = self.owner.exception_handlers
