@@ -122,11 +122,14 @@ def _serve(settings: Settings, args: argparse.Namespace, dispatcher: bool = True
 
 
 def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
-    """The loop uvicorn.run would choose (uvloop when installed): the runtime starts on it
-    before uvicorn serves, so `qgw serve` can wait for Redis first."""
-    import uvicorn
-
-    return uvicorn.Config("app.main:create_app", log_config=None).get_loop_factory()
+    """uvloop when installed, as uvicorn's "auto" would pick: the runtime starts on it before
+    uvicorn serves (so `qgw serve` can wait for Redis first), and the dispatcher runs on it
+    (its socket writes cost less there)."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
 
 
 async def _serve_until_stopped(settings: Settings, sock: Any, dispatcher: bool) -> None:

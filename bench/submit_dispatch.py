@@ -95,13 +95,26 @@ async def main() -> None:
         q, b = statistics.median(r.rps for r in ours), statistics.median(r.rps for r in base)
         print(f"(a) submit: {q:.0f} req/s vs baseline {b:.0f} req/s  ->  ratio {q / b:.2f}")
 
+        # (a) left tens of thousands of tasks queued for `submit`: (b) measures a dispatcher
+        # with nothing else to do, so their number (which grows with (a)'s speed) is not in it.
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{api_port}") as http:
+            purged = await http.post("/admin/v1/endpoints/submit/purge",
+                                     headers={"Authorization": f"Bearer {ADMIN}"}, timeout=120)
+            purged.raise_for_status()
         disp = spawn([*QGW, "dispatcher"], env)
         procs.append(disp)
         noop = build_request("POST", "/api/v1/tasks", auth, {**body, "target_url":
                                                                 f"{upstream}/noop"})
+        # Timed from a dispatcher already at work: not its start-up (imports, first claims).
+        await hammer(api_port, noop, count=1)
+        warm = time.monotonic()
+        while await completed(redis.url, "bench", "noop") < 1:
+            if time.monotonic() - warm > 60:
+                raise SystemExit("the dispatcher did not complete a task in 60 s")
+            await asyncio.sleep(0.02)
         start = time.monotonic()
         await hammer(api_port, noop, count=TASKS)
-        while (done := await completed(redis.url, "bench", "noop")) < TASKS:
+        while (done := await completed(redis.url, "bench", "noop") - 1) < TASKS:
             if time.monotonic() - start > 60:
                 raise SystemExit(f"only {done} of {TASKS} completed in 60 s")
             await asyncio.sleep(0.02)
