@@ -117,11 +117,11 @@ def command(sub: Any, name: str, run: Run, doc: str) -> argparse.ArgumentParser:
 def _serve(settings: Settings, args: argparse.Namespace, dispatcher: bool = True) -> None:
     sock = bind(settings.host, settings.port)  # first: a port in use is all there is to say
     prepare_db(settings)
-    with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+    with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
         runner.run(_serve_until_stopped(settings, sock, dispatcher))
 
 
-def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
     """uvloop when installed, as uvicorn's "auto" would pick: the runtime starts on it before
     uvicorn serves (so `qgw serve` can wait for Redis first), and the dispatcher runs on it
     (its socket writes cost less there)."""
@@ -200,7 +200,7 @@ def _dispatcher(settings: Settings, args: argparse.Namespace) -> None:
         await rt.stop(settings.shutdown_grace_s)
 
     prepare_db(settings)
-    with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+    with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
         runner.run(run())
 
 
