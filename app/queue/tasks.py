@@ -126,10 +126,10 @@ class TaskQueue:
         self, task_id: str, endpoint: EndpointConfig, req: SubmitRequest, user_keys: list[str],
         user_args: list[Any], pending_ms: int, own_deadline: bool, fields: list[str | int],
     ) -> tuple[list[str], list[Any]]:
-        user_id = fields[1]  # fields begin with the caller's user_id (submit)
         """submit-11.lua's KEYS and ARGV; `user_keys`/`user_args`: the Idempotency-Key and
         quota (keys, then honour flag, TTL, quota), or on a Cluster stand-ins that turn them
         off (reserve-2.lua took them)."""
+        user_id = fields[1]  # fields begin with the caller's user_id (submit)
         k, e = self.keys, endpoint.id
         honour, idem_ttl, quota = user_args
         return (
