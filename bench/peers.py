@@ -8,11 +8,12 @@ are acknowledged. Rounds are interleaved (ours, BullMQ, SAQ, arq, then again); e
 column is the median of the rounds.
 - ours: TaskQueue.submit (the submit script, no HTTP) / the real Dispatcher with the upstream call
   stubbed (app.queue.dispatcher.call answers 200 at once); no outbox writer (bench/e2e_cpu.py
-  measures the whole gateway).
+  measures the whole gateway); on uvloop, as `qgw api` and `qgw dispatcher` run.
 - BullMQ 5: Queue.add / Worker, installed with npm into a temp dir (skipped if node is absent).
 - SAQ, arq (poll 10 ms): pip-installed into a temp venv (arq pins redis-py < 6). Celery is left
   out: its Redis transport wants redis-py >= 6.1, arq < 6; it would need a third environment.
-Redis CPU per task: `INFO cpu` (used_cpu_sys + used_cpu_user) delta over a phase, over N.
+Redis CPU per task: `INFO cpu` (used_cpu_sys + used_cpu_user) delta over a phase, over N; client
+CPU per task: the queue's own process (enqueuer, then worker) over the phase, over N.
 "Longest gap" is the longest time between two consecutive acknowledgements (issue target: a
 backlog never waits 50 ms for dispatch). Loopback only, bounded: every phase gives up after 120 s.
 Usage: python bench/peers.py [--tasks N] [--rounds R] [--concurrency C]
@@ -41,7 +42,8 @@ BULLMQ = "bullmq@5"
 PY_PEERS = ("saq>=0.26", "arq>=0.26", "typing_extensions", "hiredis")  # SAQ imports the
 # former without declaring it; our redis-py client has hiredis too
 RUN_TIMEOUT_S = 400  # one driver process, both phases and start-up
-COLUMNS = ("enqueue_per_s", "process_per_s", "cpu_enq_us", "cpu_proc_us", "max_gap_ms")
+COLUMNS = ("enqueue_per_s", "process_per_s", "cpu_enq_us", "cpu_proc_us", "client_enq_us",
+           "client_proc_us", "max_gap_ms")
 LABELS = {"ours": "ours (submit script / Dispatcher)", "bullmq": "BullMQ (Queue.add / Worker)",
           "saq": "SAQ", "arq": "arq (poll 10 ms)", "celery": "Celery (solo)"}
 
@@ -155,7 +157,7 @@ def report(results: dict[str, list[dict[str, float]]], head: str) -> None:
 
     print(f"\n{head}")
     print(f"{'':36}| {'enqueue/s':>16} | {'no-op processed/s':>17} | "
-          f"{'Redis CPU us/task (enq / proc)':>34} | longest gap")
+          f"{'Redis CPU us/task (enq / proc)':>34} | {'client CPU us/task':>18} | longest gap")
     for name, m in med.items():
         cpu = m["cpu_enq_us"] + m["cpu_proc_us"]
         cpu_ratio = (f" ({cpu / (base['cpu_enq_us'] + base['cpu_proc_us']):.2f}x)"
@@ -163,6 +165,7 @@ def report(results: dict[str, list[dict[str, float]]], head: str) -> None:
         print(f"{LABELS[name]:36}| {m['enqueue_per_s']:>8.0f}{ratio(name, 'enqueue_per_s'):>8} "
               f"| {m['process_per_s']:>9.0f}{ratio(name, 'process_per_s'):>8} | "
               f"{m['cpu_enq_us']:>6.1f} / {m['cpu_proc_us']:>6.1f} = {cpu:>6.1f}{cpu_ratio:>8}"
+              f" | {m['client_enq_us']:>7.1f} / {m['client_proc_us']:>6.1f}"
               f" | {m['max_gap_ms']:>6.1f} ms")
     if "ours" in med:
         targets(med["ours"], base)

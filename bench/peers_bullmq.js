@@ -1,7 +1,8 @@
 // One round of BullMQ for bench/peers.py (copied beside its node_modules at run time).
 // Usage: node peers_bullmq.js PORT N CONCURRENCY; prints one JSON line, as peers_drivers.py does:
 // enqueue N no-op jobs with Queue.add (CONCURRENCY callers, each awaiting its own), then time a
-// Worker of CONCURRENCY until all N are completed. Redis CPU from INFO cpu deltas.
+// Worker of CONCURRENCY until all N are completed. Redis CPU from INFO cpu deltas, the client's
+// own from process.cpuUsage().
 "use strict";
 const { Queue, Worker } = require("bullmq");
 const IORedis = require("ioredis");
@@ -17,13 +18,14 @@ async function redisCpu(r) {
 }
 
 const now = () => Number(process.hrtime.bigint()) / 1e9;
+const ownCpu = () => { const u = process.cpuUsage(); return (u.user + u.system) / 1e6; };
 
 async function main() {
   const r = new IORedis(connection);
   const queue = new Queue("peers", { connection });
   await queue.waitUntilReady();
   const marks = [];
-  const mark = async () => marks.push([now(), await redisCpu(r)]);
+  const mark = async () => marks.push([now(), await redisCpu(r), ownCpu()]);
 
   await mark();
   let next = 0;
@@ -56,10 +58,12 @@ async function main() {
 
   let gap = 0;
   for (let i = 1; i < times.length; i++) gap = Math.max(gap, times[i] - times[i - 1]);
-  const [[t0, c0], [t1, c1], [t2, c2], [t3, c3]] = marks;
+  const [[t0, c0, p0], [t1, c1, p1], [t2, c2, p2], [t3, c3, p3]] = marks;
   console.log(JSON.stringify({
     enqueue_per_s: n / (t1 - t0), process_per_s: n / (t3 - t2),
-    cpu_enq_us: (c1 - c0) / n * 1e6, cpu_proc_us: (c3 - c2) / n * 1e6, max_gap_ms: gap * 1000,
+    cpu_enq_us: (c1 - c0) / n * 1e6, cpu_proc_us: (c3 - c2) / n * 1e6,
+    client_enq_us: (p1 - p0) / n * 1e6, client_proc_us: (p3 - p2) / n * 1e6,
+    max_gap_ms: gap * 1000,
   }));
 }
 

@@ -4,7 +4,8 @@ Run as `python bench/peers_drivers.py NAME REDIS_URL N CONCURRENCY`; prints one 
 Each round is a fresh process against a flushed Redis, as BullMQ's driver (peers_bullmq.mjs):
 1. enqueue N no-op jobs, CONCURRENCY callers each awaiting its own one after another;
 2. start a worker of CONCURRENCY and time it until all N are acknowledged.
-Redis CPU is the server's `INFO cpu` (used_cpu_sys + used_cpu_user) delta over each phase.
+Redis CPU is the server's `INFO cpu` (used_cpu_sys + used_cpu_user) delta over each phase; client
+CPU this process's own (time.process_time) over it.
 """
 
 from __future__ import annotations
@@ -81,20 +82,22 @@ class Round:
     n: int
     concurrency: int
     fin: Finishes = field(init=False)
-    marks: list[tuple[float, float]] = field(default_factory=list)  # (perf_counter, redis cpu)
+    # (perf_counter, Redis CPU, this process's CPU) at each phase's start and end
+    marks: list[tuple[float, float, float]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.fin = Finishes(self.n)
         self._r = redis.Redis.from_url(self.url)
 
     def mark(self) -> None:
-        self.marks.append((time.perf_counter(), redis_cpu(self._r)))
+        self.marks.append((time.perf_counter(), redis_cpu(self._r), time.process_time()))
 
     def report(self) -> dict[str, float]:
-        (t0, c0), (t1, c1), (t2, c2), (t3, c3) = self.marks
+        (t0, c0, p0), (t1, c1, p1), (t2, c2, p2), (t3, c3, p3) = self.marks
         n = self.n
         return {"enqueue_per_s": n / (t1 - t0), "process_per_s": n / (t3 - t2),
                 "cpu_enq_us": (c1 - c0) / n * 1e6, "cpu_proc_us": (c3 - c2) / n * 1e6,
+                "client_enq_us": (p1 - p0) / n * 1e6, "client_proc_us": (p3 - p2) / n * 1e6,
                 "max_gap_ms": self.fin.max_gap_ms()}
 
 
