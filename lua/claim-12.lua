@@ -70,14 +70,19 @@ elseif paused then
   probing, n = true, 1
 end
 
+-- Its active count, read once and kept as this run adds to it (no ZCARD per task).
+local active = cap > 0 and redis.call('ZCARD', KEYS[2]) or 0
+local waits, waited = {}, 0  -- queue_wait_ms observations, written once at the end
 while true do
   if claimed >= n then break end
-  if cap > 0 and redis.call('ZCARD', KEYS[2]) >= cap then out[1] = 'full'; break end
+  if cap > 0 and active >= cap then out[1] = 'full'; break end
+  -- Read, not popped: a limiter that fails (a script error keeps what was written) must not
+  -- lose the task.
   local head = redis.call('ZRANGE', KEYS[1], 0, 0)
   if #head == 0 then out[1] = 'empty'; break end
   local id = head[1]
   local task = prefix .. id
-  local tf = redis.call('HMGET', task, 'type', 'pexp', 'cost', 'dl')
+  local tf = redis.call('HMGET', task, 'type', 'pexp', 'cost', 'dl', 'attempts', 'created_at')
   local ttype = tf[1]
   if not ttype then
     redis.call('ZREM', KEYS[1], id)  -- its hash is gone: never runs
@@ -98,27 +103,31 @@ while true do
     if tf[4] then redis.call('ZREM', deadlines, id) end
     local deadline = now + lease
     if ttype == 'online' then deadline = now + permit_ttl end
-    redis.call('ZADD', KEYS[2], deadline, id)
-    local attempts = redis.call('HINCRBY', task, 'attempts', 1)
+    active = active + redis.call('ZADD', KEYS[2], deadline, id)
+    local attempts = (tonumber(tf[5]) or 0) + 1
     redis.call('HSET', task, 'status', 'processing', 'lease', token, 'started_at', now,
-      'deadline', deadline)
-    redis.call('HDEL', task, 'pexp')  -- it has started: handed back later, it still runs
+      'deadline', deadline, 'attempts', attempts)
+    -- it has started: handed back later, it still runs
+    if tf[2] then redis.call('HDEL', task, 'pexp') end
     -- A started task lives until it ends, and every ending sets its TTL: a call made near the
     -- pending deadline that outlasts the rest of it must not lose its task mid-call.
     redis.call('PERSIST', task)
     claimed = claimed + 1
     changed[#changed + 1] = id
     if attempts == 1 then  -- time in line before its first start (not after a hand-back)
-      local created = tonumber(redis.call('HGET', task, 'created_at')) or now
-      stats_observe(stats, 'queue_wait_ms', now - created)
+      local ms, field = stats_bucket('queue_wait_ms', now - (tonumber(tf[6]) or now))
+      waits[field] = (waits[field] or 0) + 1
+      waited = waited + ms
     end
     local req = redis.call('HMGET', task, 'method', 'url', 'headers', 'query', 'body')
-    local fields = {id, token, attempts, ttype, req[1], req[2], req[3], req[4], req[5], tf[3] or 1}
-    for _, v in ipairs(fields) do
-      out[#out + 1] = v
-    end
+    local k = #out
+    out[k + 1], out[k + 2], out[k + 3], out[k + 4], out[k + 5] = id, token, attempts, ttype, req[1]
+    out[k + 6], out[k + 7], out[k + 8], out[k + 9], out[k + 10] = req[2], req[3], req[4], req[5],
+      tf[3] or 1
   end
 end
+for field, count in pairs(waits) do redis.call('HINCRBY', stats, field, count) end
+if next(waits) then redis.call('HINCRBY', stats, 'queue_wait_ms:sum', waited) end
 
 if probing and claimed > 0 then
   redis.call('SET', probe, token_prefix .. ':0', 'PX',

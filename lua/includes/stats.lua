@@ -13,13 +13,20 @@
 local STATS_BOUNDS_MS = {5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 30000, 60000, 300000, 1800000}
 local RING_MS, RING_SLOTS, FAIL_KEEP = 10000, 8, 5
 
-local function stats_observe(stats, name, ms)
+-- The whole milliseconds an observation counts for, and the field of its bucket.
+local function stats_bucket(name, ms)
   ms = math.max(0, math.floor(ms))
   local bucket = 'inf'
   for _, bound in ipairs(STATS_BOUNDS_MS) do
     if ms <= bound then bucket = bound; break end
   end
-  redis.call('HINCRBY', stats, name .. ':' .. bucket, 1)
+  return ms, name .. ':' .. bucket
+end
+
+local function stats_observe(stats, name, ms)
+  local field
+  ms, field = stats_bucket(name, ms)
+  redis.call('HINCRBY', stats, field, 1)
   redis.call('HINCRBY', stats, name .. ':sum', ms)
 end
 
