@@ -12,7 +12,7 @@ from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import DataError, ResponseError
 
-from app.core.autopipe import AutoPipeline
+from app.core.autopipe import BATCH_CALLS, AutoPipeline
 from app.runtime import redis_client
 from tests.servers import RedisServer
 
@@ -32,10 +32,11 @@ async def test_concurrent_calls_share_one_connection_in_order(redis_server: Redi
         assert ap is not None
         await r.ping()  # the pool's first connection, before counting
         before = await _connections(r)
-        replies = await asyncio.gather(*(ap.execute("EVAL", PUSH, 1, key, i) for i in range(300)))
-        assert [int(v) for v, _ in replies] == list(range(300))  # each its own reply
-        assert sorted(int(n) for _, n in replies) == list(range(1, 301))
-        assert [int(v) for v in await r.lrange(key, 0, -1)] == list(range(300))  # call order
+        n = 2 * BATCH_CALLS + 100  # three batches: none larger than the cap
+        replies = await asyncio.gather(*(ap.execute("EVAL", PUSH, 1, key, i) for i in range(n)))
+        assert [int(v) for v, _ in replies] == list(range(n))  # each its own reply
+        assert sorted(int(c) for _, c in replies) == list(range(1, n + 1))
+        assert [int(v) for v in await r.lrange(key, 0, -1)] == list(range(n))  # call order
         assert await _connections(r) == before  # the pooled connection carried them all
     finally:
         await r.delete(key)
@@ -49,9 +50,10 @@ async def test_an_error_reply_is_its_callers_alone(redis_server: RedisServer) ->
         ap = AutoPipeline.of(r)
         assert ap is not None
         calls = [ap.execute("EVAL", FAIL if i % 3 == 1 else PUSH, 1, key, i) for i in range(9)]
-        calls.append(ap.execute("EVAL", PUSH, 1, key, None))  # Redis cannot take a None
-        *results, unsendable = await asyncio.gather(*calls, return_exceptions=True)
-        assert isinstance(unsendable, DataError)
+        calls.append(ap.execute("EVAL", PUSH, 1, key, None))  # Redis cannot take a None,
+        calls.append(ap.execute("EVAL", PUSH, 1, key, "\ud800"))  # nor a lone surrogate
+        *results, no_none, no_surrogate = await asyncio.gather(*calls, return_exceptions=True)
+        assert isinstance(no_none, DataError) and isinstance(no_surrogate, DataError)
         for i, res in enumerate(results):
             if i % 3 == 1:
                 assert isinstance(res, ResponseError) and f"refused {i}" in str(res)

@@ -130,7 +130,7 @@ async def test_unknown_route_and_bad_wait_are_json(
     _is_error(await gw.http.get(f"/api/v1/tasks/{queued}?wait=99", headers=auth), 422)
     _is_error(await gw.http.get(f"/api/v1/tasks/{queued}?wait=x", headers=auth), 422)
     # Forms the fast lane (app/routes/fastlane.py) leaves to the route: validated as ever.
-    for wait in ("-1", "nan", "inf", "", "1e400"):
+    for wait in ("-1", "nan", "inf", "", "1e400", "\u0663"):
         _is_error(await gw.http.get(f"/api/v1/tasks/{queued}?wait={wait}", headers=auth), 422)
     for query in ("wait=0.01&other=1", "other=1", "wait=0"):
         r = await gw.http.get(f"/api/v1/tasks/{queued}?{query}", headers=auth)

@@ -29,11 +29,14 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import DataError, ResponseError
 
 _Call = tuple[tuple[Any, ...], "asyncio.Future[Any]"]
+_Packed = tuple[bytes, "asyncio.Future[Any]"]
+BATCH_CALLS, BATCH_BYTES = 512, 1 << 20
 
 
 class AutoPipeline:
     """Commands whose replies need no parsing beyond the protocol's (EVALSHA): redis-py's
-    response callbacks are not applied."""
+    response callbacks are not applied. Never a blocking or pub/sub command: every call
+    behind it would wait for its reply."""
 
     __slots__ = ("_pool", "_task", "_waiting")
 
@@ -53,6 +56,9 @@ class AutoPipeline:
         returned future."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Any] = loop.create_future()
+        if self._task is not None and self._task.get_loop() is not loop:
+            # Left by a loop that closed without cancelling it: its calls died with it.
+            self._task, self._waiting = None, []
         self._waiting.append((args, fut))
         if self._task is None:
             # Started now, runs after the callbacks already due this turn: their calls join.
@@ -60,7 +66,7 @@ class AutoPipeline:
         return fut
 
     async def _run(self) -> None:
-        batch: list[_Call] = []
+        batch: list[Any] = []  # the calls on their way: (packed or arguments, future)
         try:
             try:
                 conn = await self._pool.get_connection()  # type: ignore[no-untyped-call]
@@ -70,8 +76,7 @@ class AutoPipeline:
                 raise
             try:
                 while self._waiting:
-                    batch = [c for c in self._waiting if not c[1].done()]
-                    self._waiting = []
+                    batch = self._next_batch()
                     if batch:
                         await self._send(conn, batch)
             finally:
@@ -94,18 +99,32 @@ class AutoPipeline:
             if self._waiting:
                 self._task = asyncio.get_running_loop().create_task(self._run())
 
-    @staticmethod
-    async def _send(conn: Any, batch: list[_Call]) -> None:
-        chunks, sent = [], []
-        for args, fut in batch:
-            try:
-                chunks.append(pack_command(args))
-            except (TypeError, DataError) as exc:  # an argument Redis cannot take: its own
-                fut.set_exception(DataError(str(exc)))
+    def _next_batch(self) -> list[_Packed]:
+        """The waiting calls to send next, packed: at most BATCH_CALLS or about BATCH_BYTES
+        (request bodies can be large, and one write must finish within the socket timeout).
+        A call whose arguments Redis cannot take fails alone, here."""
+        batch: list[_Packed] = []
+        size = taken = 0
+        for args, fut in self._waiting:
+            if len(batch) >= BATCH_CALLS or size >= BATCH_BYTES:
+                break
+            taken += 1
+            if fut.done():  # its caller gave up before it was sent
                 continue
-            sent.append(fut)
-        await conn.send_packed_command(b"".join(chunks))
-        for fut in sent:
+            try:
+                packed = pack_command(args)
+            except (TypeError, ValueError, DataError) as exc:  # e.g. None, a lone surrogate
+                fut.set_exception(DataError(f"cannot send this command: {exc}"))
+                continue
+            batch.append((packed, fut))
+            size += len(packed)
+        del self._waiting[:taken]
+        return batch
+
+    @staticmethod
+    async def _send(conn: Any, batch: list[_Packed]) -> None:
+        await conn.send_packed_command(b"".join(packed for packed, _ in batch))
+        for _, fut in batch:
             try:
                 reply = await conn.read_response()
             except ResponseError as exc:  # this command's error; the connection is fine

@@ -128,9 +128,12 @@ async def status_fast(request: Request) -> JSONResponse | None:
     wait = 0.0
     if request.scope["query_string"]:
         params = request.query_params
+        raw = params.get("wait", "") if len(params) == 1 else ""
+        if not raw.isascii():  # float() reads other scripts' digits; the route does not
+            return None
         try:
-            wait = float(params["wait"]) if len(params) == 1 else -1.0
-        except (KeyError, ValueError):
+            wait = float(raw)
+        except ValueError:
             return None
         if not 0 <= wait <= 30:
             return None
