@@ -85,12 +85,17 @@ class _FastLane:
     def _exception_handler(self, exc: Exception) -> Callable[..., Awaitable[Response]] | None:
         handlers: dict[Any, Any] = self.owner.exception_handlers
         for cls in type(exc).__mro__:
+            if cls is Exception:  # a catch-all is the server error middleware's to run
+                break
             if cls in handlers:
                 return handlers[cls]  # type: ignore[no-any-return]
         return None
 
 
 def _route_path(scope: Scope) -> str:
+    """The path the router matches: past the root path when it is one (as Starlette's)."""
     path: str = scope["path"]
     root: str = scope.get("root_path", "")
-    return path[len(root):] if root and path.startswith(root) else path
+    if root and path.startswith(root) and path[len(root):len(root) + 1] in ("", "/"):
+        return path[len(root):]
+    return path
