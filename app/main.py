@@ -52,8 +52,8 @@ def create_app(
                    dashboard.router):
         app.include_router(router)
     openapi.install(app)
+    # Added before the counter, so inside it: it counts the fast lane's answers too.
     fast_lane(app, tasks.router, {tasks.submit: tasks.submit, tasks.status: tasks.status_fast})
-    # ^ inside the counter: it counts them too
     app.add_middleware(HttpRequests, counts=runtime.scrapes.http)  # /metrics, by route
     # Patterns catch keys and permits; these two have no recognisable shape.
     logs.redact(runtime.settings.admin_secret, runtime.settings.permit_key.decode())

@@ -27,7 +27,6 @@ import redis
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-
 # A phase that takes longer has failed.
 DEADLINE_S = float(os.environ.get("PEERS_DEADLINE_S", "120"))
 

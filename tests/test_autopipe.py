@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import pytest
 from redis.asyncio import Redis
@@ -20,65 +22,64 @@ PUSH = "return {ARGV[1], redis.call('RPUSH', KEYS[1], ARGV[1])}"
 FAIL = "return redis.error_reply('refused ' .. ARGV[1])"
 
 
+@dataclass
+class Piped:
+    redis: Redis
+    ap: AutoPipeline
+    key: str  # a list of this test's own
+
+
+@pytest.fixture
+async def piped(redis_server: RedisServer) -> AsyncIterator[Piped]:
+    r = redis_client(redis_server.url, 2.0)
+    ap = AutoPipeline.of(r)
+    assert ap is not None
+    p = Piped(r, ap, f"ap:{uuid.uuid4().hex}")
+    try:
+        yield p
+    finally:
+        await r.delete(p.key)
+        await r.aclose()
+
+
 async def _connections(r: Redis) -> int:
     return int((await r.info("stats"))["total_connections_received"])
 
 
-async def test_concurrent_calls_share_one_connection_in_order(redis_server: RedisServer) -> None:
-    r = redis_client(redis_server.url, 2.0)
-    key = f"ap:{uuid.uuid4().hex}"
-    try:
-        ap = AutoPipeline.of(r)
-        assert ap is not None
-        await r.ping()  # the pool's first connection, before counting
-        before = await _connections(r)
-        n = 2 * BATCH_CALLS + 100  # three batches: none larger than the cap
-        replies = await asyncio.gather(*(ap.execute("EVAL", PUSH, 1, key, i) for i in range(n)))
-        assert [int(v) for v, _ in replies] == list(range(n))  # each its own reply
-        assert sorted(int(c) for _, c in replies) == list(range(1, n + 1))
-        assert [int(v) for v in await r.lrange(key, 0, -1)] == list(range(n))  # call order
-        assert await _connections(r) == before  # the pooled connection carried them all
-    finally:
-        await r.delete(key)
-        await r.aclose()
+async def test_concurrent_calls_share_one_connection_in_order(piped: Piped) -> None:
+    r, ap, key = piped.redis, piped.ap, piped.key
+    await r.ping()  # the pool's first connection, before counting
+    before = await _connections(r)
+    n = 2 * BATCH_CALLS + 100  # three batches: none larger than the cap
+    replies = await asyncio.gather(*(ap.execute("EVAL", PUSH, 1, key, i) for i in range(n)))
+    assert [int(v) for v, _ in replies] == list(range(n))  # each its own reply
+    assert sorted(int(c) for _, c in replies) == list(range(1, n + 1))
+    assert [int(v) for v in await r.lrange(key, 0, -1)] == list(range(n))  # call order
+    assert await _connections(r) == before  # the pooled connection carried them all
 
 
-async def test_an_error_reply_is_its_callers_alone(redis_server: RedisServer) -> None:
-    r = redis_client(redis_server.url, 2.0)
-    key = f"ap:{uuid.uuid4().hex}"
-    try:
-        ap = AutoPipeline.of(r)
-        assert ap is not None
-        calls = [ap.execute("EVAL", FAIL if i % 3 == 1 else PUSH, 1, key, i) for i in range(9)]
-        calls.append(ap.execute("EVAL", PUSH, 1, key, None))  # Redis cannot take a None,
-        calls.append(ap.execute("EVAL", PUSH, 1, key, "\ud800"))  # nor a lone surrogate
-        *results, no_none, no_surrogate = await asyncio.gather(*calls, return_exceptions=True)
-        assert isinstance(no_none, DataError) and isinstance(no_surrogate, DataError)
-        for i, res in enumerate(results):
-            if i % 3 == 1:
-                assert isinstance(res, ResponseError) and f"refused {i}" in str(res)
-            else:
-                assert isinstance(res, list) and int(res[0]) == i
-        assert await r.llen(key) == 6
-    finally:
-        await r.delete(key)
-        await r.aclose()
+async def test_an_error_reply_is_its_callers_alone(piped: Piped) -> None:
+    r, ap, key = piped.redis, piped.ap, piped.key
+    calls = [ap.execute("EVAL", FAIL if i % 3 == 1 else PUSH, 1, key, i) for i in range(9)]
+    calls.append(ap.execute("EVAL", PUSH, 1, key, None))  # Redis cannot take a None,
+    calls.append(ap.execute("EVAL", PUSH, 1, key, "\ud800"))  # nor a lone surrogate
+    *results, no_none, no_surrogate = await asyncio.gather(*calls, return_exceptions=True)
+    assert isinstance(no_none, DataError) and isinstance(no_surrogate, DataError)
+    for i, res in enumerate(results):
+        if i % 3 == 1:
+            assert isinstance(res, ResponseError) and f"refused {i}" in str(res)
+        else:
+            assert isinstance(res, list) and int(res[0]) == i
+    assert await r.llen(key) == 6
 
 
-async def test_a_caller_that_gave_up_first_is_left_out(redis_server: RedisServer) -> None:
-    r = redis_client(redis_server.url, 2.0)
-    key = f"ap:{uuid.uuid4().hex}"
-    try:
-        ap = AutoPipeline.of(r)
-        assert ap is not None
-        gone = ap.execute("EVAL", PUSH, 1, key, "gone")
-        kept = ap.execute("EVAL", PUSH, 1, key, "kept")
-        gone.cancel()  # before the batch is written
-        assert (await kept)[0] == "kept"
-        assert await r.lrange(key, 0, -1) == ["kept"]
-    finally:
-        await r.delete(key)
-        await r.aclose()
+async def test_a_caller_that_gave_up_first_is_left_out(piped: Piped) -> None:
+    r, ap, key = piped.redis, piped.ap, piped.key
+    gone = ap.execute("EVAL", PUSH, 1, key, "gone")
+    kept = ap.execute("EVAL", PUSH, 1, key, "kept")
+    gone.cancel()  # before the batch is written
+    assert (await kept)[0] == "kept"
+    assert await r.lrange(key, 0, -1) == ["kept"]
 
 
 async def test_redis_down_fails_calls_fast_then_recovers(own_redis: RedisServer) -> None:

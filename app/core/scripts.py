@@ -61,10 +61,9 @@ class Lua:
             return await self._script(keys=keys, args=args, client=client)
         try:
             if self._batched is not None:
-                return await self._batched.execute(
-                    "EVALSHA", self._script.sha, len(keys), *keys, *args)
+                return await self._batched.execute(*self._evalsha(keys, args))
             return await self._redis.execute_command(  # type: ignore[no-untyped-call]
-                "EVALSHA", self._script.sha, len(keys), *keys, *args)
+                *self._evalsha(keys, args))
         except NoScriptError:
             return await self._script(keys=keys, args=args)
 
@@ -76,9 +75,8 @@ class Lua:
         auto-pipeline's next batch; on a Cluster they go as one redis-py pipeline."""
         batched = calls[0][0]._batched if calls else None
         if batched is not None:
-            return await asyncio.gather(*(batched.execute(
-                "EVALSHA", lua._script.sha, len(keys), *keys, *args)
-                for lua, keys, args in calls), return_exceptions=True)
+            return await asyncio.gather(*(batched.execute(*lua._evalsha(keys, args))
+                                          for lua, keys, args in calls), return_exceptions=True)
         pipe = redis.pipeline(transaction=False)
         for lua, keys, args in calls:
             lua.queue_on(pipe, keys, args)
@@ -88,7 +86,10 @@ class Lua:
         """A bare EVALSHA on a pipeline, without the SCRIPT EXISTS trip redis-py's Script makes
         before each such pipeline: its caller runs it with raise_on_error=False and, meeting a
         NoScriptError, calls `load` and runs it again."""
-        pipe.execute_command("EVALSHA", self._script.sha, len(keys), *keys, *args)
+        pipe.execute_command(*self._evalsha(keys, args))
+
+    def _evalsha(self, keys: Sequence[Any], args: Sequence[Any]) -> tuple[Any, ...]:
+        return ("EVALSHA", self._script.sha, len(keys), *keys, *args)
 
     async def load(self) -> None:
         await self._redis.script_load(self._script.script)
@@ -127,7 +128,7 @@ class Lua:
         options = {"allow_redirections": False} if node else {}
         try:
             async with self._redis.pipeline(transaction=False) as pipe:
-                pipe.execute_command("EVALSHA", self._script.sha, len(keys), *keys, *args)
+                pipe.execute_command(*self._evalsha(keys, args))
                 pipe.execute_command("WAIT", replicas, timeout_ms, **node)
                 return list(await pipe.execute(raise_on_error=False, **options))
         except (RedisConnectionError, RedisTimeoutError):
