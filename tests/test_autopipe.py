@@ -1,5 +1,6 @@
 """Auto-pipelining (app/core/autopipe.py) against a real Redis: concurrent calls share a
-connection and a write, each gets its own reply or error, and an outage fails calls fast."""
+connection and a write, each gets its own reply or error, and an outage fails calls fast; a
+repeatable script call (app/core/scripts.py) outlives a connection lost under it."""
 
 from __future__ import annotations
 
@@ -11,15 +12,17 @@ from dataclasses import dataclass
 
 import pytest
 from redis.asyncio import Redis
+from redis.exceptions import BusyLoadingError, DataError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import DataError, ResponseError
 
 from app.core.autopipe import BATCH_CALLS, AutoPipeline
+from app.core.scripts import Lua
 from app.runtime import redis_client
 from tests.servers import RedisServer
 
 PUSH = "return {ARGV[1], redis.call('RPUSH', KEYS[1], ARGV[1])}"
 FAIL = "return redis.error_reply('refused ' .. ARGV[1])"
+LOADING = "return redis.error_reply('LOADING Redis is loading the dataset in memory')"
 
 
 @dataclass
@@ -71,6 +74,69 @@ async def test_an_error_reply_is_its_callers_alone(piped: Piped) -> None:
         else:
             assert isinstance(res, list) and int(res[0]) == i
     assert await r.llen(key) == 6
+
+
+async def test_a_loading_reply_is_its_callers_alone(piped: Piped) -> None:
+    """redis-py raises LOADING (a restarted Redis reading its file) as a ConnectionError; it
+    is still one command's reply: the calls behind it get theirs, on the same connection."""
+    r, ap, key = piped.redis, piped.ap, piped.key
+    await r.ping()
+    before = await _connections(r)
+    calls = [ap.execute("EVAL", LOADING if i == 2 else PUSH, 1, key, i) for i in range(6)]
+    results = await asyncio.gather(*calls, return_exceptions=True)
+    assert isinstance(results[2], BusyLoadingError)
+    assert [int(res[0]) for res in results if isinstance(res, list)] == [0, 1, 3, 4, 5]
+    assert await r.llen(key) == 5
+    assert await _connections(r) == before
+
+
+class _Dropper:
+    """A proxy in front of Redis that, once armed, closes the connection the next command
+    comes on, unanswered: as a connection left from before a Redis restart fails after it
+    passed the pool's check."""
+
+    def __init__(self, redis_port: int) -> None:
+        self.redis_port, self.armed, self.dropped = redis_port, False, 0
+
+    async def start(self) -> str:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return f"redis://127.0.0.1:{self.server.sockets[0].getsockname()[1]}/0"
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.redis_port)
+        await asyncio.gather(self._pipe(reader, up_writer, writer), self._pipe(up_reader, writer),
+                             return_exceptions=True)
+
+    async def _pipe(self, src: asyncio.StreamReader, dst: asyncio.StreamWriter,
+                    client: asyncio.StreamWriter | None = None) -> None:
+        while data := await src.read(65536):
+            if client is not None and self.armed:  # a command from the client: dropped
+                self.armed, self.dropped = False, self.dropped + 1
+                client.close()
+                break
+            dst.write(data)
+            await dst.drain()
+        dst.close()
+
+
+@pytest.mark.parametrize("batched", [True, False], ids=["auto-pipelined", "direct"])
+async def test_a_repeatable_call_is_sent_again_after_its_connection_is_lost(
+    redis_server: RedisServer, batched: bool
+) -> None:
+    proxy = _Dropper(redis_server.port)
+    r = redis_client(await proxy.start(), 2.0)
+    try:
+        lua = Lua(r, "return ARGV[1]", AutoPipeline.of(r) if batched else None)
+        await lua.load()
+        proxy.armed = True
+        with pytest.raises(RedisConnectionError, match="closed by server"):
+            await lua(args=["once"])  # a plain call is never sent twice
+        proxy.armed = True
+        assert await lua.repeatable(args=["twice"]) == "twice"
+        assert proxy.dropped == 2
+    finally:
+        await r.aclose()
+        proxy.server.close()
 
 
 async def test_a_caller_that_gave_up_first_is_left_out(piped: Piped) -> None:

@@ -25,8 +25,12 @@ from typing import Any
 from hiredis import pack_command  # in C: a fraction of redis-py's packing in Python
 from redis.asyncio import Redis
 from redis.asyncio.connection import ConnectionPool
+from redis.exceptions import BusyLoadingError, DataError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import DataError, ResponseError
+
+# Replies redis-py raises as errors; the connection they came on is fine. (A LOADING reply is
+# a ConnectionError to redis-py, but it is one command's answer like any other.)
+_REPLY_ERRORS = (ResponseError, BusyLoadingError)
 
 _Call = tuple[tuple[Any, ...], "asyncio.Future[Any]"]
 _Packed = tuple[bytes, "asyncio.Future[Any]"]
@@ -126,12 +130,16 @@ class AutoPipeline:
         await conn.send_packed_command(b"".join(packed for packed, _ in batch))
         for _, fut in batch:
             try:
-                reply = await conn.read_response()
-            except ResponseError as exc:  # this command's error; the connection is fine
+                # Not disconnected by redis-py on an error: a LOADING reply would be one.
+                reply = await conn.read_response(disconnect_on_error=False)
+            except _REPLY_ERRORS as exc:  # this command's error; the connection is fine
                 reply = exc
+            except BaseException:  # lost, timed out or cancelled: the rest of it is unread
+                await conn.disconnect(nowait=True)
+                raise
             if fut.done():  # its caller gave up meanwhile
                 continue
-            if isinstance(reply, ResponseError):
+            if isinstance(reply, _REPLY_ERRORS):
                 fut.set_exception(reply)
             else:
                 fut.set_result(reply)

@@ -15,8 +15,8 @@ from typing import Any, cast
 
 from redis.asyncio import Redis
 from redis.asyncio.cluster import ClusterPipeline, RedisCluster
+from redis.exceptions import BusyLoadingError, MovedError, NoScriptError
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import MovedError, NoScriptError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from app import data_path
@@ -66,6 +66,20 @@ class Lua:
                 *self._evalsha(keys, args))
         except NoScriptError:
             return await self._script(keys=keys, args=args)
+
+    async def repeatable(self, keys: Sequence[Any] = (), args: Sequence[Any] = ()) -> Any:
+        """A call that is safe to run twice (it reads, or writes again what it wrote): sent
+        once more after its connection was lost. The client never re-sends on its own
+        (app/redis_url.py), and a connection left from before a Redis restart can pass the
+        pool's check and then fail; a caller reading its task's status must not see a 503
+        from Redis that is up. A timeout is not repeated: Redis is slow, and a second try
+        would only double the wait for the 503."""
+        try:
+            return await self(keys, args)
+        except RedisConnectionError as exc:
+            if isinstance(exc, BusyLoadingError):  # up, still loading: again now would fail
+                raise
+            return await self(keys, args)
 
     @staticmethod
     async def together(redis: Redis, calls: Sequence[tuple[Lua, Sequence[Any], Sequence[Any]]]

@@ -203,7 +203,7 @@ class TaskQueue:
         """The task as its owner sees it. A finished task read with `deliver` has reached its
         owner (its copies go soon); a repeated submit only peeks: it carries no result."""
         k, e = self.keys, endpoint_of(task_id)
-        res = await self.scripts.status(
+        res = await self.scripts.status.repeatable(
             keys=[k.task(task_id), *k.of(e, "queue", "stats", "outbox", "delivered", "active")],
             args=[task_id, user_id, self.ttls.read_ms if deliver else 0],
         )
