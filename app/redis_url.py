@@ -94,6 +94,11 @@ def _db(text: str) -> int:
     return int(text)
 
 
+# Past one lost SYN: Linux sends it again after 1 s, so a timeout of 1 s failed the request
+# (a 503) whenever one was dropped, as under a burst of new connections on a busy host.
+CONNECT_TIMEOUT_S = 2.0
+
+
 class _BlockingSentinelPool(SentinelConnectionPool, BlockingConnectionPool):
     """Follows the master Sentinel names (asked again whenever a connection is made, and a
     connection that meets a READONLY error is dropped: its server was demoted) and, like the
@@ -114,9 +119,10 @@ def client(url: str, timeout_s: float | None, max_connections: int = 512) -> Red
     """A client whose pool waits for a free connection (redis-py's default pool fails with a
     ConnectionError past 100, which would read as "Redis down"), and which never re-sends a
     command: submit and claim are not safe to repeat after a connection dropped mid-command.
-    With Redis down the API answers 503 within about a second."""
+    With Redis down the API answers 503 within about a second (a refused connection fails at
+    once; CONNECT_TIMEOUT_S bounds only a host that does not answer)."""
     options: dict[str, object] = dict(
-        decode_responses=True, socket_timeout=timeout_s, socket_connect_timeout=1.0,
+        decode_responses=True, socket_timeout=timeout_s, socket_connect_timeout=CONNECT_TIMEOUT_S,
         retry=Retry(NoBackoff(), 0), health_check_interval=30,
         max_connections=max_connections, timeout=timeout_s or 1.0,
     )
@@ -127,7 +133,7 @@ def client(url: str, timeout_s: float | None, max_connections: int = 512) -> Red
         return _cluster(target, options)
     tls = {"ssl": True} if target.tls else {}
     sentinel = Sentinel(list(target.hosts), sentinel_kwargs={  # type: ignore[no-untyped-call]
-        "socket_timeout": timeout_s, "socket_connect_timeout": 1.0, **tls})
+        "socket_timeout": timeout_s, "socket_connect_timeout": CONNECT_TIMEOUT_S, **tls})
     master: _SentinelRedis = sentinel.master_for(
         target.service, redis_class=_SentinelRedis, connection_pool_class=_BlockingSentinelPool,
         db=target.db, username=target.username, password=target.password, **tls, **options)

@@ -61,6 +61,25 @@ async def test_concurrent_calls_share_one_connection_in_order(piped: Piped) -> N
     assert await _connections(r) == before  # the pooled connection carried them all
 
 
+async def test_callers_calling_again_keep_their_order_on_one_connection(piped: Piped) -> None:
+    """Ten callers, each calling again once answered: their calls go out while others' replies
+    are owed (app/core/autopipe.py, WRITE_AT), on the one connection, each caller's in order."""
+    r, ap, key = piped.redis, piped.ap, piped.key
+    await r.ping()
+    before = await _connections(r)
+
+    async def caller(c: int) -> list[str]:
+        return [(await ap.execute("EVAL", PUSH, 1, key, f"{c}:{i}"))[0] for i in range(50)]
+
+    answered = await asyncio.gather(*(caller(c) for c in range(10)))
+    assert answered == [[f"{c}:{i}" for i in range(50)] for c in range(10)]
+    pushed = await r.lrange(key, 0, -1)
+    assert sorted(pushed) == sorted(v for a in answered for v in a)
+    for c in range(10):
+        assert [v for v in pushed if v.startswith(f"{c}:")] == answered[c]
+    assert await _connections(r) == before
+
+
 async def test_an_error_reply_is_its_callers_alone(piped: Piped) -> None:
     r, ap, key = piped.redis, piped.ap, piped.key
     calls = [ap.execute("EVAL", FAIL if i % 3 == 1 else PUSH, 1, key, i) for i in range(9)]

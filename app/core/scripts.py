@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -82,15 +82,23 @@ class Lua:
             return await self(keys, args)
 
     @staticmethod
-    async def together(redis: Redis, calls: Sequence[tuple[Lua, Sequence[Any], Sequence[Any]]]
-                       ) -> list[Any]:
+    def together(redis: Redis, calls: Sequence[tuple[Lua, Sequence[Any], Sequence[Any]]]
+                 ) -> Awaitable[list[Any]]:
         """Several script calls in one round trip: each one's reply or exception, in order
-        (a NoScriptError among them is the caller's to handle). On one Redis they join the
-        auto-pipeline's next batch; on a Cluster they go as one redis-py pipeline."""
+        (a NoScriptError among them is the caller's to handle). On one Redis they are written
+        now, on the auto-pipeline's connection (or with its next write when it has none
+        yet), before the caller goes on; on a Cluster they go as one redis-py pipeline once
+        awaited."""
         batched = calls[0][0]._batched if calls else None
         if batched is not None:
-            return await asyncio.gather(*(batched.execute(*lua._evalsha(keys, args))
-                                          for lua, keys, args in calls), return_exceptions=True)
+            return asyncio.gather(*batched.execute_many(
+                [lua._evalsha(keys, args) for lua, keys, args in calls]),
+                return_exceptions=True)
+        return Lua._pipelined(redis, calls)
+
+    @staticmethod
+    async def _pipelined(redis: Redis, calls: Sequence[tuple[Lua, Sequence[Any], Sequence[Any]]]
+                         ) -> list[Any]:
         pipe = redis.pipeline(transaction=False)
         for lua, keys, args in calls:
             lua.queue_on(pipe, keys, args)
