@@ -80,6 +80,17 @@ async def test_callers_calling_again_keep_their_order_on_one_connection(piped: P
     assert await _connections(r) == before
 
 
+async def test_large_calls_all_go_in_order(piped: Piped) -> None:
+    """Calls of 768 KiB each, 24 at once: more than the transport may hold unsent; the rest
+    wait for the replies owed and go after them."""
+    ap, key = piped.ap, piped.key
+    big = "x" * (768 << 10)
+    replies = await asyncio.gather(*(ap.execute("EVAL", PUSH, 1, key, f"{i}:{big}")
+                                     for i in range(24)))
+    assert [int(v.partition(":")[0]) for v, _ in replies] == list(range(24))
+    assert [int(c) for _, c in replies] == list(range(1, 25))
+
+
 async def test_an_error_reply_is_its_callers_alone(piped: Piped) -> None:
     r, ap, key = piped.redis, piped.ap, piped.key
     calls = [ap.execute("EVAL", FAIL if i % 3 == 1 else PUSH, 1, key, i) for i in range(9)]

@@ -87,7 +87,8 @@ async def test_counters_and_histograms_follow_the_tasks(
     assert value(m, "qgw_queue_wait_seconds_bucket", "metered", le="+Inf") == 5
     assert value(m, "qgw_upstream_latency_seconds_count", "metered") == 3
     assert value(m, "qgw_upstream_latency_seconds_bucket", "metered", le="0.025") == 0
-    assert value(m, "qgw_upstream_latency_seconds_bucket", "metered", le="0.05") == 3
+    # 30 ms calls: none under 25 ms; all under 1 s (a loaded host made one take over 50 ms)
+    assert value(m, "qgw_upstream_latency_seconds_bucket", "metered", le="1") == 3
     assert value(m, "qgw_upstream_latency_seconds_sum", "metered") >= 0.09
     assert value(m, "qgw_submit_latency_seconds_count", "metered") >= 6  # this process's
 

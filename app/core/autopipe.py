@@ -107,12 +107,16 @@ class AutoPipeline:
 
     def _write(self, conn: AbstractConnection) -> None:
         """Write the calls waiting, packed: in writes of at most BATCH_CALLS or about
-        BATCH_BYTES. A call whose arguments Redis cannot take fails alone, here. The
-        transport buffers what the socket does not take at once; a server that stops reading
-        leaves the replies unread, and the read's timeout fails the calls."""
+        BATCH_BYTES, while the transport holds less than BATCH_BYTES unsent. A call whose
+        arguments Redis cannot take fails alone, here. A server that stops reading leaves
+        the replies unread, and the read's timeout fails the calls."""
         writer = conn._writer  # redis-py's stream: a write is queued, not awaited (no drain)
         assert writer is not None
         while self._waiting:
+            if writer.transport.get_write_buffer_size() >= BATCH_BYTES:
+                # Redis is not keeping up with large calls: the rest wait, and go once the
+                # replies owed are read, not into this process's memory as well.
+                return
             packed: list[bytes] = []
             size = taken = 0
             for args, fut in self._waiting:
