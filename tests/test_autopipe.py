@@ -14,8 +14,9 @@ import pytest
 from redis.asyncio import Redis
 from redis.exceptions import BusyLoadingError, DataError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from app.core.autopipe import BATCH_CALLS, AutoPipeline
+from app.core.autopipe import BATCH_CALLS, AutoPipeline, PipelineClosed
 from app.core.scripts import Lua
 from app.runtime import redis_client
 from tests.servers import RedisServer
@@ -167,6 +168,87 @@ async def test_a_repeatable_call_is_sent_again_after_its_connection_is_lost(
     finally:
         await r.aclose()
         proxy.server.close()
+
+
+async def test_a_group_goes_together_each_with_its_own_reply(piped: Piped) -> None:
+    """Lua.together (execute_many): order kept, an error reply is its call's alone."""
+    r, key = piped.redis, piped.key
+    push, fail = Lua(r, PUSH, piped.ap), Lua(r, FAIL, piped.ap)
+    await push.load()
+    await fail.load()
+    res = await Lua.together(r, [(push, [key], ["a"]), (fail, [key], ["b"]),
+                                 (push, [key], ["c"])])
+    assert res[0][0] == "a" and res[2] == ["c", 2]
+    assert isinstance(res[1], ResponseError) and "refused b" in str(res[1])
+
+
+async def test_a_reply_past_the_timeout_fails_the_calls_written_and_no_later_one(
+    redis_server: RedisServer
+) -> None:
+    """A script slower than the socket timeout: it and the calls written behind it fail with
+    TimeoutError; its late reply, on a dropped connection, reaches nobody; calls after it go
+    on another connection and get their own replies."""
+    r = redis_client(redis_server.url, 0.3)
+    try:
+        ap = AutoPipeline.of(r)
+        assert ap is not None
+        slow = "local t = redis.call('TIME') repeat until redis.call('TIME')[1] - t[1] >= 1 " \
+               "return 'slow'"
+        written = [ap.execute("EVAL", slow, 0), *(ap.execute("EVAL", "return ARGV[1]", 0, i)
+                                                  for i in range(3))]
+        results = await asyncio.gather(*written, return_exceptions=True)
+        assert all(isinstance(res, RedisTimeoutError) for res in results), results
+        after = await asyncio.gather(*(ap.execute("EVAL", "return ARGV[1]", 0, f"after{i}")
+                                       for i in range(3)), return_exceptions=True)
+        while any(isinstance(res, BusyLoadingError | ResponseError | RedisTimeoutError)
+                  for res in after):  # Redis is still running the slow script: BUSY
+            await asyncio.sleep(0.2)
+            after = await asyncio.gather(*(ap.execute("EVAL", "return ARGV[1]", 0,
+                                                      f"after{i}") for i in range(3)),
+                                         return_exceptions=True)
+        assert after == ["after0", "after1", "after2"]
+    finally:
+        await r.aclose()
+
+
+async def test_calls_waiting_behind_a_lost_connection_go_on_another(
+    redis_server: RedisServer
+) -> None:
+    proxy = _Dropper(redis_server.port)
+    r = redis_client(await proxy.start(), 2.0)
+    try:
+        ap = AutoPipeline.of(r)
+        assert ap is not None
+        assert await ap.execute("EVAL", "return 'warm'", 0) == "warm"
+        proxy.armed = True
+        lost = ap.execute("EVAL", "return 'lost'", 0)
+        for _ in range(3):  # its reader takes the connection and writes it
+            await asyncio.sleep(0)
+        behind = [ap.execute("EVAL", "return ARGV[1]", 0, i) for i in range(2)]
+        with pytest.raises(RedisConnectionError):
+            await lost
+        assert await asyncio.gather(*behind) == ["0", "1"]
+        assert proxy.dropped == 1
+    finally:
+        await r.aclose()
+        proxy.server.close()
+
+
+@pytest.mark.parametrize("turns", [0, 3], ids=["before-it-ran", "reading"])
+async def test_stopping_fails_every_call_it_held(piped: Piped, turns: int) -> None:
+    """Its task cancelled (shutdown) before it ran or while replies are owed: every caller
+    gets an error, none waits forever, and later calls go on."""
+    ap, key = piped.ap, piped.key
+    calls = [ap.execute("EVAL", PUSH, 1, key, i) for i in range(3)]
+    task = ap._task
+    assert task is not None
+    for _ in range(turns):
+        await asyncio.sleep(0)
+    task.cancel()
+    results = await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), 5)
+    assert all(isinstance(res, PipelineClosed | list) for res in results), results
+    assert any(isinstance(res, PipelineClosed) for res in results) or turns, results
+    assert (await ap.execute("EVAL", PUSH, 1, key, "after"))[0] == "after"
 
 
 async def test_a_caller_that_gave_up_first_is_left_out(piped: Piped) -> None:

@@ -3,12 +3,14 @@ waiting for each other's replies.
 
 A call through redis-py costs its caller about 50 µs of CPU (a connection from the pool, a
 timeout, a write, a read, each with its own event-loop turns); Redis itself spends less on a
-submit. Here calls share one connection and go out a few at a time, their replies read back
-in order by one task (ioredis does the same, which is much of BullMQ's lead): written while
-earlier replies are still on their way, so that Redis runs them while this process handles
-the replies it has, rather than the two taking turns. Measured on this machine with 50
-concurrent callers of one script: 50 µs of client CPU per call through redis-py, 13-16 µs
-here; with 10 callers of the submit script, 1.75x the calls a second of one write per turn.
+submit. Here calls share one connection, their replies read back in order by one task (ioredis
+does the same, which is much of BullMQ's lead). A call goes out at the end of its turn of the
+event loop, with the others of that turn; while replies are owed, calls wait for the last of
+them and go together, unless WRITE_AT are waiting: those go at once, so that Redis runs them
+while this process handles the replies it has, rather than the two taking turns. Measured on
+this machine with 50 concurrent callers of one script: 50 µs of client CPU per call through
+redis-py, 13-16 µs here; with 10 callers of the submit script, 1.75x the calls a second of
+one write per round trip.
 
 Semantics are those of single calls on a client that never re-sends (app/redis_url.py): each
 caller gets its own reply or error; a reply that is an error (NOSCRIPT, a script error,
@@ -38,13 +40,18 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 _REPLY_ERRORS = (ResponseError, BusyLoadingError)
 _Call = tuple[tuple[Any, ...], "asyncio.Future[Any]"]
 # One write carries at most this many calls or about this many bytes (request bodies can be
-# large); more waiting go in the writes after it, in order.
+# large); more waiting go in the writes after it, in order. Nothing is written while the
+# transport holds BATCH_BYTES unsent.
 BATCH_CALLS, BATCH_BYTES = 512, 1 << 20
-# While replies are on their way, a call is written once this many are waiting, not at the
-# end of the turn: Redis starts on them while the turn's other callers run. Measured with 10
-# callers of a 30 µs script (bench/peers.py enqueue): 1 adds a read per call to Redis's CPU
-# (+25%); at the end of the turn only, Redis and this process take turns (-30% calls/s).
+# With replies owed, calls are written at once when this many wait, rather than after the
+# last owed reply. Measured with 10 callers of a 30 µs script (bench/peers.py enqueue): 1
+# adds a read per call to Redis's CPU (+25%); only after the owed replies, Redis and this
+# process take turns (-30% calls/s).
 WRITE_AT = 4
+
+
+class PipelineClosed(RedisConnectionError):
+    """The auto-pipeline was stopped (its task cancelled: the process is shutting down)."""
 
 
 class AutoPipeline:
@@ -69,8 +76,8 @@ class AutoPipeline:
         return cls(pool) if isinstance(pool, ConnectionPool) else None
 
     def execute(self, *args: Any) -> asyncio.Future[Any]:
-        """Send `args` as one command with the others of this turn; its reply (or error)
-        resolves the returned future."""
+        """Send `args` as one command (when: see the module's docstring); its reply (or
+        error) resolves the returned future."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Any] = loop.create_future()
         if self._task is not None and self._task.get_loop() is not loop:
@@ -79,18 +86,34 @@ class AutoPipeline:
             self._sent.clear()
         self._waiting.append((args, fut))
         if self._task is None:
-            # Takes a connection, writes what is waiting by then, and reads the replies.
-            self._task = loop.create_task(self._run())
+            self._start(loop)
         elif self._conn is not None:
             if len(self._waiting) >= WRITE_AT:
                 self._write(self._conn)
             elif not self._sent and not self._flushing:
                 # After the callbacks already due this turn: their calls join the write.
-                # (With replies owed, fewer calls wait for them: the reader writes them
-                # once the last is read, as one batch, which costs Redis fewer reads.)
+                # (With replies owed, the reader writes the calls once the last is read.)
                 self._flushing = True
                 loop.call_soon(self._flush)
         return fut
+
+    def _start(self, loop: asyncio.AbstractEventLoop) -> None:
+        """The task that takes a connection, writes what is waiting by then and reads the
+        replies."""
+        self._task = task = loop.create_task(self._run())
+        task.add_done_callback(self._ended)
+
+    def _ended(self, task: asyncio.Task[None]) -> None:
+        """A task cancelled before it ran (on shutdown) never reached its `finally`: its calls
+        end here, or their callers would wait forever."""
+        if self._task is task:
+            self._task, self._conn = None, None
+            ended = [*self._sent, *(fut for _, fut in self._waiting)]
+            self._sent.clear()
+            self._waiting = []
+            for fut in ended:
+                if not fut.done():
+                    fut.set_exception(PipelineClosed("the auto-pipeline was stopped"))
 
     def execute_many(self, calls: list[tuple[Any, ...]]) -> list[asyncio.Future[Any]]:
         """Several commands, as `execute` each, written together now if a connection is held
@@ -105,19 +128,20 @@ class AutoPipeline:
         if self._conn is not None:
             self._write(self._conn)
 
-    def _write(self, conn: AbstractConnection) -> None:
-        """Write the calls waiting, packed: in writes of at most BATCH_CALLS or about
-        BATCH_BYTES, while the transport holds less than BATCH_BYTES unsent. A call whose
-        arguments Redis cannot take fails alone, here. A server that stops reading leaves
-        the replies unread, and the read's timeout fails the calls."""
+    def _write(self, conn: AbstractConnection) -> bool:
+        """Write the calls waiting, packed, in writes of at most BATCH_CALLS or about
+        BATCH_BYTES, while the transport holds less than BATCH_BYTES unsent; False if some
+        wait still and none went. A call whose arguments Redis cannot take fails alone,
+        here. Never raises: a connection lost shows in the read of its replies."""
         writer = conn._writer  # redis-py's stream: a write is queued, not awaited (no drain)
-        assert writer is not None
+        wrote = False
         while self._waiting:
+            if writer is None or writer.transport.is_closing():
+                return wrote  # closed under us (the client's aclose): the read fails
             if writer.transport.get_write_buffer_size() >= BATCH_BYTES:
-                # Redis is not keeping up with large calls: the rest wait, and go once the
-                # replies owed are read, not into this process's memory as well.
-                return
+                return wrote  # Redis is slow to read large calls: not in memory twice
             packed: list[bytes] = []
+            futs: list[asyncio.Future[Any]] = []
             size = taken = 0
             for args, fut in self._waiting:
                 if len(packed) >= BATCH_CALLS or size >= BATCH_BYTES:
@@ -131,67 +155,84 @@ class AutoPipeline:
                     fut.set_exception(DataError(f"cannot send this command: {exc}"))
                     continue
                 packed.append(command)
+                futs.append(fut)
                 size += len(command)
-                self._sent.append(fut)
             del self._waiting[:taken]
             if packed:
                 writer.write(b"".join(packed))
+                self._sent.extend(futs)
+                wrote = True
+        return True
 
     async def _run(self) -> None:
         conn: AbstractConnection | None = None
         try:
             conn = await self._pool.get_connection()  # type: ignore[no-untyped-call]
             self._conn = conn
-            self._write(conn)
-            lingered = False
-            while True:
-                if not self._sent:
-                    if self._waiting:  # the calls of this turn, due to go at its end: now
-                        self._write(conn)
-                        continue
-                    if lingered:
-                        break
-                    # The callers of the replies just read run in the next turn, and most
-                    # call again: kept, the connection takes each call as it comes, rather
-                    # than all of them together one turn later while Redis waits.
-                    lingered = True
-                    await asyncio.sleep(0)
-                    continue
-                lingered = False
-                try:
-                    # Not disconnected by redis-py on an error: a LOADING reply would be one.
-                    reply = await conn.read_response(disconnect_on_error=False)
-                except _REPLY_ERRORS as exc:  # this command's error; the connection is fine
-                    reply = exc
-                fut = self._sent.popleft()
-                if fut.done():  # its caller gave up meanwhile
-                    continue
-                if isinstance(reply, _REPLY_ERRORS):
-                    fut.set_exception(reply)
-                else:
-                    fut.set_result(reply)
+            await self._serve(conn)
         except BaseException as exc:
-            # No connection (Redis down), or it was lost or timed out (or this task cancelled
-            # on shutdown): every call written on it and not answered ends with it, as do
-            # those waiting on shutdown; those that came meanwhile go on another connection.
             self._conn = None
-            if conn is not None:
-                await conn.disconnect(nowait=True)  # replies owed on it are never read
-            failed = exc if isinstance(exc, Exception) else RedisConnectionError(
-                "the Redis connection was closed")
-            ended = list(self._sent)
-            self._sent.clear()
-            if conn is None or not isinstance(exc, Exception):
-                ended += [fut for _, fut in self._waiting]
-                self._waiting = []
-            for fut in ended:
-                if not fut.done():
-                    fut.set_exception(failed)
+            await self._fail(exc, conn)
             if not isinstance(exc, Exception):
                 raise
         finally:
-            self._conn, self._task = None, None
+            self._conn = None
             if conn is not None:
                 await self._pool.release(conn)
+            # Cleared only now: a call made during the release joins the waiting ones,
+            # rather than starting a second reader beside the one started below.
+            self._task = None
             if self._waiting:
-                self._task = asyncio.get_running_loop().create_task(self._run())
+                self._start(asyncio.get_running_loop())
+
+    async def _serve(self, conn: AbstractConnection) -> None:
+        """Write what waits and read the replies owed, in order, until none are owed or
+        waiting for a whole turn."""
+        lingered = False
+        while True:
+            if not self._sent:
+                if self._waiting:  # calls that waited behind the replies just read
+                    if not self._write(conn):  # the transport is full, or closed
+                        writer = conn._writer
+                        if writer is None or writer.transport.is_closing():
+                            raise RedisConnectionError("the Redis connection was closed")
+                        await writer.drain()
+                    continue
+                if lingered:
+                    return
+                # The callers of the replies just read run in the next turn, and most call
+                # again: kept, the connection takes their calls at once (WRITE_AT) rather
+                # than from a new task one turn later while Redis waits.
+                lingered = True
+                await asyncio.sleep(0)
+                continue
+            lingered = False
+            try:
+                # Not disconnected by redis-py on an error: a LOADING reply would be one.
+                reply = await conn.read_response(disconnect_on_error=False)
+            except _REPLY_ERRORS as exc:  # this command's error; the connection is fine
+                reply = exc
+            fut = self._sent.popleft()
+            if fut.done():  # its caller gave up meanwhile
+                continue
+            if isinstance(reply, _REPLY_ERRORS):
+                fut.set_exception(reply)
+            else:
+                fut.set_result(reply)
+
+    async def _fail(self, exc: BaseException, conn: AbstractConnection | None) -> None:
+        """No connection (Redis down), or it was lost or timed out, or this task was cancelled
+        (shutdown): every call written on it and not answered ends, as do those waiting when
+        there was no connection or on shutdown; otherwise they go on another connection."""
+        if conn is not None:
+            await conn.disconnect(nowait=True)  # replies owed on it are never read
+        failed = exc if isinstance(exc, Exception) else PipelineClosed(
+            "the Redis connection was closed: shutting down")
+        ended = list(self._sent)
+        self._sent.clear()
+        if conn is None or not isinstance(exc, Exception):
+            ended += [fut for _, fut in self._waiting]
+            self._waiting = []
+        for fut in ended:
+            if not fut.done():
+                fut.set_exception(failed)

@@ -20,7 +20,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from app import data_path
-from app.core.autopipe import AutoPipeline
+from app.core.autopipe import AutoPipeline, PipelineClosed
 
 LUA_DIR = data_path("lua")
 _INCLUDE = re.compile(r"^--@include (\S+)$", re.MULTILINE)
@@ -77,7 +77,10 @@ class Lua:
         try:
             return await self(keys, args)
         except RedisConnectionError as exc:
-            if isinstance(exc, BusyLoadingError):  # up, still loading: again now would fail
+            # Not when Redis is up and still loading (again now would fail), nor when the pool
+            # had no free connection in time, nor on shutdown: each would only wait again.
+            if isinstance(exc, BusyLoadingError | PipelineClosed) or isinstance(
+                    exc.__cause__, TimeoutError):
                 raise
             return await self(keys, args)
 
