@@ -5,7 +5,9 @@ from __future__ import annotations
 import time
 
 import pytest
+from fastapi import APIRouter, FastAPI, Request
 
+from app.routes.fastlane import fast_lane
 from tests.conftest import Gateway
 
 TARGET = "http://127.0.0.1:9/v/gen"
@@ -178,3 +180,28 @@ async def test_daily_quota_counts_the_day_of_the_redis_clock(
                                       json={"target_url": "http://127.0.0.1:9/qd"})).status_code
              for _ in range(8)]
     assert codes == [202] * 5 + [429] * 3
+
+
+def test_a_fixed_route_the_fast_lane_would_shadow_is_refused() -> None:
+    """`GET /t/stats` beside a fast `GET /t/{task_id}` would never reach its own handler."""
+    app, fast, other = FastAPI(), APIRouter(), APIRouter()
+
+    @fast.get("/t/{task_id}")
+    async def show(task_id: str) -> str:
+        return task_id
+
+    @other.get("/t/stats")
+    async def stats() -> str:
+        return "stats"
+
+    async def show_fast(request: Request) -> None:
+        return None
+
+    app.include_router(fast)
+    app.include_router(other)
+    with pytest.raises(ValueError, match="GET /t/stats would be answered by the fast lane"):
+        fast_lane(app, fast, {show: show_fast})
+    unrelated = FastAPI()
+    unrelated.include_router(fast)
+    fast_lane(unrelated, fast, {show: show_fast})  # alone: no complaint
+

@@ -42,7 +42,23 @@ def fast_lane(app: FastAPI, router: APIRouter, handlers: dict[Any, FastHandler])
                 tails[(method, head + "/")] = (route, handler, param[1:-1])
             else:
                 raise ValueError(f"{route.path}: not a path the fast lane matches")
+    _refuse_shadowed(app, tails)
     app.add_middleware(_FastLane, owner=app, exact=exact, tails=tails)
+
+
+def _refuse_shadowed(app: FastAPI, tails: dict[tuple[str, str], Any]) -> None:
+    """A fixed route where a fast route takes a parameter (`GET /tasks/stats` beside `GET
+    /tasks/{task_id}`) would be answered by the fast handler, never by its own (the router
+    would have tried them in order): refused at start rather than shadowed in silence. The
+    OpenAPI document lists the app's routes (FastAPI's own list nests included routers)."""
+    for path, operations in app.openapi().get("paths", {}).items():
+        head, _, last = path.rpartition("/")
+        if "{" in path or not last:
+            continue
+        for method in operations:
+            if (hit := tails.get((method.upper(), head + "/"))) is not None:
+                raise ValueError(f"{method.upper()} {path} would be answered by the fast "
+                                 f"lane's {hit[0].path}")
 
 
 class _FastLane:
