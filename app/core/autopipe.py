@@ -110,12 +110,7 @@ class AutoPipeline:
         end here, or their callers would wait forever."""
         if self._task is task:
             self._task, self._conn = None, None
-            ended = [*self._sent, *(fut for _, fut in self._waiting)]
-            self._sent.clear()
-            self._waiting = []
-            for fut in ended:
-                if not fut.done():
-                    fut.set_exception(PipelineClosed("the auto-pipeline was stopped"))
+            self._end(PipelineClosed("the auto-pipeline was stopped"), waiting=True)
 
     def execute_many(self, calls: list[tuple[Any, ...]]) -> list[asyncio.Future[Any]]:
         """Several commands, as `execute` each, written together now if a connection is held
@@ -242,14 +237,18 @@ class AutoPipeline:
             await conn.disconnect(nowait=True)  # replies owed on it are never read
         failed = exc if isinstance(exc, Exception) else PipelineClosed(
             "the Redis connection was closed: shutting down")
+        self._end(failed, waiting=conn is None or failed is not exc)
+
+    def _end(self, exc: Exception, waiting: bool) -> None:
+        """Fail the calls written and not answered, and with `waiting` those not written."""
         ended = list(self._sent)
         self._sent.clear()
-        if conn is None or not isinstance(exc, Exception):
+        if waiting:
             ended += [fut for _, fut in self._waiting]
             self._waiting = []
         for fut in ended:
             if not fut.done():
-                fut.set_exception(failed)
+                fut.set_exception(exc)
 
 
 class _Watchdog:

@@ -32,6 +32,7 @@ router = APIRouter(prefix="/api/v1", tags=["tasks"])
 TASK_ID = re.compile(r"^[0-9a-f]{32}\.[a-z0-9][a-z0-9_-]{0,63}$")
 AUTHORITY = re.compile(r"^[^:/?#]*://([^/?#]*)")
 IDEM_KEY = re.compile(r"^[\x21-\x7e]{1,128}$")
+MAX_WAIT_S = 30  # the longest a status read may hold for a change (`?wait=`)
 ERRORS: dict[int | str, dict[str, object]] = {
     c: {"model": ErrorResponse} for c in (400, 401, 403, 404, 409, 413, 422, 429, 503)
 }
@@ -116,7 +117,8 @@ def _checked(task_id: str) -> str:
 @router.get("/tasks/{task_id}", response_model=TaskView, responses=ERRORS, operation_id="get_task")
 async def status(
     request: Request, task_id: str,
-    wait: Annotated[float, Query(ge=0, le=30, description="hold until the status changes")] = 0,
+    wait: Annotated[float, Query(ge=0, le=MAX_WAIT_S,
+                                 description="hold until the status changes")] = 0,
 ) -> JSONResponse:
     """A task's status, place in line, estimated wait and result."""
     return await _status(request, task_id, wait)
@@ -135,7 +137,7 @@ async def status_fast(request: Request) -> JSONResponse | None:
             wait = float(raw)
         except ValueError:
             return None
-        if not 0 <= wait <= 30:
+        if not 0 <= wait <= MAX_WAIT_S:
             return None
     return await _status(request, request.path_params["task_id"], wait)
 
