@@ -10,7 +10,7 @@ ARGV[5] pause the upstream asked for (ms; 0 = none), see upstream.lua
 ARGV[6] the failed call's HTTP status ('' if none)   ARGV[7] its exec time (ms)
 ARGV[8] the call's real cost ('' or absent = unknown; 0 when the upstream refused it), ARGV[9..]
 the endpoint's further limits as claim-12.lua takes them: the per-cost ones settle this
-attempt's reservation (limits.lua), as ack-8.lua does; the retry is a new admission, which
+attempt's reservation (limits.lua), as ack-7.lua does; the retry is a new admission, which
 reserves again
 Returns the due time (ms, Redis clock), or 0 when the lease was lost.  The retry is counted in
 the endpoint's stats (KEYS[7], stats.lua), with the failed call.

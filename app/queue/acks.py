@@ -2,9 +2,11 @@
 
 Per task the dispatcher used to make three round trips: the ack (which re-added the endpoint's
 wake marker when work remained), the wake loop's BZPOPMIN of that marker, and the claim. Here
-every ack of a turn shares one pipeline, and an endpoint known to have a backlog gets its claim
-(claim-12.lua, for the slots these acks free) queued right behind its acks: as BullMQ's
-moveToFinished fetches the next job, one round trip finishes a batch and starts the next.
+the acks of a turn go as one script call per endpoint (lua/ack-7.lua: its stats written once
+for all of them, not once a task), and an endpoint known to have a backlog gets its claim
+(claim-12.lua, for the slots these acks free) queued right behind its acks, in the same write:
+as BullMQ's moveToFinished fetches the next job, one round trip finishes a batch and starts the
+next.
 
 The claim runs only while this process has room (its wake loop is not waiting for a slot), so
 another endpoint's marker never waits behind a busy one: then the ack adds the marker as before
@@ -28,21 +30,22 @@ from redis.exceptions import NoScriptError, RedisError
 from app.core.loop import persist
 from app.core.scripts import Lua
 from app.endpoints import EndpointConfig
-from app.queue.claims import Claim
+from app.queue.claims import Claim, pause_ms, real_cost, settle_limits
+from app.queue.upstream import Outcome
 
 if TYPE_CHECKING:
     from app.queue.dispatcher import Dispatcher
 
 log = logging.getLogger(__name__)
-CLAIMS_FOLLOW = "claims"  # ack-8.lua's ARGV[6]: the claim behind it re-adds the marker
+CLAIMS_FOLLOW = "claims"  # ack-7.lua's ARGV[2]: the claim behind it re-adds the marker
 CLAIM_RETRY_S = 1.0
+ACK_KEYS = ("active", "queue", "wake", "stats", "outbox", "hooks", "probe")
 
 
 @dataclass
 class _Ack:
     claim: Claim
-    keys: list[str]
-    args: list[Any]
+    values: list[Any]  # its eight values of ack-7.lua's ARGV
     result: asyncio.Future[int]
 
 
@@ -52,14 +55,36 @@ class AckBatch:
     backlog: dict[str, bool] = field(default_factory=dict)  # endpoint: last seen work waiting
     _pending: list[_Ack] = field(default_factory=list)
 
-    async def ack(self, claim: Claim, keys: list[str], args: list[Any]) -> int:
-        """ack-8.lua for this claim, sent with the others of this turn; its answer."""
+    async def ack(self, claim: Claim, outcome: Outcome, exec_ms: float) -> int:
+        """Finish this claim (ack-7.lua) with the others of this turn: 1, or 0 when its lease
+        was lost."""
         loop = asyncio.get_running_loop()
-        item = _Ack(claim, keys, args, loop.create_future())
+        cost = real_cost(outcome)
+        item = _Ack(claim, [
+            claim.task_id, claim.token, "completed" if outcome.ok else "failed", outcome.text,
+            outcome.status_code or "", round(exec_ms), pause_ms(claim, outcome),
+            "" if cost is None else cost], loop.create_future())
         self._pending.append(item)
         if len(self._pending) == 1:
             loop.call_soon(self.disp._spawn, self._flush())
         return await item.result
+
+    def _call(self, acks: list[_Ack], follow: bool) -> tuple[list[str], list[Any]]:
+        """ack-7.lua's KEYS and ARGV for acks of one endpoint that settle the same limits."""
+        d, ep = self.disp, acks[0].claim.endpoint
+        k, e = d.keys, ep.id
+        limit_keys, limits = settle_limits(ep, k, d.settings.rate_guard_ms)
+        return [*k.of(e, *ACK_KEYS), *limit_keys, *(k.task(a.claim.task_id) for a in acks)], [
+            e, CLAIMS_FOLLOW if follow else "", len(acks), *limits,
+            *(v for a in acks for v in a.values)]
+
+    def _groups(self, batch: list[_Ack]) -> list[list[_Ack]]:
+        """The batch by endpoint: one call each (a changed config's claims apart, should
+        their limits differ)."""
+        groups: dict[tuple[str, int], list[_Ack]] = {}
+        for a in batch:
+            groups.setdefault((a.claim.endpoint.id, id(a.claim.endpoint)), []).append(a)
+        return list(groups.values())
 
     def _claims(self, batch: list[_Ack]) -> dict[str, tuple[EndpointConfig, int]]:
         """The endpoints worth a claim behind these acks, and for how many slots."""
@@ -83,46 +108,54 @@ class AckBatch:
         claims = self._claims(batch)
         for e in claims:  # the claim here serves them: no second one when a slot frees
             d._starved.discard(e)
-        for a in batch:
-            a.args[5] = CLAIMS_FOLLOW if a.claim.endpoint.id in claims else ""
+        groups = self._groups(batch)
+        acks = [self._call(g, g[0].claim.endpoint.id in claims) for g in groups]
         calls = {e: d.claim_call(ep, room) for e, (ep, room) in claims.items()}
         asked = asyncio.get_running_loop().time()
         try:
             res = await Lua.together(d.redis, [
-                *((d.scripts.ack, a.keys, a.args) for a in batch),
+                *((d.scripts.ack, keys, args) for keys, args in acks),
                 *((d.scripts.claim, keys, args) for keys, args in calls.values())])
         except (RedisError, OSError) as exc:
             log.warning("ack batch failed: %s", exc)
-            res = [exc] * (len(batch) + len(calls))
+            res = [exc] * (len(groups) + len(calls))
         if any(isinstance(r, NoScriptError) for r in res):  # Redis restarted or flushed
             await self._load()
-        for a, r in zip(batch, res, strict=False):
+        for group, r in zip(groups, res, strict=False):
             if isinstance(r, Exception):
-                a.args[5] = ""  # on its own: the marker is its to add
-                d._spawn(self._one(a))
+                d._spawn(self._one(group))  # on its own: the marker is its to add
             else:
-                if int(r) != 2:  # its queue is empty: nothing to claim behind the next acks
-                    self.backlog[a.claim.endpoint.id] = False
-                d._done(a.claim)  # its slot is free before the claim behind it starts
-                if not a.result.done():
-                    a.result.set_result(int(r))
-        for (e, (ep, _)), r in zip(claims.items(), res[len(batch):], strict=True):
+                self._acked(group, r)
+        for (e, (ep, _)), r in zip(claims.items(), res[len(groups):], strict=True):
             if isinstance(r, Exception):
                 log.warning("claim failed: %s", r, extra={"endpoint": e})
                 d._claim_later(e, 0 if isinstance(r, NoScriptError) else CLAIM_RETRY_S)
             else:
                 d.claimed(ep, r, asked)
 
-    async def _one(self, a: _Ack) -> None:
-        """An ack the batch could not make, alone, retried through an outage."""
-        d = self.disp
+    def _acked(self, group: list[_Ack], res: list[Any]) -> None:
+        if not int(res[0]):  # its queue is empty: nothing to claim behind the next acks
+            self.backlog[group[0].claim.endpoint.id] = False
+        for a, acked in zip(group, res[1:], strict=True):
+            self.disp._done(a.claim)  # its slot is free before the claim behind it starts
+            if not a.result.done():
+                a.result.set_result(int(acked))
+
+    async def _one(self, group: list[_Ack]) -> None:
+        """Acks the batch could not make, alone, retried through an outage."""
+        keys, args = self._call(group, follow=False)
         try:
-            acked = await persist("ack", lambda: d.scripts.ack(keys=a.keys, args=a.args))
+            res = await persist("ack", lambda: self.disp.scripts.ack(keys=keys, args=args))
         except asyncio.CancelledError:
-            a.result.cancel()  # stopping: its waiter ends with it
+            for a in group:
+                a.result.cancel()  # stopping: its waiter ends with it
             raise
-        if not a.result.done():
-            a.result.set_result(int(acked or 0))
+        if res is None:  # given up: the leases run out and the reaper hands them back
+            for a in group:
+                if not a.result.done():
+                    a.result.set_result(0)
+        else:
+            self._acked(group, res)
 
     async def _load(self) -> None:
         try:

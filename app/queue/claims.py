@@ -46,7 +46,7 @@ class Claim:
 
 def limit_keys(keys: Keys, endpoint: EndpointConfig) -> list[str]:
     """The further limits' state and pace keys, two a limit in the order further_limits passes
-    the limits: the KEYS claim-12.lua and ack-8.lua take after their fixed ones."""
+    the limits: the KEYS claim-12.lua, ack-7.lua and retry-8.lua take after their fixed ones."""
     e = endpoint.id
     return [key for x in endpoint.limits for key in (
         keys.further_limit(e, x.limiter, x.per, x.rate, x.interval_ms),
@@ -62,18 +62,34 @@ def claim_keys(keys: Keys, endpoint: EndpointConfig) -> list[str]:
             keys.pace(e, kind, endpoint.rate, endpoint.interval_ms), *limit_keys(keys, endpoint)]
 
 
+def settle_limits(endpoint: EndpointConfig, keys: Keys, guard_ms: int
+                  ) -> tuple[list[str], list[str | int]]:
+    """The limits a call's real cost settles, as ack-7.lua and retry-8.lua take them: their
+    state keys, then their count and specs (further_limits); none (a count of 0) when the
+    endpoint has no per-cost limit."""
+    if endpoint.max_cost is None:
+        return [], [0]
+    return limit_keys(keys, endpoint), further_limits(endpoint, guard_ms)
+
+
+def real_cost(outcome: Outcome) -> int | None:
+    """What a call spent of per-cost limits (None: unknown, nothing settles). A call the
+    upstream refused with a pause (429/503 with Retry-After or its reset) spent nothing
+    there: it settles to 0, or each refused attempt would spend the budget its retry reserves
+    again."""
+    return 0 if refused(outcome) else outcome.cost
+
+
 def settle_args(claim: Claim, outcome: Outcome, keys: Keys, guard_ms: int
                 ) -> tuple[list[str], list[str | int]]:
-    """ack-8.lua's KEYS[9..] and ARGV[10..] (retry-8.lua's KEYS[9..] and ARGV[8..]): the
-    limits' state keys, the real cost and the limits it settles; nothing when there is nothing
-    to settle (no per-cost limit, or no real cost read). A call the upstream refused with a
-    pause (429/503 with Retry-After or its reset) spent nothing there: it settles to 0, or
-    each refused attempt would spend the budget its retry reserves again."""
-    cost = 0 if refused(outcome) else outcome.cost
+    """retry-8.lua's KEYS[9..] and ARGV[8..]: the limits' state keys, the real cost and the
+    limits it settles; nothing when there is nothing to settle (no per-cost limit, or no
+    real cost read)."""
+    cost = real_cost(outcome)
     if cost is None or claim.endpoint.max_cost is None:
         return [], []
-    return (limit_keys(keys, claim.endpoint),
-            [cost, *further_limits(claim.endpoint, guard_ms)])
+    limits, spec = settle_limits(claim.endpoint, keys, guard_ms)
+    return limits, [cost, *spec]
 
 
 def refused(outcome: Outcome) -> bool:

@@ -334,14 +334,9 @@ class Dispatcher:
             self._claim_later(e, delay)
 
     async def _finish(self, claim: Claim, outcome: Outcome, exec_ms: float) -> None:
-        k, e = self.keys, claim.endpoint.id
+        e = claim.endpoint.id
         status = "completed" if outcome.ok else "failed"
-        limit_keys, settle = settle_args(claim, outcome, k, self.settings.rate_guard_ms)
-        acked = await self.acks.ack(claim, [
-            k.active(e), k.task(claim.task_id),
-            *k.of(e, "queue", "wake", "stats", "outbox", "hooks", "probe"), *limit_keys], [
-            claim.task_id, claim.token, status, outcome.text, outcome.status_code or "", "", e,
-            round(exec_ms), pause_ms(claim, outcome), *settle])
+        acked = await self.acks.ack(claim, outcome, exec_ms)
         extra = {"task_id": claim.task_id, "endpoint": e, "status": status,
                  "code": outcome.status_code, "attempts": claim.attempts}
         if acked and outcome.ok:

@@ -50,7 +50,7 @@ class Limit:
 
 
 def further_limits(endpoint: EndpointConfig, guard_ms: int) -> list[str | int]:
-    """The endpoint's further limits as claim-12.lua (ARGV[12..]) and ack-8.lua (ARGV[11..]) take
+    """The endpoint's further limits as claim-12.lua (ARGV[12..]) and ack-7.lua (ARGV[4..]) take
     them: a count, then kind, rate, interval, guard, per each; nothing when it has none, so such
     an endpoint's claims run exactly as before."""
     if not endpoint.limits:

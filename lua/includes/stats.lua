@@ -59,6 +59,14 @@ local function stats_ema(stats, field, value)
   redis.call('HSET', stats, field, string.format('%.1f', avg * 0.9 + value * 0.1))
 end
 
+-- The same for several values in order (one read and one write).
+local function stats_ema_many(stats, field, values)
+  if #values == 0 then return end
+  local avg = tonumber(redis.call('HGET', stats, field) or values[1])
+  for _, v in ipairs(values) do avg = avg * 0.9 + v * 0.1 end
+  redis.call('HSET', stats, field, string.format('%.1f', avg))
+end
+
 -- Remember a failure for the dashboard: the `n`th failure overwrites the one FAIL_KEEP before.
 local function stats_failure(stats, n, now, id, code, reason)
   reason = reason or ''

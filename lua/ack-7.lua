@@ -1,0 +1,117 @@
+--[[ Finish claimed tasks of one endpoint, each if its caller still holds its lease: the acks of
+one event-loop turn in one call (app/queue/acks.py), their stats written once for all.
+KEYS[1] active    KEYS[2] queue    KEYS[3] wake    KEYS[4] stats    KEYS[5] outbox
+KEYS[6] hooks (lifecycle.lua)    KEYS[7] probe (upstream.lua)
+KEYS[8..] the further limits' state and pace keys, two per limit of ARGV[4..] (limits.lua),
+then the tasks' hashes, one per task of ARGV, in that order
+ARGV[1] endpoint id
+ARGV[2] 'claims' when the caller runs claim-12.lua for this endpoint right after, in the same
+pipeline (it then leaves the wake marker to that claim); anything else: the marker is added here
+ARGV[3] how many tasks
+ARGV[4] how many further limits settle (0 = none), then kind, rate, interval, guard, per each,
+as claim-12.lua takes them (ARGV[12..]): the per-cost ones settle a task's reservation (its
+`cost` field) to its real cost
+then eight values a task: id, lease token, final status ('completed' | 'failed'), result,
+result status code ('' if none), exec time of the last attempt (ms; -1 = no call made), the
+pause the upstream asked for (ms; 0 = none, see upstream.lua), the call's real cost ('' =
+unknown: nothing settles)
+Returns {1 when tasks still wait in the queue else 0, then per task 1, or 0 when its lease was
+lost (reaped and claimed again: the newer attempt wins)}.
+Finished tasks go to the endpoint's outbox (see lifecycle.lua).
+]]
+--@include now.lua
+--@include stats.lua
+--@include lifecycle.lua
+--@include upstream.lua
+--@include events.lua
+--@include ratelimit.lua
+--@include limits.lua
+
+local active, queue, stats, probe = KEYS[1], KEYS[2], KEYS[4], KEYS[7]
+local n, nlim = tonumber(ARGV[3]), tonumber(ARGV[4])
+local first_task, first_arg = 8 + 2 * nlim, 5 + 5 * nlim
+local now = now_ms()
+local limits = nil  -- parsed when a task has a real cost to settle
+local probing = redis.call('GET', probe)  -- the probe's lease token, if one is out
+local out, ended = {0}, {}
+local count = {completed = 0, failed = 0}
+local exec_ms, slot_ms = {}, {}  -- for the moving averages, in order
+local incr, sums = {}, {}  -- counter and histogram fields, each incremented once at the end
+local failures = {}
+
+local function observe(name, ms)
+  local field
+  ms, field = stats_bucket(name, ms)
+  incr[field] = (incr[field] or 0) + 1
+  sums[name] = (sums[name] or 0) + ms
+end
+
+for i = 0, n - 1 do
+  local a, task = first_arg + 8 * i, KEYS[first_task + i]
+  local id, token, status = ARGV[a], ARGV[a + 1], ARGV[a + 2]
+  local f = redis.call('HMGET', task, 'lease', 'started_at', 'cost', 'callback_url')
+  if f[1] ~= token then
+    out[#out + 1] = 0
+  else
+    out[#out + 1] = 1
+    local started, real = tonumber(f[2]), tonumber(ARGV[a + 7])
+    if real and nlim > 0 then
+      limits = limits or lim_parse(ARGV, 4, KEYS, 8)
+      for _, l in ipairs(limits) do
+        lim_settle(l, token, tonumber(f[3]) or 1, real, started or now, now)
+      end
+    end
+    local pause = tonumber(ARGV[a + 6]) or 0
+    if pause > 0 then
+      upstream_pause(stats, probe, now, pause)
+      probing = false
+    elseif probing == token then
+      upstream_call_ended(stats, probe, token, status == 'completed')
+      probing = false
+    end
+    redis.call('HSET', task, 'status', status, 'result', ARGV[a + 3],
+      'result_status_code', ARGV[a + 4], 'ended_at', now)
+    redis.call('HDEL', task, 'lease', 'deadline')
+    to_outbox(KEYS[5], KEYS[6], task, id, now, f[4] ~= false)
+    ended[#ended + 1] = id
+    count[status] = count[status] + 1
+    local exec = tonumber(ARGV[a + 5])
+    if status == 'completed' and exec >= 0 then
+      exec_ms[#exec_ms + 1] = exec
+      observe('upstream_ms', exec)
+    elseif status == 'failed' then
+      failures[#failures + 1] = {id, ARGV[a + 4], ARGV[a + 3]}
+      if exec >= 0 then
+        local code, class = tonumber(ARGV[a + 4]), 'none'
+        if code and code >= 200 and code < 600 then class = math.floor(code / 100) .. 'xx' end
+        incr['fail_' .. class] = (incr['fail_' .. class] or 0) + 1  -- stats_call_failed's
+        observe('upstream_failed_ms', exec)
+      end
+    end
+    -- How long it held its slot, claim to here (stats.lua `slot_ms`): the wait estimate's.
+    if started then slot_ms[#slot_ms + 1] = now - started end
+  end
+end
+
+if #ended > 0 then
+  redis.call('ZREM', active, unpack(ended))
+  publish_changed(active, ended)
+  if count.completed > 0 then redis.call('HINCRBY', stats, 'completed', count.completed) end
+  if count.failed > 0 then
+    local total = redis.call('HINCRBY', stats, 'failed', count.failed)
+    for i, x in ipairs(failures) do
+      stats_failure(stats, total - #failures + i, now, x[1], x[2], x[3])
+    end
+  end
+  for field, c in pairs(incr) do redis.call('HINCRBY', stats, field, c) end
+  for name, ms in pairs(sums) do redis.call('HINCRBY', stats, name .. ':sum', ms) end
+  stats_ema_many(stats, 'exec_ms', exec_ms)
+  stats_ema_many(stats, 'slot_ms', slot_ms)
+  stats_tick(stats, 'done', now, #ended)
+end
+if redis.call('ZCARD', queue) == 0 then return out end
+out[1] = 1
+if ARGV[2] ~= 'claims' then
+  redis.call('ZADD', KEYS[3], 'NX', now, ARGV[1])  -- a slot is free: worth a claim
+end
+return out
