@@ -5,6 +5,7 @@ repeatable script call (app/core/scripts.py) outlives a connection lost under it
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -16,7 +17,7 @@ from redis.exceptions import BusyLoadingError, DataError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from app.core.autopipe import BATCH_CALLS, AutoPipeline, PipelineClosed
+from app.core.autopipe import BATCH_CALLS, IDLE_S, AutoPipeline, PipelineClosed
 from app.core.scripts import Lua
 from app.runtime import redis_client
 from tests.servers import RedisServer
@@ -49,20 +50,23 @@ async def piped(redis_server: RedisServer) -> AsyncIterator[Piped]:
         await r.aclose()
 
 
-async def _connections(r: Redis) -> int:
-    return int((await r.info("stats"))["total_connections_received"])
+async def _connections(ap: AutoPipeline) -> int:
+    """Connections Redis has accepted, asked on the auto-pipeline's own connection (which it
+    keeps a moment after its last reply: a call through the pool would open another)."""
+    info = await ap.execute("INFO", "stats")
+    return int(re.search(r"total_connections_received:(\d+)", info).group(1))  # type: ignore[union-attr]
 
 
 async def test_concurrent_calls_share_one_connection_in_order(piped: Piped) -> None:
     r, ap, key = piped.redis, piped.ap, piped.key
     await r.ping()  # the pool's first connection, before counting
-    before = await _connections(r)
+    before = await _connections(ap)
     n = 2 * BATCH_CALLS + 100  # three batches: none larger than the cap
     replies = await asyncio.gather(*(ap.execute("EVAL", PUSH, 1, key, i) for i in range(n)))
     assert [int(v) for v, _ in replies] == list(range(n))  # each its own reply
     assert sorted(int(c) for _, c in replies) == list(range(1, n + 1))
-    assert [int(v) for v in await r.lrange(key, 0, -1)] == list(range(n))  # call order
-    assert await _connections(r) == before  # the pooled connection carried them all
+    assert [int(v) for v in await ap.execute("LRANGE", key, 0, -1)] == list(range(n))  # in order
+    assert await _connections(ap) == before  # the pooled connection carried them all
 
 
 async def test_callers_calling_again_keep_their_order_on_one_connection(piped: Piped) -> None:
@@ -70,18 +74,18 @@ async def test_callers_calling_again_keep_their_order_on_one_connection(piped: P
     are owed (app/core/autopipe.py, WRITE_AT), on the one connection, each caller's in order."""
     r, ap, key = piped.redis, piped.ap, piped.key
     await r.ping()
-    before = await _connections(r)
+    before = await _connections(ap)
 
     async def caller(c: int) -> list[str]:
         return [(await ap.execute("EVAL", PUSH, 1, key, f"{c}:{i}"))[0] for i in range(50)]
 
     answered = await asyncio.gather(*(caller(c) for c in range(10)))
     assert answered == [[f"{c}:{i}" for i in range(50)] for c in range(10)]
-    pushed = await r.lrange(key, 0, -1)
+    pushed = await ap.execute("LRANGE", key, 0, -1)
     assert sorted(pushed) == sorted(v for a in answered for v in a)
     for c in range(10):
         assert [v for v in pushed if v.startswith(f"{c}:")] == answered[c]
-    assert await _connections(r) == before
+    assert await _connections(ap) == before
 
 
 async def test_large_calls_all_go_in_order(piped: Piped) -> None:
@@ -115,13 +119,31 @@ async def test_a_loading_reply_is_its_callers_alone(piped: Piped) -> None:
     is still one command's reply: the calls behind it get theirs, on the same connection."""
     r, ap, key = piped.redis, piped.ap, piped.key
     await r.ping()
-    before = await _connections(r)
+    before = await _connections(ap)
     calls = [ap.execute("EVAL", LOADING if i == 2 else PUSH, 1, key, i) for i in range(6)]
     results = await asyncio.gather(*calls, return_exceptions=True)
     assert isinstance(results[2], BusyLoadingError)
     assert [int(res[0]) for res in results if isinstance(res, list)] == [0, 1, 3, 4, 5]
-    assert await r.llen(key) == 5
-    assert await _connections(r) == before
+    assert await ap.execute("LLEN", key) == 5
+    assert await _connections(ap) == before
+
+
+async def test_a_connection_kept_idle_and_closed_by_redis_is_not_written_to(
+    piped: Piped,
+) -> None:
+    """The reader keeps its connection a moment (IDLE_S) for the next calls; one Redis closed
+    meanwhile (CLIENT KILL, as a restart would) is seen closed before anything is written on
+    it: the next calls go on a new connection and succeed, as the pool's check would have
+    them. Then, quiet for longer than IDLE_S, the connection goes back to the pool."""
+    r, ap, key = piped.redis, piped.ap, piped.key
+    held = await ap.execute("CLIENT", "ID")
+    assert await r.client_kill_filter(_id=held) == 1
+    await asyncio.sleep(IDLE_S / 5)  # the close reaches this process; the reader still waits
+    results = await asyncio.gather(*(ap.execute("EVAL", PUSH, 1, key, i) for i in range(5)))
+    assert [int(v) for v, _ in results] == list(range(5))
+    assert await ap.execute("CLIENT", "ID") != held
+    await asyncio.sleep(IDLE_S * 3)
+    assert not list(r.connection_pool._get_in_use_connections())
 
 
 class _Dropper:

@@ -31,6 +31,7 @@ import aiohttp
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
+from app.core.blocking import HeldPop
 from app.core.keys import Keys
 from app.core.loop import backoff, persist
 from app.core.registry import EndpointRegistry, cancel_all
@@ -165,11 +166,18 @@ class Dispatcher:
     # -- claiming ---------------------------------------------------------------------------
 
     async def _wake_loop(self, wake: str) -> None:
+        pops = HeldPop(self.blocking)
+        try:
+            await self._wake_on(wake, pops)
+        finally:
+            await pops.close()
+
+    async def _wake_on(self, wake: str, pops: HeldPop) -> None:
         failures = 0
         while not self.stopping.is_set():
             await self._room.wait()
             try:
-                item = await self.blocking.bzpopmin(wake, timeout=WAKE_BLOCK_S)
+                item = await pops.bzpopmin(wake, WAKE_BLOCK_S)
             except (RedisError, OSError) as exc:
                 failures += 1
                 await backoff("wake", exc, failures)
