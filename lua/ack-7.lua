@@ -17,11 +17,10 @@ pause the upstream asked for (ms; 0 = none, see upstream.lua), the call's real c
 unknown: nothing settles)
 Returns {1 when tasks still wait in the queue else 0, then per task 1, or 0 when its lease was
 lost (reaped and claimed again: the newer attempt wins)}.
-Finished tasks go to the endpoint's outbox (see lifecycle.lua).
+Finished tasks go to the endpoint's outbox (see lua/includes/lifecycle.lua).
 ]]
 --@include now.lua
 --@include stats.lua
---@include lifecycle.lua
 --@include upstream.lua
 --@include events.lua
 --@include ratelimit.lua
@@ -33,7 +32,7 @@ local first_task, first_arg = 8 + 2 * nlim, 5 + 5 * nlim
 local now = now_ms()
 local limits = nil  -- parsed when a task has a real cost to settle
 local probing = redis.call('GET', probe)  -- the probe's lease token, if one is out
-local out, ended = {0}, {}
+local out, ended, outbox = {0}, {}, {}  -- outbox: score, id of each, for one ZADD
 local count = {completed = 0, failed = 0}
 local exec_ms, slot_ms = {}, {}  -- for the moving averages, in order
 local incr, sums = {}, {}  -- counter and histogram fields, each incremented once at the end
@@ -69,11 +68,19 @@ for i = 0, n - 1 do
       upstream_call_ended(stats, probe, token, status == 'completed')
       probing = false
     end
-    redis.call('HSET', task, 'status', status, 'result', ARGV[a + 3],
-      'result_status_code', ARGV[a + 4], 'ended_at', now)
+    -- To the outbox as lifecycle.lua's to_outbox, for many: a leased task has no TTL to take
+    -- away (the claim took it, and nothing sets one while it runs), and one ZADD takes them all.
+    if f[4] then
+      redis.call('HSET', task, 'status', status, 'result', ARGV[a + 3],
+        'result_status_code', ARGV[a + 4], 'ended_at', now, 'hook', now, 'hook_tries', 0)
+      redis.call('ZADD', KEYS[6], now, id)
+    else
+      redis.call('HSET', task, 'status', status, 'result', ARGV[a + 3],
+        'result_status_code', ARGV[a + 4], 'ended_at', now)
+    end
     redis.call('HDEL', task, 'lease', 'deadline')
-    to_outbox(KEYS[5], KEYS[6], task, id, now, f[4] ~= false)
     ended[#ended + 1] = id
+    outbox[#outbox + 1], outbox[#outbox + 2] = now, id
     count[status] = count[status] + 1
     local exec = tonumber(ARGV[a + 5])
     if status == 'completed' and exec >= 0 then
@@ -94,7 +101,8 @@ for i = 0, n - 1 do
 end
 
 if #ended > 0 then
-  redis.call('ZREM', active, unpack(ended))
+  call_many('ZREM', active, ended, 1000)
+  call_many('ZADD', KEYS[5], outbox, 1000)
   publish_changed(active, ended)
   if count.completed > 0 then redis.call('HINCRBY', stats, 'completed', count.completed) end
   if count.failed > 0 then

@@ -10,12 +10,10 @@
 -- beside the outbox (same hash tag, same slot; the caller passes it), and the field `hook` = when it ended, which
 -- names the delivery (app/queue/webhooks.py) and keeps the task in Redis until the webhook is
 -- delivered or given up (saved-1.lua and status-6.lua set no TTL while it is there).
--- `hooked`: whether the task has one, when the caller has read it already.
-local function to_outbox(outbox, hooks, task, id, now, hooked)
+local function to_outbox(outbox, hooks, task, id, now)
   redis.call('PERSIST', task)
   redis.call('ZADD', outbox, now, id)
-  if hooked == nil then hooked = redis.call('HEXISTS', task, 'callback_url') == 1 end
-  if hooked then
+  if redis.call('HEXISTS', task, 'callback_url') == 1 then
     redis.call('HSET', task, 'hook', now, 'hook_tries', 0)
     redis.call('ZADD', hooks, now, id)
   end
