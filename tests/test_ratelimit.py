@@ -21,7 +21,6 @@ import pytest
 from redis.asyncio import Redis
 
 from app.endpoints import Limiter as Kind
-from app.queue.dispatcher import SHARE
 from app.ratelimit import Limit, Limiter
 from app.ratelimit.sent import SendTimes
 from app.runtime import Runtime
@@ -274,7 +273,7 @@ async def test_two_dispatcher_processes_share_one_limit(
     """Calls last long enough that one process alone could start only 15 a second, so a rate
     near 20 means both worked; the limit must hold for their sum."""
     rate, interval, n = 20, 1000, 140  # 6 s of backlog
-    slots = int(8 * SHARE)  # what a process with 8 slots gives one endpoint
+    slots = 8  # a process of 8 slots gives them all to an endpoint with work alone
     latency_ms = str(round(slots * 1000 / 15))
     url = f"{fresh_upstream}/pair"
     await gateway.add_endpoint("pair", url, rate=rate, interval_ms=interval)

@@ -8,13 +8,18 @@ for all of them, not once a task), and an endpoint known to have a backlog gets 
 as BullMQ's moveToFinished fetches the next job, one round trip finishes a batch and starts the
 next.
 
-The claim runs only while this process has room (its wake loop is not waiting for a slot), so
-another endpoint's marker never waits behind a busy one: then the ack adds the marker as before
-and the wake loop takes the endpoints in marker order. An endpoint whose last ack or claim saw
-an empty queue is not claimed for (a claim of nothing would cost its script), nor one whose
-limiter holds it (its timer claims it at the exact moment), nor one whose cap in Redis bound
-the last claim: its freed slots go by marker to whichever dispatcher pops it first, as before,
-or the dispatcher holding them would keep them all.
+The claim runs only while this process has room (its wake loop is not waiting for a slot), or
+when it is full with this endpoint's calls alone, so another endpoint's marker never waits
+behind a busy one: then the ack adds the marker as before and the wake loop takes the endpoints
+in marker order. (Full with one endpoint, the wake loop still runs each time the acks free its
+slots, before the claim behind them takes them again: it meets another endpoint's marker then,
+finds no room, and that endpoint, starved, ends the first one being alone.)
+
+An endpoint whose last ack or claim saw an empty queue is not claimed for (a claim of nothing
+would cost its script), nor one whose limiter holds it (its timer claims it at the exact
+moment), nor one whose cap in Redis bound the last claim: its freed slots go by marker to
+whichever dispatcher pops it first, as before, or the dispatcher holding them would keep them
+all.
 """
 
 from __future__ import annotations
@@ -89,14 +94,15 @@ class AckBatch:
     def _claims(self, batch: list[_Ack]) -> dict[str, tuple[EndpointConfig, int]]:
         """The endpoints worth a claim behind these acks, and for how many slots."""
         d = self.disp
-        if d.stopping.is_set() or not d._room.is_set():
+        if d.stopping.is_set():
             return {}
+        full = not d._room.is_set()
         freed = Counter(a.claim.endpoint.id for a in batch)
         out = {}
         for e, n in freed.items():
             ep = d.registry.get(e)
             if (self.backlog.get(e) and ep is not None and ep.enabled and not ep.paused
-                    and e not in d._retries):
+                    and e not in d._retries and (not full or d.alone(e))):
                 room = d._room_for(e) + n
                 if room > 0:
                     out[e] = (ep, room)

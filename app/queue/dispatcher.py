@@ -2,7 +2,9 @@
 
 One process serves every endpoint.  Claims happen one endpoint at a time, but calls run as
 independent asyncio tasks, so a slow endpoint only ever holds its own slots; and no endpoint may
-hold more than `SHARE` of this process's capacity, so a backlog on one never starves the rest.
+hold more than `SHARE` of this process's capacity while another has work here, so a backlog on
+one never starves the rest (alone, it may take every slot: a share kept for nobody was a
+quarter of the process idle).
 A rate-limited endpoint is left alone until the exact moment its limiter names, while the
 others carry on (no back-off sleep of the whole loop, unlike the seed).
 
@@ -247,9 +249,18 @@ class Dispatcher:
             self._claim_later(endpoint.id, wait_ms / 1000)
 
     def _room_for(self, endpoint_id: str) -> int:
-        # At least one slot: a process of one slot has a share of 0.75, which claimed nothing.
-        return min(self.capacity - len(self.inflight),
-                   max(1, int(self.capacity * SHARE)) - self.per_endpoint[endpoint_id])
+        share = self.capacity
+        if not self.alone(endpoint_id):
+            # At least one slot: a process of one slot has a share of 0.75, which claimed
+            # nothing.
+            share = max(1, int(self.capacity * SHARE))
+        return min(self.capacity - len(self.inflight), share - self.per_endpoint[endpoint_id])
+
+    def alone(self, endpoint_id: str) -> bool:
+        """Whether only this endpoint has calls in flight here, and no other was woken while
+        the process had no room for it (another's marker met while full shows as starved)."""
+        return (len(self.inflight) == self.per_endpoint[endpoint_id]
+                and self._starved <= {endpoint_id})
 
     def _claim_later(self, endpoint_id: str, delay_s: float) -> None:
         """Claim again after `delay_s`, keeping one timer per endpoint: every ack of a limited
