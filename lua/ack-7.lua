@@ -32,7 +32,7 @@ local first_task, first_arg = 8 + 2 * nlim, 5 + 5 * nlim
 local now = now_ms()
 local limits = nil  -- parsed when a task has a real cost to settle
 local probing = redis.call('GET', probe)  -- the probe's lease token, if one is out
-local out, ended, outbox = {0}, {}, {}  -- outbox: score, id of each, for one ZADD
+local out, ended = {0}, {}
 local count = {completed = 0, failed = 0}
 local exec_ms, slot_ms = {}, {}  -- for the moving averages, in order
 local incr, sums = {}, {}  -- counter and histogram fields, each incremented once at the end
@@ -68,8 +68,12 @@ for i = 0, n - 1 do
       upstream_call_ended(stats, probe, token, status == 'completed')
       probing = false
     end
-    -- To the outbox as lifecycle.lua's to_outbox, for many: a leased task has no TTL to take
-    -- away (the claim took it, and nothing sets one while it runs), and one ZADD takes them all.
+    -- Each task whole before the next (a call failing half-way leaves the ones before it
+    -- finished, the rest leased as they were). To the outbox as lifecycle.lua's to_outbox,
+    -- but no PERSIST: a leased task has no TTL to take away (the claim took it, and nothing
+    -- sets one while it runs).
+    redis.call('ZREM', active, id)
+    redis.call('ZADD', KEYS[5], now, id)
     if f[4] then
       redis.call('HSET', task, 'status', status, 'result', ARGV[a + 3],
         'result_status_code', ARGV[a + 4], 'ended_at', now, 'hook', now, 'hook_tries', 0)
@@ -80,7 +84,6 @@ for i = 0, n - 1 do
     end
     redis.call('HDEL', task, 'lease', 'deadline')
     ended[#ended + 1] = id
-    outbox[#outbox + 1], outbox[#outbox + 2] = now, id
     count[status] = count[status] + 1
     local exec = tonumber(ARGV[a + 5])
     if status == 'completed' and exec >= 0 then
@@ -101,8 +104,6 @@ for i = 0, n - 1 do
 end
 
 if #ended > 0 then
-  call_many('ZREM', active, ended, 1000)
-  call_many('ZADD', KEYS[5], outbox, 1000)
   publish_changed(active, ended)
   if count.completed > 0 then redis.call('HINCRBY', stats, 'completed', count.completed) end
   if count.failed > 0 then

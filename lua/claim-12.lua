@@ -73,12 +73,10 @@ end
 -- Its active count, read once and kept as this run adds to it (no ZCARD per task).
 local active = cap > 0 and redis.call('ZCARD', KEYS[2]) or 0
 local waits, waited = {}, 0  -- queue_wait_ms observations, written once at the end
--- The head of the line, read a batch at a time (not one ZRANGE per task), and the ids
--- claimed and their lease deadlines: they move from the queue to the active set in two
--- commands at the end, the active set first (a script that fails half-way leaves them in
--- the queue, to be claimed again; never in neither).
+-- The head of the line, read a batch at a time (not one ZRANGE per task). Each task leaves
+-- the queue as it is claimed (a claim failing half-way leaves every task either claimed or
+-- queued as it was), so the next batch is read from the front again.
 local heads, h = {}, 1
-local leased, moved = {}, {}
 while true do
   if claimed >= n then break end
   if cap > 0 and active >= cap then out[1] = 'full'; break end
@@ -86,8 +84,8 @@ while true do
     local want = n - claimed
     if cap > 0 then want = math.min(want, cap - active) end
     -- Read, not popped: a limiter that fails (a script error keeps what was written) must
-    -- not lose the task. Those claimed this run are still at the front.
-    heads, h = redis.call('ZRANGE', KEYS[1], claimed, claimed + want - 1), 1
+    -- not lose the task.
+    heads, h = redis.call('ZRANGE', KEYS[1], 0, want - 1), 1
     if #heads == 0 then out[1] = 'empty'; break end
   end
   local id = heads[h]
@@ -107,15 +105,14 @@ while true do
     if #limits == 0 then wait = rl_acquire(kind, KEYS[3], KEYS[12], rate, interval, guard, now, token)
     else wait, binding = lim_acquire(limits, now, token, tonumber(tf[3]) or 1) end
     if wait > 0 then out[1] = 'limited'; out[2] = wait; limited_by = lim_name(binding); break end
+    redis.call('ZREM', KEYS[1], id)
     -- Started, it has no pending deadline left (expire-5.lua): a per_user endpoint lists
     -- every task there, which must not hold each one for a whole pending TTL. Only tasks
     -- submit-11.lua put there (marked `dl`): no extra command per task for the others.
     if tf[4] then redis.call('ZREM', deadlines, id) end
     local deadline = now + lease
     if ttype == 'online' then deadline = now + permit_ttl end
-    leased[#leased + 1], leased[#leased + 2] = deadline, id
-    moved[#moved + 1] = id
-    active = active + 1
+    active = active + redis.call('ZADD', KEYS[2], deadline, id)
     local attempts = (tonumber(tf[5]) or 0) + 1
     redis.call('HSET', task, 'status', 'processing', 'lease', token, 'started_at', now,
       'deadline', deadline, 'attempts', attempts)
@@ -137,10 +134,6 @@ while true do
     out[k + 6], out[k + 7], out[k + 8], out[k + 9], out[k + 10] = req[2], req[3], req[4], req[5],
       tf[3] or 1
   end
-end
-if #moved > 0 then
-  call_many('ZADD', KEYS[2], leased, 1000)
-  call_many('ZREM', KEYS[1], moved, 1000)
 end
 for field, count in pairs(waits) do redis.call('HINCRBY', stats, field, count) end
 if next(waits) then redis.call('HINCRBY', stats, 'queue_wait_ms:sum', waited) end

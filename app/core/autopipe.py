@@ -139,7 +139,7 @@ class AutoPipeline:
         writer = conn._writer  # redis-py's stream: a write is queued, not awaited (no drain)
         wrote = False
         while self._waiting:
-            if _closed(conn):
+            if connection_closed(conn):
                 break  # closed under us (the client's aclose, Redis gone): the read fails
             if writer.transport.get_write_buffer_size() >= BATCH_BYTES:  # type: ignore[union-attr]
                 break  # Redis is slow to read large calls: not in memory twice
@@ -208,7 +208,7 @@ class AutoPipeline:
             if not self._sent:
                 if self._waiting:  # calls that waited behind the replies just read
                     if not self._write(conn):  # the transport is full, or closed
-                        if _closed(conn):
+                        if connection_closed(conn):
                             raise RedisConnectionError("the Redis connection was closed")
                         await conn._writer.drain()  # type: ignore[union-attr]
                     continue
@@ -275,7 +275,7 @@ class AutoPipeline:
                 fut.set_exception(exc)
 
 
-def _closed(conn: AbstractConnection) -> bool:
+def connection_closed(conn: AbstractConnection) -> bool:
     """Closed, or closed by Redis (a connection held idle may be: a restart, CLIENT KILL);
     what the pool checks before it lends a connection."""
     writer, reader = conn._writer, conn._reader

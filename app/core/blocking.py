@@ -11,6 +11,8 @@ from hiredis import pack_command
 from redis.asyncio import Redis
 from redis.asyncio.connection import AbstractConnection, ConnectionPool
 
+from app.core.autopipe import connection_closed
+
 
 class HeldPop:
     """BZPOPMIN of one key at a time, on one connection kept between calls; on a Cluster
@@ -27,6 +29,8 @@ class HeldPop:
         """[key, member, score], or None after `timeout_s` with nothing to pop."""
         if self._pool is None:
             return await self._redis.bzpopmin(key, timeout=timeout_s)
+        if self._conn is not None and connection_closed(self._conn):
+            await self.close()  # closed by Redis while it waited (a restart): not written to
         if self._conn is None:
             self._conn = await self._pool.get_connection()  # type: ignore[no-untyped-call]
         conn = self._conn
@@ -35,7 +39,7 @@ class HeldPop:
             command: tuple[Any, ...] = ("BZPOPMIN", key, timeout_s)
             packed = self._packed[key, timeout_s] = pack_command(command)
         try:
-            if conn._writer is None:
+            if conn._writer is None:  # the pool lends connections not yet connected
                 await conn.connect()
             # Written, not sent through redis-py's send_command (a timeout and a drain each
             # time): a few dozen bytes go at once, and the read below has the timeout.

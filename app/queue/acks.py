@@ -9,11 +9,11 @@ as BullMQ's moveToFinished fetches the next job, one round trip finishes a batch
 next.
 
 The claim runs only while this process has room (its wake loop is not waiting for a slot), or
-when it is full with this endpoint's calls alone, so another endpoint's marker never waits
-behind a busy one: then the ack adds the marker as before and the wake loop takes the endpoints
-in marker order. (Full with one endpoint, the wake loop still runs each time the acks free its
-slots, before the claim behind them takes them again: it meets another endpoint's marker then,
-finds no room, and that endpoint, starved, ends the first one being alone.)
+when it is full with the quick calls of this endpoint alone, so another endpoint's marker never
+waits behind a busy one: then the ack adds the marker as before and the wake loop takes the
+endpoints in marker order. (Full with one endpoint, the wake loop still runs each time the acks
+free its slots, before the claim behind them takes them again: it meets another endpoint's
+marker then, finds no room, and that endpoint, starved, ends the first one being alone.)
 
 An endpoint whose last ack or claim saw an empty queue is not claimed for (a claim of nothing
 would cost its script), nor one whose limiter holds it (its timer claims it at the exact
@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 CLAIMS_FOLLOW = "claims"  # ack-7.lua's ARGV[2]: the claim behind it re-adds the marker
 CLAIM_RETRY_S = 1.0
 ACK_KEYS = ("active", "queue", "wake", "stats", "outbox", "hooks", "probe")
+GROUP_BYTES = 1 << 20  # results in one ack call, about (one larger result goes alone)
 
 
 @dataclass
@@ -85,11 +86,22 @@ class AckBatch:
 
     def _groups(self, batch: list[_Ack]) -> list[list[_Ack]]:
         """The batch by endpoint: one call each (a changed config's claims apart, should
-        their limits differ)."""
+        their limits differ), and a call carries results of at most about GROUP_BYTES: many
+        large results in one command would sit in this process twice and hold Redis for
+        the whole of it (and past Redis's query buffer limit, never go through)."""
         groups: dict[tuple[str, int], list[_Ack]] = {}
+        out: list[list[_Ack]] = []
+        size: dict[tuple[str, int], int] = {}
         for a in batch:
-            groups.setdefault((a.claim.endpoint.id, id(a.claim.endpoint)), []).append(a)
-        return list(groups.values())
+            key = (a.claim.endpoint.id, id(a.claim.endpoint))
+            group, n = groups.get(key), len(a.values[3])
+            if group is None or size[key] + n > GROUP_BYTES:
+                group = groups[key] = []
+                out.append(group)
+                size[key] = 0
+            group.append(a)
+            size[key] += n
+        return out
 
     def _claims(self, batch: list[_Ack]) -> dict[str, tuple[EndpointConfig, int]]:
         """The endpoints worth a claim behind these acks, and for how many slots."""
@@ -102,7 +114,7 @@ class AckBatch:
         for e, n in freed.items():
             ep = d.registry.get(e)
             if (self.backlog.get(e) and ep is not None and ep.enabled and not ep.paused
-                    and e not in d._retries and (not full or d.alone(e))):
+                    and e not in d._retries and (not full or d.may_take_all(e))):
                 room = d._room_for(e) + n
                 if room > 0:
                     out[e] = (ep, room)

@@ -2,9 +2,10 @@
 
 One process serves every endpoint.  Claims happen one endpoint at a time, but calls run as
 independent asyncio tasks, so a slow endpoint only ever holds its own slots; and no endpoint may
-hold more than `SHARE` of this process's capacity while another has work here, so a backlog on
-one never starves the rest (alone, it may take every slot: a share kept for nobody was a
-quarter of the process idle).
+hold more than `SHARE` of this process's capacity, so a backlog on one never starves the rest.
+An endpoint alone here whose calls end within LEND_MS may take every slot (a share kept for
+nobody was a quarter of the process idle): another one woken meanwhile waits for one of its
+calls to end, no longer, and then has its share.
 A rate-limited endpoint is left alone until the exact moment its limiter names, while the
 others carry on (no back-off sleep of the whole loop, unlike the seed).
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import secrets
 import socket
@@ -50,6 +52,9 @@ from app.settings import Settings
 
 log = logging.getLogger(__name__)
 SHARE = 0.75
+# An endpoint alone may have the slots beyond its share while its calls take this long on
+# average: the longest another endpoint then waits for a slot (the stall bound of issue 15).
+LEND_MS = 50.0
 CLAIM_FIELDS = 10  # values per claimed task in claim-12.lua's answer
 WAKE_BLOCK_S = 1  # BZPOPMIN timeout: how long stopping may wait for the wake loop
 CLAIM_RETRY_S = 1.0  # a claim that met a Redis error is tried again after this
@@ -79,6 +84,7 @@ class Dispatcher:
     _limiters: dict[Limit, Limiter] = field(default_factory=dict)
     _starved: set[str] = field(default_factory=set)  # woken while this process had no room
     _in_claim: set[str] = field(default_factory=set)  # wake sets whose loop is claiming
+    _call_ms: dict[str, float] = field(default_factory=dict)  # moving average per endpoint
     _ident: str = field(init=False)
     ident: str = field(init=False)
 
@@ -250,16 +256,18 @@ class Dispatcher:
 
     def _room_for(self, endpoint_id: str) -> int:
         share = self.capacity
-        if not self.alone(endpoint_id):
+        if not self.may_take_all(endpoint_id):
             # At least one slot: a process of one slot has a share of 0.75, which claimed
             # nothing.
             share = max(1, int(self.capacity * SHARE))
         return min(self.capacity - len(self.inflight), share - self.per_endpoint[endpoint_id])
 
-    def alone(self, endpoint_id: str) -> bool:
-        """Whether only this endpoint has calls in flight here, and no other was woken while
-        the process had no room for it (another's marker met while full shows as starved)."""
+    def may_take_all(self, endpoint_id: str) -> bool:
+        """Whether this endpoint may have every slot: only its calls are in flight here, its
+        calls end within LEND_MS (measured here), and no other endpoint was woken while the
+        process had no room for it (another's marker met while full shows as starved)."""
         return (len(self.inflight) == self.per_endpoint[endpoint_id]
+                and self._call_ms.get(endpoint_id, math.inf) <= LEND_MS
                 and self._starved <= {endpoint_id})
 
     def _claim_later(self, endpoint_id: str, delay_s: float) -> None:
@@ -322,6 +330,8 @@ class Dispatcher:
             outcome = await call(self.http, tid, claim.request, ep.timeout_ms / 1000,
                                  self.settings.max_result_bytes, claim.on_sent(self.send_times))
             exec_ms = (time.monotonic() - started) * 1000
+            average = self._call_ms.get(ep.id, exec_ms)
+            self._call_ms[ep.id] = average + (exec_ms - average) / 8
             if outcome.ok or not outcome.retryable or claim.attempts > ep.max_retries:
                 await self._finish(claim, outcome, exec_ms)
             else:
