@@ -35,15 +35,8 @@ local probing = redis.call('GET', probe)  -- the probe's lease token, if one is 
 local out, ended = {0}, {}
 local count = {completed = 0, failed = 0}
 local exec_ms, slot_ms = {}, {}  -- for the moving averages, in order
-local incr, sums = {}, {}  -- counter and histogram fields, each incremented once at the end
+local tally = {}  -- histogram and failure-class fields (stats_tally), written once at the end
 local failures = {}
-
-local function observe(name, ms)
-  local field
-  ms, field = stats_bucket(name, ms)
-  incr[field] = (incr[field] or 0) + 1
-  sums[name] = (sums[name] or 0) + ms
-end
 
 for i = 0, n - 1 do
   local a, task = first_arg + 8 * i, KEYS[first_task + i]
@@ -74,13 +67,11 @@ for i = 0, n - 1 do
     -- sets one while it runs).
     redis.call('ZREM', active, id)
     redis.call('ZADD', KEYS[5], now, id)
-    if f[4] then
-      redis.call('HSET', task, 'status', status, 'result', ARGV[a + 3],
-        'result_status_code', ARGV[a + 4], 'ended_at', now, 'hook', now, 'hook_tries', 0)
+    redis.call('HSET', task, 'status', status, 'result', ARGV[a + 3],
+      'result_status_code', ARGV[a + 4], 'ended_at', now)
+    if f[4] then  -- its webhook is due (lifecycle.lua)
+      redis.call('HSET', task, 'hook', now, 'hook_tries', 0)
       redis.call('ZADD', KEYS[6], now, id)
-    else
-      redis.call('HSET', task, 'status', status, 'result', ARGV[a + 3],
-        'result_status_code', ARGV[a + 4], 'ended_at', now)
     end
     redis.call('HDEL', task, 'lease', 'deadline')
     ended[#ended + 1] = id
@@ -88,15 +79,10 @@ for i = 0, n - 1 do
     local exec = tonumber(ARGV[a + 5])
     if status == 'completed' and exec >= 0 then
       exec_ms[#exec_ms + 1] = exec
-      observe('upstream_ms', exec)
+      stats_tally(tally, 'upstream_ms', exec)
     elseif status == 'failed' then
       failures[#failures + 1] = {id, ARGV[a + 4], ARGV[a + 3]}
-      if exec >= 0 then
-        local code, class = tonumber(ARGV[a + 4]), 'none'
-        if code and code >= 200 and code < 600 then class = math.floor(code / 100) .. 'xx' end
-        incr['fail_' .. class] = (incr['fail_' .. class] or 0) + 1  -- stats_call_failed's
-        observe('upstream_failed_ms', exec)
-      end
+      if exec >= 0 then stats_tally_failed(tally, ARGV[a + 4], exec) end
     end
     -- How long it held its slot, claim to here (stats.lua `slot_ms`): the wait estimate's.
     if started then slot_ms[#slot_ms + 1] = now - started end
@@ -112,8 +98,7 @@ if #ended > 0 then
       stats_failure(stats, total - #failures + i, now, x[1], x[2], x[3])
     end
   end
-  for field, c in pairs(incr) do redis.call('HINCRBY', stats, field, c) end
-  for name, ms in pairs(sums) do redis.call('HINCRBY', stats, name .. ':sum', ms) end
+  stats_flush(stats, tally)
   stats_ema_many(stats, 'exec_ms', exec_ms)
   stats_ema_many(stats, 'slot_ms', slot_ms)
   stats_tick(stats, 'done', now, #ended)

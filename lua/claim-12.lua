@@ -72,7 +72,7 @@ end
 
 -- Its active count, read once and kept as this run adds to it (no ZCARD per task).
 local active = cap > 0 and redis.call('ZCARD', KEYS[2]) or 0
-local waits, waited = {}, 0  -- queue_wait_ms observations, written once at the end
+local waits = {}  -- queue_wait_ms observations (stats_tally), written once at the end
 -- The head of the line, read a batch at a time (not one ZRANGE per task). Each task leaves
 -- the queue as it is claimed (a claim failing half-way leaves every task either claimed or
 -- queued as it was), so the next batch is read from the front again.
@@ -124,9 +124,7 @@ while true do
     claimed = claimed + 1
     changed[#changed + 1] = id
     if attempts == 1 then  -- time in line before its first start (not after a hand-back)
-      local ms, field = stats_bucket('queue_wait_ms', now - (tonumber(tf[6]) or now))
-      waits[field] = (waits[field] or 0) + 1
-      waited = waited + ms
+      stats_tally(waits, 'queue_wait_ms', now - (tonumber(tf[6]) or now))
     end
     local req = redis.call('HMGET', task, 'method', 'url', 'headers', 'query', 'body')
     local k = #out
@@ -135,8 +133,7 @@ while true do
       tf[3] or 1
   end
 end
-for field, count in pairs(waits) do redis.call('HINCRBY', stats, field, count) end
-if next(waits) then redis.call('HINCRBY', stats, 'queue_wait_ms:sum', waited) end
+stats_flush(stats, waits)
 
 if probing and claimed > 0 then
   redis.call('SET', probe, token_prefix .. ':0', 'PX',

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from app.endpoints import EndpointConfig
 from app.queue.claims import Claim
 from app.queue.dispatcher import CLAIM_FIELDS, Dispatcher
 from app.queue.upstream import Outcome, Request
@@ -25,14 +26,7 @@ async def test_acks_sent_together_finish_each_task_and_count_each_once(
     set and every counter, bucket and failure record come out as seven acks one by one would
     leave them."""
     rt, url = gateway.rt, f"{upstream}/acks"
-    await gateway.add_endpoint("acks", url)
-    auth = await gateway.new_key()
-    for _ in range(7):
-        await gateway.submit(auth, url)
-    endpoint = rt.registry.get("acks")
-    assert endpoint is not None
-    disp = Dispatcher(rt.redis, rt.redis, rt.keys, rt.queue.scripts, rt.registry, rt.settings,
-                      None)  # type: ignore[arg-type]  # makes no call: the test acks
+    endpoint, disp = await _queued(gateway, "acks", url, 7)
     keys, args = disp.claim_call(endpoint, 7)
     res = await rt.queue.scripts.claim(keys=keys, args=args)
     claims = [Claim(endpoint, tid, token, int(attempts), ttype, Request("POST", url, "{}", "", ""))
@@ -83,14 +77,7 @@ async def test_an_ack_of_the_last_queued_task_says_the_line_is_empty(
     """The first value says whether work still waits (the claim behind the next acks is
     skipped when not), and a marker wakes a dispatcher for what waits."""
     rt, url = gateway.rt, f"{upstream}/line"
-    await gateway.add_endpoint("line", url)
-    auth = await gateway.new_key()
-    for _ in range(2):
-        await gateway.submit(auth, url)
-    endpoint = rt.registry.get("line")
-    assert endpoint is not None
-    disp = Dispatcher(rt.redis, rt.redis, rt.keys, rt.queue.scripts, rt.registry, rt.settings,
-                      None)  # type: ignore[arg-type]
+    endpoint, disp = await _queued(gateway, "line", url, 2)
     wake = rt.keys.wake(endpoint.id)
     for remaining in (True, False):
         keys, args = disp.claim_call(endpoint, 1)
@@ -100,6 +87,21 @@ async def test_an_ack_of_the_last_queued_task_says_the_line_is_empty(
         assert await disp.acks.ack(claim, Outcome(200, "ok"), 1.0) == 1
         assert disp.acks.backlog.get(endpoint.id, True) is remaining
         assert (await rt.redis.zscore(wake, endpoint.id) is not None) is remaining
+
+
+async def _queued(gateway: Gateway, name: str, url: str, tasks: int
+                  ) -> tuple[EndpointConfig, Dispatcher]:
+    """An endpoint with `tasks` queued, and a dispatcher to claim and ack them by hand (it
+    makes no call, and is never started)."""
+    rt = gateway.rt
+    await gateway.add_endpoint(name, url)
+    auth = await gateway.new_key()
+    for _ in range(tasks):
+        await gateway.submit(auth, url)
+    endpoint = rt.registry.get(name)
+    assert endpoint is not None
+    return endpoint, Dispatcher(rt.redis, rt.redis, rt.keys, rt.queue.scripts, rt.registry,
+                                rt.settings, None)  # type: ignore[arg-type]
 
 
 def _bucketed(stats: dict[str, str], name: str) -> tuple[int, int]:
