@@ -10,7 +10,6 @@ import socket
 from dataclasses import dataclass, field
 from typing import Any
 
-import aiohttp
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -29,6 +28,7 @@ from app.metrics import SharedScrape
 from app.queue import heartbeats
 from app.queue.dispatcher import Dispatcher
 from app.queue.events import TaskEvents
+from app.queue.http1 import UpstreamClient
 from app.queue.tasks import TaskQueue
 from app.queue.upstream import upstream_client
 from app.queue.webhooks import WebhookSender
@@ -69,7 +69,7 @@ class Runtime:
     dispatcher: Dispatcher | None = field(default=None, init=False)
     lifecycle: LifecycleJobs | None = field(default=None, init=False)
     webhooks: WebhookSender | None = field(default=None, init=False)
-    http: aiohttp.ClientSession | None = field(default=None, init=False)
+    http: UpstreamClient | None = field(default=None, init=False)
     scrapes: SharedScrape = field(default_factory=SharedScrape, init=False)  # GET /metrics
     _blocking: Redis | None = field(default=None, init=False)
     _embedded: EmbeddedRedis | None = field(default=None, init=False)
@@ -106,7 +106,7 @@ class Runtime:
         if self.with_dispatcher:
             self._blocking = redis_client(self.redis_url, s.redis_timeout_s + 2)
             await redis_url.connect(self._blocking)
-            self.http = upstream_client(s.dispatch_concurrency)
+            self.http = upstream_client()
             self.dispatcher = Dispatcher(self.redis, self._blocking, self.keys, scripts,
                                          self.registry, s, self.http)
             self.dispatcher.start()

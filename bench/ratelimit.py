@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import httpx
 from redis.asyncio import Redis
 
@@ -51,7 +52,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from app import migrate
 from app.main import create_app
-from app.queue.upstream import upstream_client
 from app.runtime import Runtime
 from app.settings import Settings
 from bench._load import spawn
@@ -296,7 +296,7 @@ async def seed_loop(redis_url: str, name: str, rate: int, interval_ms: int) -> N
     redis = Redis.from_url(redis_url, decode_responses=True)
     limit = redis.register_script(SEED_LIMIT)
     queue, window = f"seed:{name}:q", f"seed:{name}:rl"
-    http = upstream_client(1000)
+    http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1000))
     running: set[asyncio.Task[None]] = set()
 
     async def limited(now: int) -> bool:

@@ -19,11 +19,11 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+import aiohttp
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from app.queue.upstream import upstream_client
 from bench._load import build_request, hammer, spawn
 from tests.servers import QGW, RedisServer, free_port, stop, wait_port
 
@@ -62,7 +62,7 @@ async def until_completed(redis_url: str, n: int, within_s: float = 60) -> None:
 
 
 async def direct_calls(upstream: str, n: int, concurrency: int = 64) -> float:
-    async with upstream_client(concurrency) as http:
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency)) as http:
         sem = asyncio.Semaphore(concurrency)
 
         async def one(i: int) -> None:

@@ -35,7 +35,7 @@ class Claim:
             return None
         fired = False
 
-        def sent() -> None:  # once: aiohttp sends again when a kept-alive connection was dead
+        def sent() -> None:  # once: a request is sent again when its kept-alive connection was dead
             nonlocal fired
             if not fired:
                 fired = True

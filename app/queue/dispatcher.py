@@ -31,7 +31,6 @@ from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
-import aiohttp
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
@@ -44,6 +43,7 @@ from app.endpoints import EndpointConfig
 from app.lifecycle import Ttls
 from app.queue.acks import AckBatch
 from app.queue.claims import Claim, claim_keys, pause_ms, settle_args
+from app.queue.http1 import UpstreamClient
 from app.queue.reaper import Reaper
 from app.queue.upstream import Outcome, Request, backoff_s, call
 from app.ratelimit import Limit, Limiter, further_limits
@@ -70,7 +70,7 @@ class Dispatcher:
     scripts: Scripts
     registry: EndpointRegistry
     settings: Settings
-    http: aiohttp.ClientSession
+    http: UpstreamClient
     inflight: dict[str, asyncio.Task[None]] = field(default_factory=dict)
     leases: dict[str, Claim] = field(default_factory=dict)
     per_endpoint: Counter[str] = field(default_factory=Counter)

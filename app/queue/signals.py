@@ -35,7 +35,7 @@ _PAIRS = [
 
 def pause_s(status: int, headers: Mapping[str, str], now: float | None = None) -> float | None:
     """Seconds the endpoint should admit nothing, or None when the answer asks for no pause.
-    `headers` is case-insensitive (aiohttp's CIMultiDictProxy) or has lower-case names.
+    `headers` has lower-case names (app/queue/http1.py).
 
     A wait told in whole seconds (`Retry-After: 1`, `x-ratelimit-reset-requests: 1s`) is rounded
     up: the real one lies in the second below. Taken as it is, each pause overshot the reset by

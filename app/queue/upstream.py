@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
-
+from app import __version__
 from app.endpoints import DEFAULT_FORWARD
+from app.queue.http1 import BadAnswer, UpstreamClient
 from app.queue.signals import pause_s, retry_after
 
 
@@ -22,43 +22,12 @@ def forwardable(headers: dict[str, list[str]], allowed: frozenset[str]) -> list[
             for v in values]
 
 
-def upstream_client(max_connections: int) -> aiohttp.ClientSession:
-    """The one client for business APIs: aiohttp's session, used directly.
-
-    Neither httpx's own pool (it slows as connections are added) nor httpx over aiohttp's pool:
-    at 1,000 calls a second httpx's request and response models took a third of a dispatcher's
-    CPU (bench/upstream_client.py compares the three). No cookie jar: one session serves every
-    caller, and a cookie set by a call for one user must never ride along on another's.
-    Redirects are not followed (per call): the gateway calls only URLs somebody registered.
-    """
-    connector = aiohttp.TCPConnector(limit=max_connections, ttl_dns_cache=60)
-    plain = _session(connector, [])
-    # Request tracing cost ~8% of a call; only calls under a sliding window need to know when
-    # they left, so they go through a sibling session on the same pool that traces (`call`).
-    trace = aiohttp.TraceConfig()
-    trace.on_request_headers_sent.append(_headers_sent)
-    _TRACED[plain] = _session(connector, [trace], owner=False)
-    return plain
-
-
-_TRACED: weakref.WeakKeyDictionary[aiohttp.ClientSession, aiohttp.ClientSession] = \
-    weakref.WeakKeyDictionary()
-
-
-def _session(connector: aiohttp.TCPConnector, traces: list[aiohttp.TraceConfig],
-             owner: bool = True) -> aiohttp.ClientSession:
-    return aiohttp.ClientSession(
-        connector=connector, connector_owner=owner, trace_configs=traces,
-        cookie_jar=aiohttp.DummyCookieJar(), raise_for_status=False,
-        # The caller's Content-Type, or none: aiohttp would add application/octet-stream.
-        skip_auto_headers=("Content-Type",))
-
-
-async def _headers_sent(_: aiohttp.ClientSession, ctx: Any, __: Any) -> None:
-    """The moment a call leaves (its request headers are written): the rate limiter's
-    sliding window is kept to it (app/ratelimit/sent.py)."""
-    if ctx.trace_request_ctx is not None:
-        ctx.trace_request_ctx()
+def upstream_client() -> UpstreamClient:
+    """The one client for business APIs (app/queue/http1.py says why it is our own). No cookie
+    jar: one client serves every caller, and a cookie set by a call for one user must never
+    ride along on another's; redirects are not followed: the gateway calls only URLs somebody
+    registered."""
+    return UpstreamClient(f"queue-gateway/{__version__}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,44 +61,41 @@ class Outcome:
 
 
 async def call(
-    client: aiohttp.ClientSession, task_id: str, req: Request, timeout_s: float,
-    max_bytes: int, on_sent: Callable[[], None] | None = None,
+    client: UpstreamClient, task_id: str, req: Request, timeout_s: float, max_bytes: int,
+    on_sent: Callable[[], None] | None = None,
 ) -> Outcome:
-    """Make one call; `on_sent` runs once its request has left (a client made by
-    upstream_client reports that)."""
-    if on_sent is not None:
-        client = _TRACED.get(client, client)
+    """Make one call, bounded by `timeout_s` as a whole; `on_sent` runs once its request has
+    left (the sliding window is kept to that moment: app/ratelimit/sent.py)."""
     headers = forwardable(json.loads(req.headers or "{}"), req.allowed)
     headers.append(("Idempotency-Key", task_id))
-    # Stored query parameters come on top of those in the URL (aiohttp merges the two).
+    # Stored query parameters come on top of those in the URL.
     params = [(name, value) for name, values in json.loads(req.query or "{}").items()
               for value in values]
     try:
-        async with client.request(
-            req.method, req.url, params=params or None, headers=headers,
-            data=req.body.encode() if req.body else None, allow_redirects=False,
-            timeout=aiohttp.ClientTimeout(total=timeout_s),  # the whole call, not per read
-            trace_request_ctx=on_sent,
-        ) as resp:
-            body = await _read(resp, max_bytes)
-            if body is None:  # an error answer may be retried; a success would be as large
-                busy = resp.status == 429 or resp.status >= 500
-                return Outcome(resp.status, f"upstream answer over {max_bytes} bytes: not kept",
-                               refused=not busy)
-            text = _decode(body, resp.charset)
-            pause = pause_s(resp.status, resp.headers)
-            after = retry_after(resp.headers.get("retry-after"))
-            if pause is not None and resp.status in (429, 503):
-                after = pause  # read as the endpoint's pause is: due when it ends, as the probe
-            return Outcome(resp.status, text, after, pause_s=pause,
-                           cost=real_cost(req.cost_from, resp.headers, text))
+        async with asyncio.timeout(timeout_s):
+            answer = await client.request(
+                req.method, req.url, params, headers,
+                req.body.encode() if req.body else None, max_bytes, on_sent)
     except TimeoutError:
         return Outcome(None, f"upstream timed out after {timeout_s:g} s")
-    except (aiohttp.ClientError, OSError) as exc:
+    except BadAnswer as exc:
+        return Outcome(None, f"upstream answer unreadable: {exc}")
+    except OSError as exc:
         return Outcome(None, f"upstream unreachable: {type(exc).__name__}: {exc}")
     except ValueError as exc:  # a request that cannot be sent (a control character in a
         # header): it never will be, so it fails at once instead of using up its retries
         return Outcome(None, f"request cannot be sent: {exc}", refused=True)
+    status, got = answer.status, answer.headers
+    if answer.body is None:  # an error answer may be retried; a success would be as large
+        busy = status == 429 or status >= 500
+        return Outcome(status, f"upstream answer over {max_bytes} bytes: not kept",
+                       refused=not busy)
+    text = _decode(answer.body, charset(got.get("content-type")))
+    pause = pause_s(status, got)
+    after = retry_after(got.get("retry-after"))
+    if pause is not None and status in (429, 503):
+        after = pause  # read as the endpoint's pause is: due when it ends, as the probe
+    return Outcome(status, text, after, pause_s=pause, cost=real_cost(req.cost_from, got, text))
 
 
 MAX_COST = 10**12  # a larger "cost" is a misreading, not a cost
@@ -144,7 +110,7 @@ def real_cost(cost_from: str | None, headers: Any, text: str) -> int | None:
     where, _, name = cost_from.partition(":")
     value: Any = None
     if where == "header":
-        value = headers.get(name)
+        value = headers.get(name.lower())
     elif where == "json" and text:
         try:
             value = json.loads(text)
@@ -166,16 +132,13 @@ def real_cost(cost_from: str | None, headers: Any, text: str) -> int | None:
     return round(cost) if 0 <= cost <= MAX_COST else None
 
 
-async def _read(resp: aiohttp.ClientResponse, max_bytes: int) -> bytes | None:
-    """The body, or None once it passes `max_bytes` (without reading the rest)."""
-    if (resp.content_length or 0) > max_bytes:
-        return None
-    body = bytearray()
-    async for chunk in resp.content.iter_chunked(1 << 16):
-        body += chunk
-        if len(body) > max_bytes:
-            return None
-    return bytes(body)
+def charset(content_type: str | None) -> str | None:
+    """The charset parameter of a Content-Type, if any."""
+    for param in (content_type or "").split(";")[1:]:
+        name, _, value = param.partition("=")
+        if name.strip().lower() == "charset":
+            return value.strip().strip('"') or None
+    return None
 
 
 def _decode(body: bytes, charset: str | None) -> str:

@@ -1,0 +1,298 @@
+"""Business API calls over HTTP/1.1: keep-alive connections on asyncio protocols, answers parsed
+by httptools (llhttp, the parser uvicorn uses).
+
+Why not aiohttp: a call through its session cost a dispatcher ~145 µs of CPU, through this ~50
+(bench/upstream_client.py), and the call was half of a dispatcher's CPU. A call needs little: a
+registered URL, the headers it may carry, a body, a cap on the answer's size; no redirects,
+cookies, proxies or streamed requests. The caller bounds the whole call with one deadline
+(`asyncio.timeout`); a connection a call did not finish with is closed, never reused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+import zlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import cast
+
+import httptools
+from yarl import URL
+
+MAX_HEAD_BYTES = 64 * 1024  # an answer's headers; more is not an answer we take
+IDLE_S = 4.0  # a connection idle longer is closed, not reused: many servers close theirs after
+# 5 s (uvicorn), and a request written just as the server closes would be lost to its call
+IDEMPOTENT = frozenset({"GET", "HEAD", "OPTIONS", "PUT", "DELETE"})
+_BODYLESS = frozenset({"GET", "HEAD", "DELETE", "OPTIONS"})  # no Content-Length: 0 when empty
+_DECODERS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
+
+
+class BadAnswer(ConnectionError):
+    """The upstream's bytes are not an HTTP answer we take (malformed, cut short, too large a
+    head): its connection is closed."""
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    status: int
+    headers: dict[str, str]  # lower-case names; the first of repeated ones
+    body: bytes | None  # None: over the size cap (the rest was not read)
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """Where a URL's requests go, parsed (and percent-encoded as aiohttp's yarl does) once."""
+
+    key: tuple[str, str, int]  # scheme, host, port: the connections it may share
+    host_header: str
+    path_qs: str
+
+
+@lru_cache(maxsize=4096)
+def target(url: str, query: tuple[tuple[str, str], ...] = ()) -> Target:
+    """`url` with `query` added to its own; a ValueError for what cannot be called."""
+    u = URL(url)
+    if query:
+        u = u.extend_query(query)
+    if u.scheme not in ("http", "https") or not u.raw_host or u.port is None:
+        raise ValueError(f"not an http(s) URL: {url!r}")
+    host = u.raw_host if ":" not in u.raw_host else f"[{u.raw_host}]"  # IPv6 literal
+    default = 443 if u.scheme == "https" else 80
+    return Target((u.scheme, u.raw_host, u.port), host if u.port == default else f"{host}:{u.port}",
+                  u.raw_path_qs)
+
+
+class UpstreamClient:
+    """Kept-alive connections per scheme, host and port. Their number is bounded by the calls
+    in flight, which the dispatcher's slots bound."""
+
+    def __init__(self, user_agent: str) -> None:
+        self._idle: dict[tuple[str, str, int], list[_Connection]] = {}
+        self._ua = user_agent
+        self._tls: ssl.SSLContext | None = None
+        self._closed = False
+
+    async def request(
+        self, method: str, url: str, query: Sequence[tuple[str, str]],
+        headers: list[tuple[str, str]], body: bytes | None, max_bytes: int,
+        on_sent: Callable[[], None] | None = None,
+    ) -> Answer:
+        """One call; `on_sent` runs once the request is written."""
+        where = target(url, tuple(query))
+        head = self._head(method, where, headers, body)
+        for retry in (False, True):
+            conn, reused = await self._connection(where)
+            try:
+                answer = await conn.exchange(head, body, max_bytes, method == "HEAD", on_sent)
+            except BadAnswer:
+                conn.close()
+                # A kept-alive connection the server closed as this request went out: sent
+                # again on a new one where that is safe (aiohttp does the same).
+                if reused and not conn.heard and method in IDEMPOTENT and not retry:
+                    continue
+                raise
+            except BaseException:  # cut short (a timeout): the answer may still come
+                conn.close()
+                raise
+            if conn.reusable and not conn.lost and not self._closed:
+                conn.idle_since = asyncio.get_running_loop().time()
+                self._idle.setdefault(where.key, []).append(conn)
+            else:
+                conn.close()
+            return answer
+        raise AssertionError("unreachable")
+
+    def _head(self, method: str, where: Target, headers: list[tuple[str, str]],
+              body: bytes | None) -> bytes:
+        given = "".join(name + value for name, value in headers)
+        if "\r" in given or "\n" in given or "\0" in given:
+            # A caller's header value with a line break would smuggle in headers of its own.
+            raise ValueError("a header name or value contains a control character")
+        names = {name.lower() for name, _ in headers}
+        lines = [f"{method} {where.path_qs} HTTP/1.1\r\nHost: {where.host_header}\r\n"]
+        lines.extend(f"{name}: {value}\r\n" for name, value in headers)
+        if "accept" not in names:
+            lines.append("Accept: */*\r\n")
+        if "user-agent" not in names:
+            lines.append(f"User-Agent: {self._ua}\r\n")
+        lines.append("Accept-Encoding: gzip, deflate\r\n")
+        if body is not None or method not in _BODYLESS:
+            lines.append(f"Content-Length: {len(body or b'')}\r\n")
+        lines.append("\r\n")
+        return "".join(lines).encode()
+
+    async def _connection(self, where: Target) -> tuple[_Connection, bool]:
+        """A kept-alive connection (and True), or a new one."""
+        if self._closed:
+            raise ConnectionError("the upstream client is closed")
+        idle = self._idle.get(where.key)
+        now = asyncio.get_running_loop().time()
+        while idle:
+            conn = idle.pop()
+            if conn.usable(now):
+                return conn, True
+            conn.close()
+        scheme, host, port = where.key
+        tls = self._tls_context() if scheme == "https" else None
+        _, conn = await asyncio.get_running_loop().create_connection(
+            _Connection, host, port, ssl=tls, server_hostname=host if tls else None)
+        return conn, False
+
+    def _tls_context(self) -> ssl.SSLContext:
+        if self._tls is None:
+            self._tls = ssl.create_default_context()
+        return self._tls
+
+    async def close(self) -> None:
+        self._closed = True
+        for conns in self._idle.values():
+            for conn in conns:
+                conn.close()
+        self._idle.clear()
+
+
+class _Connection(asyncio.Protocol):
+    """One keep-alive connection: a request written, its answer parsed as it arrives."""
+
+    def __init__(self) -> None:
+        self._transport: asyncio.Transport | None = None
+        self._parser = httptools.HttpResponseParser(self)
+        self._waiter: asyncio.Future[Answer] | None = None
+        self._headers: dict[str, str] = {}
+        self._head_bytes = 0
+        self._body = bytearray()
+        self._max_bytes = 0
+        self._head_done = False  # the final answer's headers are in
+        self._framed = False  # Content-Length or chunked: the answer's end is known
+        self._head_only = False
+        self._interim = False  # a 1xx answer before the real one
+        self.idle_since = 0.0
+        self.reusable = False
+        self.lost = False
+        self.heard = False  # a byte of an answer came
+
+    def usable(self, now: float) -> bool:
+        return not self.lost and self._waiter is None and now - self.idle_since < IDLE_S
+
+    def close(self) -> None:
+        self.lost = True
+        if self._transport is not None:
+            self._transport.abort()
+
+    async def exchange(self, head: bytes, body: bytes | None, max_bytes: int, head_only: bool,
+                       on_sent: Callable[[], None] | None) -> Answer:
+        assert self._transport is not None
+        self._waiter = asyncio.get_running_loop().create_future()
+        self._headers, self._head_bytes, self._body = {}, 0, bytearray()
+        self._max_bytes, self._head_only = max_bytes, head_only
+        self._head_done = self._framed = self._interim = False
+        self.reusable = self.heard = False
+        self._transport.write(head + body if body else head)
+        if on_sent is not None:
+            on_sent()
+        try:
+            return await self._waiter
+        finally:
+            self._waiter = None
+
+    # asyncio.Protocol
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+
+    def data_received(self, data: bytes) -> None:
+        if self._waiter is None:  # bytes nobody asked for (a lying Content-Length, say)
+            self.close()
+            return
+        self.heard = True
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self._fail(BadAnswer("the upstream switched protocols"))
+        except httptools.HttpParserError as exc:
+            cause = exc.__context__ if isinstance(exc.__context__, BadAnswer) else exc
+            self._fail(BadAnswer(f"not an HTTP answer: {cause}"))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = True
+        if self._head_done and not self._framed:
+            self._finish(bytes(self._body))  # an answer that ends with its connection
+        else:
+            self._fail(BadAnswer("the upstream closed the connection before its answer ended"))
+
+    # httptools callbacks
+
+    def on_message_begin(self) -> None:
+        if self._waiter is None or self._waiter.done():  # a second answer to one request
+            self.close()
+        self._interim = False
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._head_bytes += len(name) + len(value)
+        if self._head_bytes > MAX_HEAD_BYTES:
+            raise BadAnswer(f"answer headers over {MAX_HEAD_BYTES} bytes")
+        key = name.decode("latin-1").lower()
+        if key not in self._headers:
+            self._headers[key] = value.decode("latin-1")
+
+    def on_headers_complete(self) -> None:
+        status = self._parser.get_status_code()
+        if 100 <= status < 200:
+            self._interim, self._headers, self._head_bytes = True, {}, 0
+            return
+        headers = self._headers
+        self._head_done = True
+        self._framed = "content-length" in headers or "transfer-encoding" in headers
+        if self._head_only:  # no body follows, whatever its headers say
+            self._finish(b"", reusable=False)
+        elif _int(headers.get("content-length")) > self._max_bytes:
+            self._finish(None, reusable=False)
+
+    def on_body(self, chunk: bytes) -> None:
+        if self._interim or self._waiter is None or self._waiter.done():
+            return
+        self._body += chunk
+        if len(self._body) > self._max_bytes:
+            self._finish(None, reusable=False)
+            self.close()
+
+    def on_message_complete(self) -> None:
+        if self._interim:
+            return
+        self._finish(bytes(self._body), reusable=self._parser.should_keep_alive())
+
+    def _finish(self, raw: bytes | None, reusable: bool = False) -> None:
+        waiter = self._waiter
+        if waiter is None or waiter.done():
+            return
+        self.reusable = reusable and not self.lost
+        try:
+            body = _decoded(raw, self._headers.get("content-encoding"), self._max_bytes)
+        except zlib.error as exc:
+            waiter.set_exception(BadAnswer(f"answer body not as encoded: {exc}"))
+            return
+        waiter.set_result(Answer(self._parser.get_status_code(), self._headers, body))
+
+    def _fail(self, exc: Exception) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_exception(exc)
+        self.close()
+
+
+def _int(value: str | None) -> int:
+    try:
+        return int(value) if value else 0
+    except ValueError:
+        return 0
+
+
+def _decoded(raw: bytes | None, encoding: str | None, max_bytes: int) -> bytes | None:
+    """The body with its Content-Encoding undone (gzip, deflate), None past `max_bytes`."""
+    wbits = _DECODERS.get((encoding or "").strip().lower())
+    if raw is None or wbits is None or not raw:
+        return raw
+    inflate = zlib.decompressobj(wbits)
+    out = inflate.decompress(raw, max_bytes + 1)
+    return None if len(out) > max_bytes or inflate.unconsumed_tail else out

@@ -1,0 +1,419 @@
+"""The upstream HTTP client (app/queue/upstream.py) against a hostile or odd business API.
+
+Each upstream is a loopback TCP server writing scripted raw HTTP/1.1 bytes, so the tests hold for
+any client behind `upstream_client` / `call` / `client.close()`: they are its contract.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from app.queue.upstream import Outcome, Request, call, upstream_client
+
+#: What the server does with one request: raw bytes to write (the connection stays open), or a
+#: coroutine given the request's raw bytes and the writer (it may sleep, trickle, close).
+Answer = bytes | Callable[[bytes, asyncio.StreamWriter], Awaitable[None]]
+TIMEOUT_S = 1.0
+MAX_BYTES = 1000
+
+
+def ok(body: bytes, *headers: str) -> bytes:
+    """A 200 with a Content-Length and `headers` ("Name: value")."""
+    head = "".join(f"{h}\r\n" for h in (*headers, f"Content-Length: {len(body)}"))
+    return f"HTTP/1.1 200 OK\r\n{head}\r\n".encode() + body
+
+
+def closing(data: bytes) -> Answer:
+    """Writes `data` then closes the connection."""
+    async def answer(_: bytes, writer: asyncio.StreamWriter) -> None:
+        writer.write(data)
+        await writer.drain()
+        writer.close()
+    return answer
+
+
+@dataclass
+class Upstream:
+    """Answers the n-th request (over all connections) with answers[n], the last one again
+    past the end; keeps each request's raw bytes and counts connections."""
+
+    answers: list[Answer]
+    requests: list[bytes] = field(default_factory=list)
+    connections: int = 0
+    tasks: set[asyncio.Task[Any]] = field(default_factory=set)
+    url: str = ""
+
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        self.tasks.add(asyncio.current_task())  # type: ignore[arg-type]
+        try:
+            while not writer.is_closing():
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                               if line.lower().startswith(b"content-length:")), 0)
+                raw = head + await reader.readexactly(length)
+                self.requests.append(raw)
+                answer = self.answers[min(len(self.requests), len(self.answers)) - 1]
+                if isinstance(answer, bytes):
+                    writer.write(answer)
+                    await writer.drain()
+                else:
+                    await answer(raw, writer)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass  # the client went away
+        finally:
+            writer.close()
+
+    def heads(self) -> list[dict[str, str]]:
+        """Each request's headers, names in lower case."""
+        return [dict((k.strip().lower(), v.strip()) for k, _, v in
+                     (line.decode().partition(":") for line in r.split(b"\r\n\r\n")[0]
+                      .split(b"\r\n")[1:])) for r in self.requests]
+
+
+@pytest.fixture
+async def upstream() -> AsyncIterator[Callable[..., Awaitable[Upstream]]]:
+    """Starts loopback upstreams: `await upstream(answer, ...)`."""
+    started: list[tuple[asyncio.Server, Upstream]] = []
+
+    async def start(*answers: Answer) -> Upstream:
+        up = Upstream(list(answers))
+        server = await asyncio.start_server(up.serve, "127.0.0.1", 0)
+        up.url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        started.append((server, up))
+        return up
+
+    yield start
+    for server, up in started:
+        server.close()
+        for task in up.tasks:
+            task.cancel()
+
+
+@pytest.fixture
+async def client() -> AsyncIterator[Any]:
+    http = upstream_client()
+    yield http
+    await http.close()
+
+
+def req(url: str, method: str = "POST", body: str = "", headers: str = "{}",
+        query: str = "{}", **kw: Any) -> Request:
+    return Request(method=method, url=url, headers=headers, query=query, body=body, **kw)
+
+
+async def timed(client: Any, request: Request, timeout_s: float = TIMEOUT_S,
+                max_bytes: int = MAX_BYTES, **kw: Any) -> tuple[Outcome, float]:
+    began = time.monotonic()
+    out = await call(client, "task-1", request, timeout_s, max_bytes, **kw)
+    return out, time.monotonic() - began
+
+
+async def hold(_: bytes, writer: asyncio.StreamWriter) -> None:
+    await asyncio.sleep(30)  # cancelled at teardown
+
+
+# 1-2: answers too large -------------------------------------------------------------------
+
+async def test_a_declared_length_over_max_bytes_is_refused_before_the_body(
+    upstream: Callable[..., Awaitable[Upstream]], client: Any
+) -> None:
+    async def head_only(_: bytes, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 5000000\r\n\r\n")
+        await writer.drain()
+        await asyncio.sleep(30)  # the body never comes
+
+    up = await upstream(head_only)
+    out, took = await timed(client, req(f"{up.url}/big"))
+    assert out.refused and not out.ok and not out.retryable
+    assert out.text == f"upstream answer over {MAX_BYTES} bytes: not kept"
+    assert took < TIMEOUT_S / 2
+
+
+async def test_an_endless_chunked_body_is_refused_once_over_max_bytes(
+    upstream: Callable[..., Awaitable[Upstream]], client: Any
+) -> None:
+    async def endless(_: bytes, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        while True:
+            writer.write(b"100\r\n" + b"x" * 256 + b"\r\n")
+            await writer.drain()
+            await asyncio.sleep(0.001)
+
+    up = await upstream(endless)
+    out, took = await timed(client, req(f"{up.url}/stream"))
+    assert out.refused and out.text == f"upstream answer over {MAX_BYTES} bytes: not kept"
+    assert took < TIMEOUT_S / 2
+
+
+# 3-4: no answer, a partial one ----------------------------------------------------------
+
+async def test_no_answer_times_out_and_is_retried(
+    upstream: Callable[..., Awaitable[Upstream]], client: Any
+) -> None:
+    up = await upstream(hold)
+    out, took = await timed(client, req(f"{up.url}/silent"), timeout_s=0.5)
+    assert out.status_code is None and out.retryable and not out.refused
+    assert out.text.startswith("upstream timed out after")
+    assert 0.45 < took < 1.5
+
+
+async def test_a_body_trickling_past_the_timeout_times_out(
+    upstream: Callable[..., Awaitable[Upstream]], client: Any
+) -> None:
+    """The timeout is for the whole call, not for each read."""
+    async def trickle(_: bytes, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n")
+        for _byte in range(100):
+            await asyncio.sleep(0.05)
+            writer.write(b"x")
+            await writer.drain()
+
+    up = await upstream(trickle)
+    out, took = await timed(client, req(f"{up.url}/slow"), timeout_s=0.5)
+    assert out.status_code is None and out.retryable
+    assert out.text.startswith("upstream timed out after")
+    assert took < 1.5
+
+
+async def test_a_body_shorter_than_its_content_length_is_an_error(
+    upstream: Callable[..., Awaitable[Upstream]], client: Any
+) -> None:
+    up = await upstream(closing(b"HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\n0123456789"))
+    out, took = await timed(client, req(f"{up.url}/short"))
+    assert out.status_code is None and out.retryable and not out.ok
+    assert "0123456789" not in out.text
+    assert took < TIMEOUT_S / 2
+
+
+# 5-10: framing -----------------------------------------------------------------------------
+
+SMUGGLED = b"HTTP/1.1 200 OK\r\nContent-Length: 8\r\n\r\nsmuggled"
+
+
+async def test_bytes_past_the_content_length_are_never_the_next_answer(
+    upstream: Callable[..., Awaitable[Upstream]], client: Any
+) -> None:
+    """Extra bytes after a declared length (here a whole response) are not read as the answer
+    to the next call on the same client."""
+    up = await upstream(ok(b"first") + SMUGGLED, ok(b"second"))
+    first, _ = await timed(client, req(f"{up.url}/a"))
+    second, _ = await timed(client, req(f"{up.url}/b"))
+    assert (first.status_code, first.text) == (200, "first")
+    assert (second.status_code, second.text) == (200, "second")
+    assert len(up.requests) == 2
+
+
+async def test_an_answer_nobody_asked_for_never_answers_the_next_call(
+    upstream: Callable[..., Awaitable[Upstream]], client: Any
+) -> None:
+    """The same bytes arriving while the connection waits idle: aiohttp's pool read them as the
+    next call's answer, and every later answer on that connection came one call late (another
+    task's result, maybe another user's)."""
+    async def late_extra(_: bytes, writer: asyncio.StreamWriter) -> None:
+        writer.write(ok(b"first"))
+        await writer.drain()
+        await asyncio.sleep(0.1)
+        writer.write(SMUGGLED)
+        await writer.drain()
+
+    up = await upstream(late_extra, ok(b"second"), ok(b"third"))
+    first, _ = await timed(client, req(f"{up.url}/a"))
+    await asyncio.sleep(0.3)
+    second, _ = await timed(client, req(f"{up.url}/b"))
+    third, _ = await timed(client, req(f"{up.url}/c"))
+    assert [o.text for o in (first, second, third)] == ["first", "second", "third"]
+
+
+async def test_garbage_instead_of_http_is_an_error(
+    upstream: Callable[..., Awaitable[Upstream]], client: Any
+) -> None:
+    up = await upstream(b"HELLO\r\n\r\n")
+    out, _ = await timed(client, req(f"{up.url}/x"))
+    assert out.status_code is None and not out.ok
+
+
+async def test_a_body_without_length_is_read_until_the_connection_closes(
+    upstream: Callable[..., Awaitable[Upstream]], client: Any
+) -> None:
+    body = b"line\n" * 100
+    up = await upstream(closing(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n" + body))
+    out, _ = await timed(client, req(f"{up.url}/eof"))
+    assert out.ok and out.text == body.decode()
+
+
+async def test_a_head_answer_has_no_body_and_the_connection_goes_on(
+    upstream: Callable[..., Awaitable[Upstream]], client: Any
+) -> None:
+    up = await upstream(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n", ok(b"after"))
+    head, took = await timed(client, req(f"{up.url}/h", method="HEAD"))
+    assert head.ok and head.text == "" and took < TIMEOUT_S / 2
+    after, _ = await timed(client, req(f"{up.url}/g", method="GET"))
+    assert after.ok and after.text == "after"
+    assert [r.split(b" ")[0] for r in up.requests] == [b"HEAD", b"GET"]
+
+
+async def test_a_gzip_body_is_decoded(
+    upstream: Callable[..., Awaitable[Upstream]], client: Any
+) -> None:
+    up = await upstream(ok(gzip.compress(b'{"done": true}'), "Content-Encoding: gzip"))
+    out, _ = await timed(client, req(f"{up.url}/gz"))
+    assert out.ok and out.text == '{"done": true}'
+
+
+async def test_an_interim_100_continue_is_skipped(
+    upstream: Callable[..., Awaitable[Upstream]], client: Any
+) -> None:
+    up = await upstream(b"HTTP/1.1 100 Continue\r\n\r\n" + ok(b"final"))
+    out, _ = await timed(client, req(f"{up.url}/c", body="data"))
+    assert (out.status_code, out.text) == (200, "final")
+
+
+# 11-12: headers ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("status, name", [(503, "Retry-After"), (429, "RETRY-AFTER")])
+async def test_retry_after_is_read_whatever_its_case(
+    upstream: Callable[..., Awaitable[Upstream]], client: Any, status: int, name: str
+) -> None:
+    """A wait in whole seconds is rounded up to the clock's whole second (signals.pause_s):
+    the endpoint pauses that long and the call is retried when the pause ends."""
+    up = await upstream(f"HTTP/1.1 {status} Busy\r\n{name}: 7\r\nContent-Length: 4\r\n\r\nbusy"
+                        .encode())
+    out, _ = await timed(client, req(f"{up.url}/busy"))
+    assert out.status_code == status and out.text == "busy" and out.retryable
+    assert out.retry_after_s is not None and 6 < out.retry_after_s <= 7.01
+    assert out.pause_s == out.retry_after_s
+
+
+async def test_the_declared_charset_decodes_the_body(
+    upstream: Callable[..., Awaitable[Upstream]], client: Any
+) -> None:
+    up = await upstream(ok(b"caf\xe9", "Content-Type: text/plain; charset=latin-1"))
+    out, _ = await timed(client, req(f"{up.url}/l1"))
+    assert out.ok and out.text == "café"
+
+
+@pytest.mark.parametrize("shape", ["one-line", "many-lines"])
+async def test_a_megabyte_of_headers_is_an_error(
+    upstream: Callable[..., Awaitable[Upstream]], client: Any, shape: str
+) -> None:
+    fields = (f"X-Big: {'a' * 1_000_000}\r\n" if shape == "one-line" else
+              "".join(f"X-H{i}: {'a' * 1000}\r\n" for i in range(1000)))
+    up = await upstream(f"HTTP/1.1 200 OK\r\n{fields}Content-Length: 2\r\n\r\nhi".encode())
+    out, took = await timed(client, req(f"{up.url}/hdr"))
+    assert not out.ok and (out.status_code is None or out.refused)
+    assert took < TIMEOUT_S
+
+
+# 13, 15, 16: the request -------------------------------------------------------------------
+
+async def test_a_header_value_with_cr_lf_is_never_sent(
+    upstream: Callable[..., Awaitable[Upstream]], client: Any
+) -> None:
+    up = await upstream(ok(b"sent"))
+    evil = json.dumps({"x-trace": ["a\r\nX-Evil: 1"]})
+    out, took = await timed(client, req(f"{up.url}/inj", headers=evil,
+                                        allowed=frozenset({"x-trace"})))
+    assert out.refused and not out.retryable and out.status_code is None
+    assert out.text.startswith("request cannot be sent")
+    assert took < TIMEOUT_S / 2
+    await asyncio.sleep(0.05)
+    assert not any(b"x-evil" in r.lower() for r in up.requests)
+
+
+async def test_the_request_is_sent_as_given(
+    upstream: Callable[..., Awaitable[Upstream]], client: Any
+) -> None:
+    """Method, path, the URL's query then the stored one (encoded as yarl does), Host, the
+    Idempotency-Key, the exact body, and of the caller's headers only those allowed."""
+    up = await upstream(ok(b"done"))
+    headers = {"Content-Type": ["application/json"], "X-Tenant": ["t1"], "X-Trace": ["t2"],
+               "Authorization": ["Bearer secret"]}
+    body = '{"prompt": "café"}'
+    query = json.dumps({"q": ["a b"], "r": ["é&"], "s": ["/?#+="]})
+    out, _ = await timed(client, req(f"{up.url}/api/gen?size=1&n=2", method="PATCH", body=body,
+                                     headers=json.dumps(headers), query=query,
+                                     allowed=frozenset({"content-type", "x-tenant"})))
+    assert out.ok and out.text == "done"
+    (raw,) = up.requests
+    head, _, sent = raw.partition(b"\r\n\r\n")
+    assert head.split(b"\r\n")[0] == (
+        b"PATCH /api/gen?size=1&n=2&q=a+b&r=%C3%A9%26&s=/?%23%2B%3D HTTP/1.1")
+    assert sent == body.encode()
+    (got,) = up.heads()
+    port = up.url.rsplit(":", 1)[1]
+    assert got["host"] == f"127.0.0.1:{port}"
+    assert got["idempotency-key"] == "task-1"
+    assert got["content-length"] == str(len(body.encode()))
+    assert got["content-type"] == "application/json" and got["x-tenant"] == "t1"
+    generic = {"accept", "accept-encoding", "user-agent", "connection"}  # the client's own
+    assert set(got) - generic == {"host", "idempotency-key", "content-length", "content-type",
+                                  "x-tenant"}
+
+
+async def test_a_call_without_body_sends_none(
+    upstream: Callable[..., Awaitable[Upstream]], client: Any
+) -> None:
+    """No body bytes; a POST still says Content-Length: 0 (RFC 9110 8.6: a user agent sends it
+    in a POST even when 0; some servers answer a POST without one 411 Length Required)."""
+    up = await upstream(ok(b"got"))
+    for method in ("GET", "POST"):
+        out, _ = await timed(client, req(f"{up.url}/list", method=method))
+        assert out.ok and out.text == "got"
+    get, post = up.requests
+    assert get.startswith(b"GET /list HTTP/1.1\r\n") and get.endswith(b"\r\n\r\n")
+    assert post.startswith(b"POST /list HTTP/1.1\r\n") and post.endswith(b"\r\n\r\n")
+    assert up.heads()[0].get("content-length", "0") == "0"
+    assert up.heads()[1]["content-length"] == "0"
+
+
+async def test_on_sent_runs_once_before_the_answer(
+    upstream: Callable[..., Awaitable[Upstream]], client: Any
+) -> None:
+    sent: list[float] = []
+    seen_before_answer: list[int] = []
+
+    async def late(_: bytes, writer: asyncio.StreamWriter) -> None:
+        await asyncio.sleep(0.1)
+        seen_before_answer.append(len(sent))
+        writer.write(ok(b"late"))
+        await writer.drain()
+
+    up = await upstream(late)
+    out, _ = await timed(client, req(f"{up.url}/s", body="x"),
+                         on_sent=lambda: sent.append(time.monotonic()))
+    assert out.ok and out.text == "late"
+    assert seen_before_answer == [1] and len(sent) == 1
+
+
+# 14: keep-alive ------------------------------------------------------------------------------
+
+async def test_sequential_calls_share_one_connection(
+    upstream: Callable[..., Awaitable[Upstream]], client: Any
+) -> None:
+    up = await upstream(ok(b"same"))
+    outs = [(await timed(client, req(f"{up.url}/k{i}")))[0] for i in range(3)]
+    assert [o.text for o in outs] == ["same"] * 3
+    assert up.connections == 1 and len(up.requests) == 3
+
+
+@pytest.mark.parametrize("first", [
+    closing(ok(b"one", "Connection: close")), closing(ok(b"one"))],
+    ids=["connection-close", "just-closed"])
+async def test_a_connection_closed_by_the_upstream_is_not_reused(
+    upstream: Callable[..., Awaitable[Upstream]], client: Any, first: Answer
+) -> None:
+    up = await upstream(first, ok(b"two"))
+    one, _ = await timed(client, req(f"{up.url}/1"))
+    await asyncio.sleep(0.1)  # the upstream's idle close reaches the client
+    two, _ = await timed(client, req(f"{up.url}/2"))
+    assert (one.text, two.text) == ("one", "two") and one.ok and two.ok
+    assert up.connections == 2
