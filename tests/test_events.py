@@ -43,6 +43,7 @@ async def events(stream: httpx.Response) -> AsyncIterator[dict[str, Any]]:
             yield json.loads(line[6:])
 
 
+@pytest.mark.backends("single", "cluster")
 async def test_waiting_callers_cost_redis_nothing_until_their_task_changes(
     gateway: Gateway, upstream: str, start_dispatcher: StartDispatcher
 ) -> None:
@@ -97,6 +98,7 @@ async def test_a_change_while_the_listener_reconnects_is_not_missed(
     assert time.monotonic() - started < 5
 
 
+@pytest.mark.backends("single", "cluster")
 async def test_events_stream_sends_each_status_once_and_ends_after_the_last(
     gateway: Gateway, upstream: str, start_api: StartApi, start_dispatcher: StartDispatcher
 ) -> None:
