@@ -214,7 +214,8 @@ def _mock(settings: Settings, args: argparse.Namespace) -> None:
 
     from app.mock_upstream import MockUpstream
 
+    sock = bind(args.host, args.port, settings_env=False)  # as `serve`: a port in use, one line
     app = MockUpstream(args.concurrency, args.latency_ms, args.fail_rate)
     print(f"mock upstream on http://{args.host}:{args.port}", flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_config=None, access_log=False,
-                backlog=4096)
+    config = uvicorn.Config(app, log_config=None, access_log=False, backlog=4096)
+    uvicorn.Server(config).run(sockets=[sock])

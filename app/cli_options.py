@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import types
 import typing
 from typing import Any, Literal, TypeVar
@@ -16,6 +17,9 @@ from typing import Any, Literal, TypeVar
 from annotated_types import Ge, Le, MaxLen
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
+
+from app.endpoints import LimitSpec
+from app.startup import Refused
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -42,6 +46,10 @@ HELP = {
     "daily_quota": "tasks a day",
 }
 _FALSY, _TRUTHY = ("no", "false", "off", "0"), ("yes", "true", "on", "1")
+_LIMITS_FORMAT = ("comma-separated N/s, N/min, N/h, N/day, N/10s or N/500ms, each "
+                  "optionally with :cost (per cost unit) and :fixed_window or :token_bucket, "
+                  "e.g. 3/s,100/min,90000/min:cost; or a JSON list of objects with limiter, "
+                  "rate, interval_ms and per; 'none' clears them")
 
 
 def add_options(parser: argparse.ArgumentParser, model: type[BaseModel],
@@ -59,8 +67,46 @@ def add_options(parser: argparse.ArgumentParser, model: type[BaseModel],
 
 
 def given(args: argparse.Namespace, model: type[BaseModel]) -> dict[str, Any]:
-    """The fields of `model` set on the command line."""
-    return {k: v for k, v in vars(args).items() if k in model.model_fields}
+    """The fields of `model` set on the command line, with `--limits` made into the API's
+    objects (a bad one is refused in one line, exit 2, as the API's own checks are)."""
+    out = {k: v for k, v in vars(args).items() if k in model.model_fields}
+    for name, value in out.items():
+        if _kind(model.model_fields[name].annotation)[0] == "limits":
+            out[name] = parse_limits(value)
+    return out
+
+
+_UNITS_MS = {"ms": 1, "s": 1000, "sec": 1000, "min": 60_000, "h": 3_600_000,
+             "hour": 3_600_000, "d": 86_400_000, "day": 86_400_000}
+_LIMIT = re.compile(r"^(\d+)\s*/\s*(\d*)\s*([a-z]+)((?::[a-z_]+)*)$")
+
+
+def parse_limits(text: str) -> Any:
+    """`3/s,100/min:token_bucket,90000/min:cost` or a JSON list as the API takes it: what the
+    model then validates (a word after `:` other than request/cost is the limiter, so a wrong
+    one gets the API's message listing the algorithms)."""
+    text = text.strip()
+    if text.lower() in ("none", ""):
+        return []
+    if text.startswith(("[", "{")):
+        try:
+            return json.loads(text)
+        except ValueError as exc:
+            raise Refused(f"limits: not JSON ({exc}): {text!r}", exit_code=2) from None
+    return [_limit(part.strip().lower()) for part in text.split(",")]
+
+
+def _limit(part: str) -> dict[str, Any]:
+    match = _LIMIT.match(part)
+    if match is None or match[3] not in _UNITS_MS:
+        raise Refused(f"limits: {part!r} is not a limit: say N/s, N/min, N/h or N/day (or "
+                      "N/10s...), optionally :cost and :fixed_window or :token_bucket, or give "
+                      "a JSON list (qgw endpoints add -h)", exit_code=2)
+    spec: dict[str, Any] = {"rate": int(match[1]),
+                            "interval_ms": int(match[2] or 1) * _UNITS_MS[match[3]]}
+    for word in filter(None, match[4].split(":")):
+        spec["per" if word in ("request", "cost") else "limiter"] = word
+    return spec
 
 
 def validate(model: type[M], data: dict[str, Any]) -> M:
@@ -77,6 +123,8 @@ def _kind(annotation: Any) -> tuple[str, tuple[str, ...]]:
         return _kind(args[0])
     if origin is Literal:
         return "choice", tuple(str(a) for a in args)
+    if origin is list and args and args[0] is LimitSpec:
+        return "limits", ()
     if origin is list and args and typing.get_origin(args[0]) is Literal:
         return "list", tuple(str(a) for a in typing.get_args(args[0]))
     if origin is list:
@@ -97,6 +145,8 @@ def _parse_as(kind: str, choices: tuple[str, ...]) -> dict[str, Any]:
         return {"type": _bool, "metavar": "yes|no"}
     if kind == "json":
         return {"type": _json, "metavar": "JSON"}
+    if kind == "limits":  # parsed by `given`, so that a bad one is one line, as the API says it
+        return {"metavar": "LIMITS"}
     return {"metavar": {"int": "N", "float": "X"}.get(kind, "TEXT")}
 
 
@@ -118,6 +168,8 @@ def _help(name: str, field: FieldInfo, kind: str, choices: tuple[str, ...],
           all_optional: bool) -> str:
     text = "; ".join(t for t in (HELP.get(name), field.description) if t) or name.replace("_", " ")
     notes = []
+    if kind == "limits":
+        notes.append(_LIMITS_FORMAT)
     if kind == "list":
         notes.append("comma-separated" + (", of " + ", ".join(choices) if choices else ""))
     bounds = _bounds(field)

@@ -56,12 +56,14 @@ def _touch(path: Path) -> None:
 
 
 def add_parser(sub: Any) -> None:
-    hc = sub.add_parser("healthcheck", help="exit 0 when this container's process is healthy")
+    doc = "exit 0 when this container's process is healthy (the image's HEALTHCHECK)"
+    hc = sub.add_parser("healthcheck", help=doc, description=doc)
     hc.add_argument("--role", choices=("http", "dispatcher"), default="http",
                     help="http: GET a URL; dispatcher: its heartbeat file is fresh (default: http)")
     hc.add_argument("--url", help="http: what to GET (default: /healthz on QGW_HOST:QGW_PORT)")
-    hc.add_argument("--max-age", type=float, default=10.0,
-                    help="dispatcher: the oldest heartbeat that counts, in seconds")
+    hc.add_argument("--max-age", type=float, default=10.0, metavar="SECONDS",
+                    help="dispatcher: the oldest heartbeat that counts, in seconds (default: "
+                         "%(default)s)")
     hc.set_defaults(run=run)
 
 

@@ -86,23 +86,26 @@ def require_db(settings: Settings) -> None:
                       "QGW_DATA_DIR (or QGW_DATABASE_URL) to the gateway's data dir (or database)")
 
 
-def bind(host: str, port: int) -> socket.socket:
+def bind(host: str, port: int, settings_env: bool = True) -> socket.socket:
     """The listening socket, bound before anything starts, so a port in use is the first and
-    only thing said (uvicorn binds after the app has started and announced itself)."""
+    only thing said (uvicorn binds after the app has started and announced itself).
+    `settings_env`: the fix names QGW_HOST / QGW_PORT besides the options."""
+    host_fix, port_fix = ("--host / QGW_HOST", "--port / QGW_PORT") if settings_env \
+        else ("--host", "--port")
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
         family, kind, proto, _, address = infos[0]
         sock = socket.socket(family, kind, proto)
     except OSError as exc:
-        raise Refused(f"cannot listen on {host}:{port}: {exc}; check --host / QGW_HOST") \
+        raise Refused(f"cannot listen on {host}:{port}: {exc}; check {host_fix}") \
             from None
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind(address)
     except OSError as exc:
         sock.close()
-        why = ("the port is in use by another process; stop it or choose another with --port "
-               "/ QGW_PORT") if exc.errno == errno.EADDRINUSE else f"{exc.strerror}"
+        why = (f"the port is in use by another process; stop it or choose another with "
+               f"{port_fix}") if exc.errno == errno.EADDRINUSE else f"{exc.strerror}"
         raise Refused(f"cannot listen on {host}:{port}: {why}") from None
     sock.set_inheritable(True)
     return sock

@@ -54,12 +54,16 @@ def test_help_lists_every_command_and_option() -> None:
                                                                "--help").stdout
 
     def walk(parser: argparse.ArgumentParser, path: str) -> None:
+        assert parser.description, f"{path} --help has no description"
         for action in parser._actions:
             if isinstance(action, argparse._SubParsersAction):
                 for name, child in action.choices.items():
                     walk(child, f"{path} {name}")
             elif not isinstance(action, argparse._HelpAction):
-                assert action.help, f"{path} {action.option_strings or action.dest} has no help"
+                what = f"{path} {action.option_strings or action.dest}"
+                assert action.help, f"{what} has no help"
+                if action.option_strings and action.default not in (None, argparse.SUPPRESS):
+                    assert "default" in action.help, f"{what} does not say its default"
 
     walk(build_parser(), "qgw")
 
@@ -91,6 +95,38 @@ async def test_endpoint_commands_apply_the_api_rules(gateway: Gateway, env: dict
     assert answer(qgw(env, "endpoints", "resume", "cli"))["paused"] is False
     assert qgw(env, "endpoints", "rm", "cli").returncode == 0
     assert "no endpoint 'cli'" in refusal(qgw(env, "endpoints", "show", "cli"))
+
+
+async def test_endpoint_limits_in_shorthand_or_json(gateway: Gateway,
+                                                    env: dict[str, str]) -> None:
+    """`--limits` as the help says (3/s, 100/min...) or as the API takes it; `none` clears."""
+    def stored() -> Any:
+        return answer(qgw(env, "endpoints", "show", "lim"))["limits"]
+
+    second = {"limiter": "sliding_window", "rate": 3, "interval_ms": 1000, "per": "request"}
+    answer(qgw(env, "endpoints", "add", "lim", "http://127.0.0.1:9/lim", "--limits",
+               "3/s, 100/min:token_bucket,90000/min:cost"))
+    assert stored() == [second, {**second, "limiter": "token_bucket", "rate": 100,
+                                 "interval_ms": 60_000},
+                        {**second, "rate": 90_000, "interval_ms": 60_000, "per": "cost"}]
+    answer(qgw(env, "endpoints", "update", "lim", "--limits",
+               '[{"rate": 3}, {"rate": 2000, "interval_ms": 86400000}]'))
+    r = await gateway.http.get("/admin/v1/endpoints/lim", headers=gateway.admin)
+    assert r.json()["limits"] == [second, {**second, "rate": 2000, "interval_ms": 86_400_000}]
+    answer(qgw(env, "endpoints", "update", "lim", "--limits", "none"))
+    assert stored() == []
+
+    # A bad limit: the admin API's message, in one line, exit 2; nothing changes.
+    api = await gateway.http.patch("/admin/v1/endpoints/lim", headers=gateway.admin,
+                                   json={"limits": [{"rate": 0, "interval_ms": 1000}]})
+    assert api.status_code == 422
+    assert api.json()["error"]["message"] in refusal(
+        qgw(env, "endpoints", "update", "lim", "--limits", "0/s"), code=2)
+    assert "'3/fortnight' is not a limit" in refusal(
+        qgw(env, "endpoints", "update", "lim", "--limits", "3/s,3/fortnight"), code=2)
+    assert "limiter" in refusal(qgw(env, "endpoints", "update", "lim", "--limits", "3/s:leaky"),
+                                code=2)
+    assert stored() == []
 
 
 async def test_read_only_commands_read_sql_only_and_say_nothing_else(

@@ -44,12 +44,15 @@ def test_bad_setting_is_one_line(env: dict[str, str], name: str, value: str) -> 
     assert r.stderr.count("\n") == 1 and name in r.stderr, r.stderr
 
 
-def test_port_in_use_is_one_line_before_anything_starts(env: dict[str, str]) -> None:
+@pytest.mark.parametrize("command", ["serve", "mock-upstream"])
+def test_port_in_use_is_one_line_before_anything_starts(env: dict[str, str],
+                                                        command: str) -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        r = _serve(env, "--port", str(port))
+        r = subprocess.run([*QGW, command, "--port", str(port)], env=env, capture_output=True,
+                           text=True, timeout=60)
     assert r.returncode == 1 and r.stdout == ""  # no "listening on" first
     assert r.stderr.count("\n") == 1 and "in use" in r.stderr and "--port" in r.stderr
 
