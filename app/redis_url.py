@@ -42,6 +42,7 @@ class RedisTarget:
     db: int = 0
     username: str | None = None
     password: str | None = None
+    tls_options: tuple[tuple[str, str], ...] = ()  # ssl_* query options of rediss+ URLs
 
 
 def parse(url: str) -> RedisTarget:
@@ -59,8 +60,8 @@ def parse(url: str) -> RedisTarget:
         if scheme != "unix" and number:
             _db(number)  # redis-py would quietly use database 0 instead
         return RedisTarget("single", url, tls)
+    rest, _, query = rest.partition("?")
     netloc, _, path = rest.partition("/")
-    path = path.partition("?")[0]
     creds, _, hostlist = netloc.rpartition("@")
     username, _, password = creds.partition(":")  # as redis-py reads `user@` and `:pw@`
     hosts = tuple(_host(h, _DEFAULT_PORT[kind]) for h in hostlist.split(","))
@@ -73,7 +74,35 @@ def parse(url: str) -> RedisTarget:
     elif parts:
         raise ValueError("a Cluster URL has no path: Redis Cluster has only database 0")
     return RedisTarget(kind, url, tls, hosts, service, db,
-                       unquote(username) or None, unquote(password) or None)
+                       unquote(username) or None, unquote(password) or None, _tls(query, tls))
+
+
+_TLS_OPTIONS = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs",
+                "ssl_check_hostname")
+
+
+def _tls(query: str, tls: bool) -> tuple[tuple[str, str], ...]:
+    """The TLS options of a Sentinel or Cluster URL (as redis-py reads them from a rediss://
+    URL); any other option is refused rather than quietly dropped."""
+    options = tuple((name, unquote(value)) for name, _, value in
+                    (item.partition("=") for item in query.split("&") if item))
+    for name, _ in options:
+        if name not in _TLS_OPTIONS:
+            raise ValueError(f"unknown option {name!r}: a Sentinel or Cluster URL takes only "
+                             f"{', '.join(_TLS_OPTIONS)}")
+        if not tls:
+            raise ValueError(f"{name} needs TLS: use the rediss+ form of the URL")
+    return options
+
+
+def _tls_kwargs(target: RedisTarget) -> dict[str, Any]:
+    if not target.tls:
+        return {}
+    kwargs: dict[str, Any] = {"ssl": True}
+    for name, value in target.tls_options:
+        kwargs[name] = value.lower() in ("1", "true", "yes") \
+            if name == "ssl_check_hostname" else value
+    return kwargs
 
 
 def _host(item: str, default_port: int) -> tuple[str, int]:
@@ -131,7 +160,7 @@ def client(url: str, timeout_s: float | None, max_connections: int = 512) -> Red
         return Redis.from_pool(BlockingConnectionPool.from_url(url, **options))
     if target.kind == "cluster":
         return _cluster(target, options)
-    tls = {"ssl": True} if target.tls else {}
+    tls = _tls_kwargs(target)
     sentinel = Sentinel(list(target.hosts), sentinel_kwargs={  # type: ignore[no-untyped-call]
         "socket_timeout": timeout_s, "socket_connect_timeout": CONNECT_TIMEOUT_S, **tls})
     master: _SentinelRedis = sentinel.master_for(
@@ -173,7 +202,7 @@ def _cluster(target: RedisTarget, options: dict[str, Any]) -> Redis:
     Typed as `Redis`: the gateway calls only the commands both clients share, and every key a
     call names belongs to one slot (core/keys.py)."""
     options = {k: v for k, v in options.items() if k not in ("timeout", "health_check_interval")}
-    tls: dict[str, Any] = {"ssl": True} if target.tls else {}
+    tls = _tls_kwargs(target)
     nodes = [ClusterNode(host, port) for host, port in target.hosts]
     return cast(Redis, _RedisCluster(
         startup_nodes=nodes, username=target.username, password=target.password,

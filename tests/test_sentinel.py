@@ -23,6 +23,11 @@ def test_sentinel_urls_name_sentinels_service_and_db() -> None:
     tls = parse("rediss+sentinel://app:p%40ss@[::1]:5000/m")
     assert (tls.tls, tls.hosts, tls.username, tls.password) == (True, (("::1", 5000),), "app",
                                                                "p@ss")
+    # TLS options as redis-py reads them from rediss://, with or without a path before them.
+    for url in ("rediss+cluster://h:7000?ssl_ca_certs=/ca%20dir/ca.pem&ssl_cert_reqs=required",
+                "rediss+cluster://h:7000/?ssl_ca_certs=/ca%20dir/ca.pem&ssl_cert_reqs=required"):
+        assert parse(url).tls_options == (("ssl_ca_certs", "/ca dir/ca.pem"),
+                                          ("ssl_cert_reqs", "required"))
 
 
 @pytest.mark.parametrize(("url", "says"), [
@@ -31,6 +36,8 @@ def test_sentinel_urls_name_sentinels_service_and_db() -> None:
     ("redis+sentinel://127.0.0.1:x/m", "bad host:port '127.0.0.1:x'"),
     ("redis://127.0.0.1:6379/zero", "bad database number 'zero'"),
     ("http://127.0.0.1:6379", "must start with one of redis://"),
+    ("rediss+cluster://127.0.0.1:7000?ssl_ca=/x", "unknown option 'ssl_ca'"),
+    ("redis+sentinel://127.0.0.1/m?ssl_ca_certs=/x", "ssl_ca_certs needs TLS"),
 ])
 def test_a_bad_redis_url_stops_start_in_one_line(tmp_path: Path, url: str, says: str) -> None:
     env = {**os.environ, "QGW_REDIS_URL": url, "QGW_DATA_DIR": str(tmp_path),
