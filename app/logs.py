@@ -19,16 +19,19 @@ _STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {
     "message", "asctime", "color_message", "taskName"}
 
 REDACTED = "[redacted]"
+_NAME = (r"(?i)(?P<name>\b[\w-]*(?:authorization|x-api-key|x-queue-permit|api[_-]?key"
+         r"|access[_-]?token|token|secret|passw(?:or)?d|permit|private[_-]?key|credentials?)\d*"
+         r"(?:\\*[\"'])?\s*[:=]\s*")
 _PATTERNS = [
     (re.compile(r"qgw_[A-Za-z0-9_-]{16,}"), "qgw_" + REDACTED),  # API keys (app/store.py)
     (re.compile(r"\b\d{13}\.[A-Za-z0-9_-]{43}\b"), REDACTED),  # permits (app/permits.py)
     (re.compile(r"(?i)\b(bearer|basic)\s+[^\s\"',;\\]+"), r"\1 " + REDACTED),
-    # The quotes around a name and its value may come escaped, once per level of JSON a
-    # string went through (an upstream's JSON error body inside our JSON line: `\\\"`).
-    (re.compile(r"(?i)((?:authorization|x-api-key|x-queue-permit|api[_-]?key|access[_-]?token"
-                r"|token|secret|password|permit)(?:\\*[\"'])?\s*[:=]\s*(?:\\*[\"'])?)"
-                r"[^\s\"'&,;}\\]+"),
-     r"\1" + REDACTED),
+    # A credential-like name (with a prefix or a number: client_secret, db_passwd, password2)
+    # and its value. The quotes around both may come escaped, once per level of JSON a string
+    # went through (an upstream's JSON error body inside our JSON line: `\\\"`); a quoted
+    # value is hidden up to its closing quote, spaces and all.
+    (re.compile(_NAME + r"(?P<q>\\*[\"'])).*?(?=(?P=q))"), r"\g<name>" + REDACTED),
+    (re.compile(_NAME + r"(?:\\*[\"'])?)[^\s\"'&,;}\\]+"), r"\g<name>" + REDACTED),
     (re.compile(r"(?i)\b(https?://[^\s?#\"'<>\\]+)\?[^\s#\"'<>\\]*"), r"\1?" + REDACTED),
     (re.compile(r"(?i)(redis|rediss|mysql\+aiomysql)://([^:/@\s]*):[^@\s]*@"),
      r"\1://\2:" + REDACTED + "@"),

@@ -125,6 +125,23 @@ def test_formatters_scrub_what_looks_like_a_secret() -> None:
     assert "task_id=0193.e endpoint=e" in text and "k" * 43 not in text
 
 
+def test_credentials_are_hidden_whatever_their_name_or_quotes() -> None:
+    """Names with a prefix or a number, values with spaces, quotes escaped by nested JSON,
+    a quote that never closes; and names that only look alike are left alone."""
+    cases = {
+        'password="two words" next': 'password="[redacted]" next',
+        "db_passwd=abc x": "db_passwd=[redacted] x",
+        "password2: s3cr3t": "password2: [redacted]",
+        '{"private_key": "-----BEGIN KEY-----"}': '{"private_key": "[redacted]"}',
+        'body {\\"client_secret\\": \\"very secret\\"}':
+            'body {\\"client_secret\\": \\"[redacted]\\"}',
+        'secret="unterminated': 'secret="[redacted]',
+        "permit_ttl_s=20 max_retries=3": "permit_ttl_s=20 max_retries=3",
+    }
+    for line, scrubbed in cases.items():
+        assert logs.scrub(line) == scrubbed, line
+
+
 def test_the_start_banner_hides_url_passwords() -> None:
     assert hide_password("mysql+aiomysql://qgw:pw@db:3306/qgw") == (
         "mysql+aiomysql://qgw:***@db:3306/qgw")
