@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from app.lifecycle import history
 from app.queue import operator
 from app.runtime import Runtime
 from tests.conftest import Gateway
@@ -193,11 +194,18 @@ async def test_a_deleted_endpoint_takes_its_counters_along(gateway: Gateway, ups
     await _post(gateway, "/admin/v1/endpoints/gone/purge")
     before = (await _get(gateway, "/admin/v1/queues"))["endpoints"][0]
     assert before["submitted"] == 1 and before["cancelled"] == 1
+    rt = gateway.rt
+    await history.HistorySampler(rt.redis, rt.keys, rt.registry).sample(1_000)
+    sampled = await _get(gateway, "/admin/v1/history", endpoints="gone")
+    assert sampled["endpoints"]["gone"] == [[1_000, 0, 0, 0, 0]]
     r = await gateway.http.delete("/admin/v1/endpoints/gone", headers=gateway.admin)
     assert r.status_code == 204, r.text
     await gateway.add_endpoint("gone", url)
     after = (await _get(gateway, "/admin/v1/queues"))["endpoints"][0]
     assert after["submitted"] == 0 and after["cancelled"] == 0
+    # Nor does its chart come back from the old one's samples.
+    assert (await _get(gateway, "/admin/v1/history", endpoints="gone"))["endpoints"] == {
+        "gone": []}
 
 
 @pytest.mark.parametrize("status", ["pending", "processing", "completed", "expired"])
@@ -214,3 +222,25 @@ async def test_a_cursor_this_route_never_gave_is_a_clear_422(
     assert r.status_code in (200, 422), r.text
     if r.status_code == 422:  # refused by the route's own check or by the query's pattern
         assert r.json()["error"]["code"] in ("bad_cursor", "invalid_request")
+
+
+async def test_an_expired_task_is_retried_and_runs(
+    gateway: Gateway, fresh_upstream: str, start_dispatcher: Callable[[], Awaitable[Runtime]],
+) -> None:
+    """A task that expired in line (its max_wait_s passed while dispatch was paused) goes back
+    in line when the operator retries it, and runs."""
+    url = f"{fresh_upstream}/late"
+    await gateway.add_endpoint("late", url, paused=True)
+    auth = await gateway.new_key()
+    tid = (await gateway.submit(auth, url, max_wait_s=1))["task_id"]
+    await start_dispatcher()
+    await _wait_ended(gateway, [tid], timeout=20)
+    assert (await _get(gateway, f"/admin/v1/tasks/{tid}"))["task_status"] == "expired"
+    retried = await _post(gateway, f"/admin/v1/tasks/{tid}/retry")
+    assert retried["task_status"] == "pending"
+    r = await gateway.http.patch("/admin/v1/endpoints/late", headers=gateway.admin,
+                                 json={"paused": False})
+    assert r.status_code == 200, r.text
+    done, = await gateway.wait_finished(auth, [tid])
+    assert done["task_status"] == "completed"
+    assert [c["idempotency_key"] for c in mock_log(fresh_upstream)] == [tid]
