@@ -48,10 +48,10 @@ while steps_left > 0 do
   local id, score = head[1], tonumber(head[2])
   local task = ARGV[1] .. id
   local f = redis.call('HMGET', task, 'status', 'pexp')
-  if not f[1] then
-    redis.call('ZREM', KEYS[1], id)  -- its hash is gone: nothing left to run
-  elseif not f[2] then
-    from = '(' .. int(score)  -- started once and handed back: no pending deadline any more
+  if not f[1] or not f[2] then
+    -- No pending deadline: started once and handed back. Or no hash here: gone past its
+    -- pending TTL (a claim drops the id), or not moved here yet by a reshard: not dropped.
+    from = '(' .. int(score)
   elseif tonumber(f[2]) <= now then
     expire_pending(task, id, KEYS[1], KEYS[2], KEYS[3], KEYS[5], now)
     expired = expired + 1

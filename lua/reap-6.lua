@@ -22,7 +22,14 @@ for _, id in ipairs(ids) do
   -- the script, and what it already wrote stays (Redis does not roll back).
   local task = ARGV[2] .. id
   local fields = redis.call('HMGET', task, 'type', 'attempts', 'score', 'status', 'started_at')
-  redis.call('ZREM', KEYS[1], id)
+  if not fields[1] then
+    -- A leased task's hash has no TTL, so it is not gone but not here yet: a reshard moving
+    -- this slot key by key, this script run on the new master before the hash came. Looked at
+    -- again in a minute; dropped now, the task would arrive "processing" and never run.
+    redis.call('ZADD', KEYS[1], now + 60000, id)
+  else
+    redis.call('ZREM', KEYS[1], id)
+  end
   if fields[1] and fields[4] == 'processing' then
     redis.call('HDEL', task, 'lease', 'deadline')
     changed[#changed + 1] = id

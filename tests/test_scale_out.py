@@ -146,6 +146,26 @@ async def test_two_submits_with_one_key_to_a_full_queue_both_hear_it_is_full(
         [(503, "queue_full")] * 2
 
 
+async def test_a_task_whose_hash_is_not_here_yet_is_never_dropped(gateway: Gateway) -> None:
+    """While a reshard moves an endpoint's slot key by key, a script may run on the new master
+    before a task's hash has come (it is not named in KEYS). The reaper and the expiry sweep
+    leave such an id where it is, to be looked at again, instead of dropping the task."""
+    await gateway.add_endpoint("moving", "http://127.0.0.1:9/moving")
+    rt, k = gateway.rt, gateway.rt.keys
+    lua = rt.queue.scripts
+    await rt.redis.zadd(k.active("moving"), {"leased": 1})  # a lease long run out
+    await rt.redis.zadd(k.queue("moving"), {"queued": 5})
+    await lua.reap(keys=k.of("moving", "active", "queue", "wake", "stats", "outbox",
+                                    "hooks"),
+                          args=["moving", k.task_prefix("moving"), 4, 60_000, 1000])
+    await lua.expire(keys=k.of("moving", "queue", "stats", "outbox", "deadlines",
+                                      "hooks"),
+                            args=[k.task_prefix("moving"), 60_000, 100, 100])
+    later = await rt.redis.zscore(k.active("moving"), "leased")
+    assert later is not None and later > 1  # kept, looked at again later
+    assert await rt.redis.zscore(k.queue("moving"), "queued") == 5
+
+
 def test_every_script_takes_its_keys_in_keys_as_its_name_and_header_say() -> None:
     """A Cluster runs a script only if its caller names every key it touches (DESIGN.md,
     "Scaling out"): no script builds a key from another (the events channel is a channel), a
