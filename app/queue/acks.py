@@ -124,8 +124,19 @@ class AckBatch:
         batch, self._pending = self._pending, []
         d = self.disp
         claims = self._claims(batch)
-        for e in claims:  # the claim here serves them: no second one when a slot frees
-            d._starved.discard(e)
+        for e, (_, room) in claims.items():
+            d._starved.discard(e)  # the claim here serves them: no second one when a slot frees
+            d.reserve(e, room)
+        try:
+            await self._send(batch, claims)
+        finally:
+            for e, (_, room) in claims.items():
+                d.unreserve(e, room)
+
+    async def _send(self, batch: list[_Ack], claims: dict[str, tuple[EndpointConfig, int]]
+                    ) -> None:
+        """The acks and the claims behind them in one write; each answer applied."""
+        d = self.disp
         groups = self._groups(batch)
         acks = [self._call(g, g[0].claim.endpoint.id in claims) for g in groups]
         calls = {e: d.claim_call(ep, room) for e, (ep, room) in claims.items()}

@@ -74,6 +74,10 @@ class Dispatcher:
     inflight: dict[str, asyncio.Task[None]] = field(default_factory=dict)
     leases: dict[str, Claim] = field(default_factory=dict)
     per_endpoint: Counter[str] = field(default_factory=Counter)
+    # Slots asked for by claims whose answers are still on their way: two claims at once (the
+    # wake loop's, one behind acks, a starved endpoint's) must not both count the same free
+    # slot, or more calls than slots run at once.
+    claiming: Counter[str] = field(default_factory=Counter)
     stopping: asyncio.Event = field(default_factory=asyncio.Event)
     _room: asyncio.Event = field(default_factory=asyncio.Event)
     _drained: asyncio.Event = field(default_factory=asyncio.Event)
@@ -215,6 +219,7 @@ class Dispatcher:
         keys, args = self.claim_call(endpoint, room)
         # Asked for now: the admissions happen after this, however late the answer is read.
         asked = asyncio.get_running_loop().time()
+        self.reserve(endpoint_id, room)
         try:
             res = await self.scripts.claim(keys=keys, args=args)
         except (RedisError, OSError) as exc:
@@ -222,7 +227,21 @@ class Dispatcher:
             log.warning("claim failed: %s", exc, extra={"endpoint": endpoint_id})
             self._claim_later(endpoint_id, CLAIM_RETRY_S)
             return
-        self.claimed(endpoint, res, asked)
+        else:
+            self.claimed(endpoint, res, asked)
+        finally:
+            self.unreserve(endpoint_id, room)
+
+    def reserve(self, endpoint_id: str, slots: int) -> None:
+        """Hold `slots` for a claim on its way (its answer starts what it got)."""
+        self.claiming[endpoint_id] += slots
+
+    def unreserve(self, endpoint_id: str, slots: int) -> None:
+        """The claim's answer is in (its tasks started): what it did not use is free again."""
+        self.claiming[endpoint_id] -= slots
+        if not self.claiming[endpoint_id]:
+            del self.claiming[endpoint_id]
+        self._wake_starved()
 
     def claim_call(self, endpoint: EndpointConfig, room: int) -> tuple[list[str], list[Any]]:
         """claim-12.lua's KEYS and ARGV for up to `room` tasks of this endpoint."""
@@ -260,7 +279,8 @@ class Dispatcher:
             # At least one slot: a process of one slot has a share of 0.75, which claimed
             # nothing.
             share = max(1, int(self.capacity * SHARE))
-        return min(self.capacity - len(self.inflight), share - self.per_endpoint[endpoint_id])
+        return min(self.capacity - len(self.inflight) - self.claiming.total(),
+                   share - self.per_endpoint[endpoint_id] - self.claiming[endpoint_id])
 
     def may_take_all(self, endpoint_id: str) -> bool:
         """Whether this endpoint may have every slot: only its calls are in flight here, its
@@ -312,6 +332,12 @@ class Dispatcher:
         if self.stopping.is_set():
             if not self.inflight:
                 self._drained.set()
+            return
+        self._wake_starved()
+
+    def _wake_starved(self) -> None:
+        """Claim for the endpoints met while this process had no room, now that it has."""
+        if self.stopping.is_set():
             return
         for endpoint_id in [e for e in self._starved if self._room_for(e) > 0]:
             self._starved.discard(endpoint_id)
