@@ -18,6 +18,8 @@ from app.runtime import Runtime
 from tests.conftest import Gateway
 
 Spawn = Callable[..., subprocess.Popen[bytes]]
+# The pause, the probe and their scripts on both (the tests without Redis run once).
+pytestmark = pytest.mark.backends("single", "cluster")
 
 
 def test_the_common_header_forms_are_read() -> None:
