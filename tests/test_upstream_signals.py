@@ -153,12 +153,15 @@ async def _processing(gateway: Gateway, auth: dict[str, str], ids: list[str]) ->
     return [t for t in ids if (await gateway.status(auth, t))["task_status"] == "processing"]
 
 
-async def test_an_online_probe_that_completes_reopens_the_endpoint(
+@pytest.mark.parametrize("end", ["complete", "cancel"])
+async def test_an_online_probe_ends_when_its_caller_completes_or_cancels_it(
     gateway: Gateway, upstream: str, start_dispatcher: Callable[[], Awaitable[Runtime]],
+    end: str,
 ) -> None:
     """A mixed endpoint paused by an offline call's 429: after the pause one online task gets
-    its permit alone, as the probe; its `complete` lifts the pause, and the others are admitted
-    at once, not when the probe's permit (30 s) runs out."""
+    its permit alone, as the probe. Its `complete` lifts the pause, and the others are admitted
+    at once; cancelled, it lifts nothing, and the next one probes at once. Neither waits for
+    the probe's permit (30 s) to run out."""
     url = f"{upstream}/mixed"
     await gateway.add_endpoint("mixed", url, max_retries=0, permit_ttl_s=30)
     auth = await gateway.new_key()
@@ -176,16 +179,19 @@ async def test_an_online_probe_that_completes_reopens_the_endpoint(
     await asyncio.sleep(0.3)
     assert await _processing(gateway, auth, online) == admitted  # the probe goes alone
     (probe,) = admitted
-    r = await gateway.http.post(f"/api/v1/tasks/{probe}/complete", headers=auth)
+    r = await gateway.http.post(f"/api/v1/tasks/{probe}/{end}", headers=auth)
     assert r.status_code == 200, r.text
     rest = [t for t in online if t != probe]
+    want = len(rest) if end == "complete" else 1  # reopened, or the next probe alone
     deadline = loop.time() + 3
-    while await _processing(gateway, auth, rest) != rest:
-        assert loop.time() < deadline, "the probe's success did not reopen the endpoint"
+    while len(await _processing(gateway, auth, rest)) < want:
+        assert loop.time() < deadline, f"nothing admitted after the probe's {end}"
         await asyncio.sleep(0.05)
+    await asyncio.sleep(0.3)
+    assert len(await _processing(gateway, auth, rest)) == want
     row = await gateway.http.get("/admin/v1/queues", headers=gateway.admin)
     (shown,) = [q for q in row.json()["endpoints"] if q["id"] == "mixed"]
-    assert not shown.get("upstream_paused_until")
+    assert bool(shown.get("upstream_paused_until")) == (end == "cancel")
 
 
 @pytest.mark.parametrize("how", ["handed back", "reaped"])

@@ -245,7 +245,8 @@ class TaskQueue:
         k, e = self.keys, endpoint_of(task_id)
         res = await self.scripts.cancel(
             keys=[k.task(task_id),
-                  *k.of(e, "queue", "active", "wake", "outbox", "retry", "stats", "hooks")],
+                  *k.of(e, "queue", "active", "wake", "outbox", "retry", "stats", "hooks",
+                        "probe")],
             args=[task_id, user_id, self.ttls.done_ms, e],
         )
         if res[0] == "missing":
