@@ -31,7 +31,7 @@ end
 local deadlines = KEYS[4]
 for _, id in ipairs(redis.call('ZRANGEBYSCORE', deadlines, '-inf', now, 'LIMIT', 0, max_expired)) do
   local task = ARGV[1] .. id
-  local f = redis.call('HMGET', task, 'status', 'pexp')  -- before writing (reap-6.lua)
+  local f = redis.call('HMGET', task, 'status', 'pexp')  -- before writing (reap-7.lua)
   redis.call('ZREM', deadlines, id)
   if f[1] == 'pending' and f[2] and tonumber(f[2]) <= now then
     expire_pending(task, id, KEYS[1], KEYS[2], KEYS[3], KEYS[5], now)

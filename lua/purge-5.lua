@@ -1,6 +1,6 @@
 --[[ Cancel pending tasks of one endpoint (an operator's purge), at most ARGV[2] per run: the
 caller runs it again while it reports more. Each task ends as a user's cancel ends it
-(cancel-8.lua): `cancelled`, out of its queue, into the outbox, counted, announced.
+(cancel-9.lua): `cancelled`, out of its queue, into the outbox, counted, announced.
 Tasks waiting out a retry back-off are pending too: they go after the queue.
 KEYS[1] queue    KEYS[2] retry (ZSet)    KEYS[3] stats    KEYS[4] outbox
 KEYS[5] hooks (lifecycle.lua)

@@ -53,6 +53,7 @@ async def _wait_ended(gateway: Gateway, task_ids: list[str], timeout: float = 30
     raise AssertionError("tasks still unfinished")
 
 
+@pytest.mark.backends("single", "cluster")  # requeue (retry) and cancel on both
 async def test_operator_sees_retries_and_cancels_any_users_task(
     gateway: Gateway, fresh_upstream: str, start_dispatcher: Callable[[], Awaitable[Runtime]],
 ) -> None:
@@ -148,6 +149,7 @@ async def test_lists_an_endpoints_tasks_by_status_a_page_at_a_time(
     assert nope.status_code == 404 and nope.json()["error"]["code"] == "endpoint_not_found"
 
 
+@pytest.mark.backends("single", "cluster")  # the purge script on both
 async def test_purge_cancels_every_pending_task_a_batch_per_script(
     gateway: Gateway, upstream: str, monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -5,6 +5,7 @@ the rows, and failures are told apart. Saves screenshots to .artifacts/."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import shutil
@@ -335,4 +336,32 @@ async def test_operator_acts_from_the_dashboard(
     await page.screenshot(path=str(ARTIFACTS / "dashboard-actions.png"), full_page=True)
     print(f"\nscreenshots: {ARTIFACTS / 'dashboard-drilldown.png'}, "
           f"{ARTIFACTS / 'dashboard-actions.png'}")
+    await _paused_by_upstream_shown(gateway, served, fresh_upstream, page)
     assert errors == []
+
+
+async def _paused_by_upstream_shown(gateway: Gateway, served: str, upstream: str,
+                                    page: Any) -> None:
+    """An endpoint whose upstream answered 429 with Retry-After: its row says until when
+    (the time the admin API gives, as the browser writes it)."""
+    from playwright.async_api import expect
+
+    url = f"{upstream}/upst"
+    await gateway.add_endpoint("upst", url)
+    auth = await gateway.new_key(user_id=6)
+    await gateway.submit(auth, url, headers={
+        "X-Mock-Status": ["429"], "X-Mock-Reply-Headers": [json.dumps({"Retry-After": "60"})]})
+    for _ in range(100):
+        queues = (await _admin(served, "GET", "/admin/v1/queues"))["endpoints"]
+        (shown,) = [q for q in queues if q["id"] == "upst"]
+        if shown["upstream_paused_until"]:
+            break
+        await asyncio.sleep(0.1)
+    await gateway.submit(auth, url)  # waits in line behind the pause
+    queues = (await _admin(served, "GET", "/admin/v1/queues"))["endpoints"]
+    (shown,) = [q for q in queues if q["id"] == "upst"]
+    assert shown["binding_limit"] == "upstream" and shown["admits_next_at"]
+    until = await page.evaluate("(t) => new Date(t).toLocaleTimeString()",
+                                shown["admits_next_at"])
+    await expect(page.locator('tr[data-endpoint="upst"] td[data-field="id"]')).to_have_text(
+        f"upst (paused by upstream until {until})", timeout=10_000)

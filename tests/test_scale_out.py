@@ -156,7 +156,7 @@ async def test_a_task_whose_hash_is_not_here_yet_is_never_dropped(gateway: Gatew
     await rt.redis.zadd(k.active("moving"), {"leased": 1})  # a lease long run out
     await rt.redis.zadd(k.queue("moving"), {"queued": 5})
     await lua.reap(keys=k.of("moving", "active", "queue", "wake", "stats", "outbox",
-                                    "hooks"),
+                                    "hooks", "probe"),
                           args=["moving", k.task_prefix("moving"), 4, 60_000, 1000])
     await lua.expire(keys=k.of("moving", "queue", "stats", "outbox", "deadlines",
                                       "hooks"),

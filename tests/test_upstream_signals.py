@@ -7,16 +7,19 @@ import itertools
 import json
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import httpx
 import pytest
 
 from app.queue.signals import ALIGN_MARGIN_S, pause_s, reset_s
+from app.runtime import Runtime
 from tests.conftest import Gateway
 
 Spawn = Callable[..., subprocess.Popen[bytes]]
+# The pause, the probe and their scripts on both (the tests without Redis run once).
+pytestmark = pytest.mark.backends("single", "cluster")
 
 
 def test_the_common_header_forms_are_read() -> None:
@@ -144,3 +147,86 @@ async def test_the_pause_shows_in_the_admin_view(
     assert row["binding_limit"] == "upstream" and row["admits_next_at"]
     m = (await gateway.http.get("/metrics")).text
     assert 'qgw_endpoint_upstream_paused{endpoint="shown"} 1' in m
+
+
+async def _processing(gateway: Gateway, auth: dict[str, str], ids: list[str]) -> list[str]:
+    return [t for t in ids if (await gateway.status(auth, t))["task_status"] == "processing"]
+
+
+@pytest.mark.parametrize("end", ["complete", "cancel"])
+async def test_an_online_probe_ends_when_its_caller_completes_or_cancels_it(
+    gateway: Gateway, upstream: str, start_dispatcher: Callable[[], Awaitable[Runtime]],
+    end: str,
+) -> None:
+    """A mixed endpoint paused by an offline call's 429: after the pause one online task gets
+    its permit alone, as the probe. Its `complete` lifts the pause, and the others are admitted
+    at once; cancelled, it lifts nothing, and the next one probes at once. Neither waits for
+    the probe's permit (30 s) to run out."""
+    url = f"{upstream}/mixed"
+    await gateway.add_endpoint("mixed", url, max_retries=0, permit_ttl_s=30)
+    auth = await gateway.new_key()
+    signal = await gateway.submit(auth, url, headers={
+        "X-Mock-Status": ["429"], "X-Mock-Reply-Headers": [json.dumps({"Retry-After": "1"})]})
+    await start_dispatcher()
+    (refused,) = await gateway.wait_finished(auth, [signal["task_id"]])
+    assert refused["result_status_code"] == 429
+    online = [(await gateway.submit(auth, url, task_type="online"))["task_id"] for _ in range(3)]
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 5
+    while not (admitted := await _processing(gateway, auth, online)):
+        assert loop.time() < deadline, "no probe after the pause"
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(0.3)
+    assert await _processing(gateway, auth, online) == admitted  # the probe goes alone
+    (probe,) = admitted
+    r = await gateway.http.post(f"/api/v1/tasks/{probe}/{end}", headers=auth)
+    assert r.status_code == 200, r.text
+    rest = [t for t in online if t != probe]
+    want = len(rest) if end == "complete" else 1  # reopened, or the next probe alone
+    deadline = loop.time() + 3
+    while len(await _processing(gateway, auth, rest)) < want:
+        assert loop.time() < deadline, f"nothing admitted after the probe's {end}"
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(0.3)
+    assert len(await _processing(gateway, auth, rest)) == want
+    row = await gateway.http.get("/admin/v1/queues", headers=gateway.admin)
+    (shown,) = [q for q in row.json()["endpoints"] if q["id"] == "mixed"]
+    assert bool(shown.get("upstream_paused_until")) == (end == "cancel")
+
+
+@pytest.mark.parametrize("how", ["handed back", "reaped"])
+async def test_a_probe_handed_back_or_reaped_lets_another_go(
+    gateway: Gateway, upstream: str, dispatcher_process: Spawn, how: str,
+) -> None:
+    """The dispatcher calling the probe stops (SIGTERM: it hands the task back) or dies
+    (kill -9: the reaper returns it when its lease runs out): the other dispatcher probes
+    again then, not when the probe's key (as long as a 30 s permit) expires."""
+    url = f"{upstream}/handback"
+    await gateway.add_endpoint("handback", url, permit_ttl_s=30)
+    auth = await gateway.new_key()
+    signal = await gateway.submit(auth, url, headers={"X-Mock-Reply-Headers": [json.dumps(
+        {"x-ratelimit-remaining-requests": "0", "x-ratelimit-reset-requests": "2s"})]})
+    first = dispatcher_process(QGW_SHUTDOWN_GRACE_S="0")
+    await gateway.wait_finished(auth, [signal["task_id"]])
+    slow = (await gateway.submit(auth, url, headers={"X-Mock-Latency-Ms": ["5000"]}))["task_id"]
+
+    async def calls() -> list[float]:
+        return [e["t"] for e in await _log(upstream) if e["idempotency_key"] == slow]
+
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 10
+    while not await calls():  # the probe, after the pause
+        assert loop.time() < deadline, "no probe after the pause"
+        await asyncio.sleep(0.05)
+    dispatcher_process(QGW_SHUTDOWN_GRACE_S="0")
+    await asyncio.sleep(1)  # the second one up, held behind the probe
+    assert len(await calls()) == 1
+    if how == "reaped":
+        first.kill()
+    else:
+        first.terminate()
+    await asyncio.to_thread(first.wait, 10)
+    deadline = loop.time() + 10  # a lease (3 s) and a reap, well short of the 30 s
+    while len(await calls()) < 2:
+        assert loop.time() < deadline, "nobody probed again"
+        await asyncio.sleep(0.1)

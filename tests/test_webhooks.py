@@ -138,6 +138,7 @@ async def test_finished_tasks_delivered_once_signed(
         assert rec["body"] == await gateway.status(auth, task_id)  # the status JSON itself
 
 
+@pytest.mark.backends("single", "cluster")  # hookclaim, hookretry and hookdone on both
 async def test_retried_until_2xx_with_one_delivery_id(
     gateway: Gateway, upstream: str, receiver: Receiver,
     dispatcher_process: Callable[..., Any],

@@ -13,7 +13,7 @@ Nothing is lost: a task is in a queue or in `active` under a lease until it is a
 Through a Redis outage every loop retries with a short capped back-off and carries on.  On stop
 (SIGTERM) the dispatcher stops claiming, lets calls in flight finish within a grace period while
 it keeps renewing their leases, and hands the rest back to their queues at once
-(lua/release-7.lua) instead of leaving them to the reaper when their leases run out.
+(lua/release-8.lua) instead of leaving them to the reaper when their leases run out.
 """
 
 from __future__ import annotations
@@ -413,7 +413,7 @@ class Dispatcher:
                     e = c.endpoint.id
                     await self.scripts.release(
                         keys=[k.active(e), k.task(c.task_id),
-                              *k.of(e, "queue", "wake", "stats", "outbox", "hooks")],
+                              *k.of(e, "queue", "wake", "stats", "outbox", "hooks", "probe")],
                         args=[c.task_id, c.token, e, c.endpoint.max_retries + 1,
                               self.ttls.done_ms], client=pipe)
                 return await pipe.execute()

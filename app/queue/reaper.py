@@ -54,7 +54,8 @@ class Reaper:
         async with self.redis.pipeline(transaction=False) as pipe:
             for ep in endpoints:
                 await self.scripts.reap(
-                    keys=k.of(ep.id, "active", "queue", "wake", "stats", "outbox", "hooks"),
+                    keys=k.of(ep.id, "active", "queue", "wake", "stats", "outbox", "hooks",
+                              "probe"),
                     args=[ep.id, k.task_prefix(ep.id), ep.max_retries + 1, done_ms, 1000],
                     client=pipe,
                 )

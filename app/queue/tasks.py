@@ -245,7 +245,8 @@ class TaskQueue:
         k, e = self.keys, endpoint_of(task_id)
         res = await self.scripts.cancel(
             keys=[k.task(task_id),
-                  *k.of(e, "queue", "active", "wake", "outbox", "retry", "stats", "hooks")],
+                  *k.of(e, "queue", "active", "wake", "outbox", "retry", "stats", "hooks",
+                        "probe")],
             args=[task_id, user_id, self.ttls.done_ms, e],
         )
         if res[0] == "missing":
@@ -260,7 +261,8 @@ class TaskQueue:
         """An admitted online task is done: its slot frees before the permit runs out."""
         k, e = self.keys, endpoint_of(task_id)
         res = await self.scripts.complete(
-            keys=[k.task(task_id), *k.of(e, "active", "queue", "wake", "outbox", "stats", "hooks")],
+            keys=[k.task(task_id),
+                  *k.of(e, "active", "queue", "wake", "outbox", "stats", "hooks", "probe")],
             args=[task_id, user_id, result or "", self.ttls.done_ms, e],
         )
         if res[0] == "missing":

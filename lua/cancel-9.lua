@@ -1,7 +1,8 @@
 --[[ Cancel a task of this user: a pending one leaves its queue; an admitted online one loses
 its permit and frees its slot. Anything that already ended, or an offline call in flight, stays.
 KEYS[1] task    KEYS[2] queue    KEYS[3] active    KEYS[4] wake    KEYS[5] outbox
-KEYS[6] retry    KEYS[7] stats    KEYS[8] hooks (lifecycle.lua)
+KEYS[6] retry    KEYS[7] stats    KEYS[8] hooks (lifecycle.lua)    KEYS[9] probe (upstream.lua):
+an online probe cancelled is no probe any more; the next claim sends another
 ARGV[1] task id    ARGV[2] user id    ARGV[3] unused (the done TTL: set once SQL has the row)    ARGV[4] endpoint id
 Returns {'cancelled'} | {'missing'} | {'conflict', current status}.
 ]]
@@ -9,8 +10,9 @@ Returns {'cancelled'} | {'missing'} | {'conflict', current status}.
 --@include lifecycle.lua
 --@include stats.lua
 --@include events.lua
+--@include upstream.lua
 
-local f = redis.call('HMGET', KEYS[1], 'user_id', 'status', 'type')
+local f = redis.call('HMGET', KEYS[1], 'user_id', 'status', 'type', 'lease')
 if not f[1] or f[1] ~= ARGV[2] then return {'missing'} end
 local now = now_ms()
 if f[2] == 'pending' then
@@ -19,6 +21,7 @@ if f[2] == 'pending' then
 elseif f[2] == 'processing' and f[3] == 'online' then
   redis.call('ZREM', KEYS[3], ARGV[1])
   redis.call('HDEL', KEYS[1], 'lease', 'deadline')
+  if f[4] then upstream_call_ended(KEYS[7], KEYS[9], f[4], false) end
   if redis.call('ZCARD', KEYS[2]) > 0 then
     redis.call('ZADD', KEYS[4], 'NX', now, ARGV[4])
   end

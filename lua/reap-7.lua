@@ -1,7 +1,8 @@
 --[[ Return claims whose lease ran out to their queue, with their original score.
 Safe in many processes at once: each expired id is handled by whichever script runs first.
 KEYS[1] active    KEYS[2] queue    KEYS[3] wake    KEYS[4] stats    KEYS[5] outbox
-KEYS[6] hooks (lifecycle.lua)
+KEYS[6] hooks (lifecycle.lua)    KEYS[7] probe (upstream.lua): a probe reaped is no probe any
+more; the next claim sends another
 ARGV[1] endpoint id    ARGV[2] task key prefix    ARGV[3] max attempts
 ARGV[4] unused (the done TTL: set once SQL has the row)    ARGV[5] batch size
 Returns {requeued, failed, ended online}. Ended tasks go to the endpoint's outbox.
@@ -11,6 +12,7 @@ Task hashes of ids read here are built from ARGV[2] (prefix), same hash tag.
 --@include lifecycle.lua
 --@include stats.lua
 --@include events.lua
+--@include upstream.lua
 
 local now = now_ms()
 local ids = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, tonumber(ARGV[5]))
@@ -21,7 +23,8 @@ for _, id in ipairs(ids) do
   -- Read before writing: while a Cluster reshard moves this slot, a key not yet here fails
   -- the script, and what it already wrote stays (Redis does not roll back).
   local task = ARGV[2] .. id
-  local fields = redis.call('HMGET', task, 'type', 'attempts', 'score', 'status', 'started_at')
+  local fields = redis.call('HMGET', task, 'type', 'attempts', 'score', 'status', 'started_at',
+    'lease')
   if not fields[1] then
     -- A leased task's hash has no TTL, so it is not gone but not here yet: a reshard moving
     -- this slot key by key, this script run on the new master before the hash came. Looked at
@@ -32,6 +35,7 @@ for _, id in ipairs(ids) do
   end
   if fields[1] and fields[4] == 'processing' then
     redis.call('HDEL', task, 'lease', 'deadline')
+    if fields[6] then upstream_call_ended(KEYS[4], KEYS[7], fields[6], false) end
     changed[#changed + 1] = id
     if fields[1] == 'online' then
       -- The permit lapsed without `complete`: the slot is free again.
