@@ -149,8 +149,8 @@ class MariaDB:
     `make test` installs Debian's `mariadb-server`; a missing binary fails the storage tests loudly
     (they are the proof the MySQL path works), it does not skip them."""
 
-    def __init__(self, data_dir: Path) -> None:
-        self.data_dir, self.port = data_dir, free_port()
+    def __init__(self, data_dir: Path, options: tuple[str, ...] = ()) -> None:
+        self.data_dir, self.port, self.options = data_dir, free_port(), options
         self.proc: subprocess.Popen[bytes] | None = None
 
     @staticmethod
@@ -179,7 +179,8 @@ class MariaDB:
              f"--socket={self.data_dir}/mysqld.sock", f"--port={self.port}",
              "--bind-address=127.0.0.1", "--skip-log-bin", "--innodb-buffer-pool-size=256M",
              "--innodb-flush-log-at-trx-commit=2", "--skip-name-resolve",
-             f"--log-error={self.data_dir}/error.log", f"--pid-file={self.data_dir}/mysqld.pid"],
+             f"--log-error={self.data_dir}/error.log", f"--pid-file={self.data_dir}/mysqld.pid",
+             *self.options],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         wait_port(self.port, timeout=60, proc=self.proc)
 
