@@ -103,8 +103,9 @@ class AckBatch:
             size[key] += n
         return out
 
-    def _claims(self, batch: list[_Ack]) -> dict[str, tuple[EndpointConfig, int]]:
-        """The endpoints worth a claim behind these acks, and for how many slots."""
+    def _claims(self, batch: list[_Ack]) -> dict[str, tuple[EndpointConfig, int, int]]:
+        """The endpoints worth a claim behind these acks, for how many slots, and how many of
+        those are free now (the rest are the acked tasks', freed when their acks answer)."""
         d = self.disp
         if d.stopping.is_set():
             return {}
@@ -115,31 +116,31 @@ class AckBatch:
             ep = d.registry.get(e)
             if (self.backlog.get(e) and ep is not None and ep.enabled and not ep.paused
                     and e not in d._retries and (not full or d.may_take_all(e))):
-                room = d._room_for(e) + n
-                if room > 0:
-                    out[e] = (ep, room)
+                free = d._room_for(e)
+                if free + n > 0:
+                    out[e] = (ep, free + n, max(free, 0))
         return out
 
     async def _flush(self) -> None:
         batch, self._pending = self._pending, []
         d = self.disp
         claims = self._claims(batch)
-        for e, (_, room) in claims.items():
+        for e, (_, _, free) in claims.items():
             d._starved.discard(e)  # the claim here serves them: no second one when a slot frees
-            d.reserve(e, room)
+            d.reserve(e, free)  # the acked tasks' slots stay theirs until their acks answer
         try:
             await self._send(batch, claims)
         finally:
-            for e, (_, room) in claims.items():
-                d.unreserve(e, room)
+            for e, (_, _, free) in claims.items():
+                d.unreserve(e, free)
 
-    async def _send(self, batch: list[_Ack], claims: dict[str, tuple[EndpointConfig, int]]
+    async def _send(self, batch: list[_Ack], claims: dict[str, tuple[EndpointConfig, int, int]]
                     ) -> None:
         """The acks and the claims behind them in one write; each answer applied."""
         d = self.disp
         groups = self._groups(batch)
         acks = [self._call(g, g[0].claim.endpoint.id in claims) for g in groups]
-        calls = {e: d.claim_call(ep, room) for e, (ep, room) in claims.items()}
+        calls = {e: d.claim_call(ep, room) for e, (ep, room, _) in claims.items()}
         asked = asyncio.get_running_loop().time()
         try:
             res = await Lua.together(d.redis, [
@@ -155,7 +156,7 @@ class AckBatch:
                 d._spawn(self._one(group))  # on its own: the marker is its to add
             else:
                 self._acked(group, r)
-        for (e, (ep, _)), r in zip(claims.items(), res[len(groups):], strict=True):
+        for (e, (ep, _, _)), r in zip(claims.items(), res[len(groups):], strict=True):
             if isinstance(r, Exception):
                 log.warning("claim failed: %s", r, extra={"endpoint": e})
                 d._claim_later(e, 0 if isinstance(r, NoScriptError) else CLAIM_RETRY_S)
