@@ -112,6 +112,7 @@ async def test_a_signal_pauses_every_dispatcher_then_one_probe_goes_first(
     assert sum(1 for t in after if t - after[0] < 100) == 4
 
 
+@pytest.mark.backends("single")  # no script of its own: the flag only skips the pause
 async def test_signals_are_ignored_when_the_endpoint_says_so(
     gateway: Gateway, fresh_upstream: str, dispatcher_process: Spawn,
 ) -> None:
