@@ -47,6 +47,7 @@ DEFAULT_FORWARD = frozenset({
 _NEVER_FORWARD = frozenset({
     "host", "content-length", "transfer-encoding", "connection", "keep-alive", "te", "trailer",
     "upgrade", "expect", "proxy-authorization", "proxy-connection", "idempotency-key",
+    "accept-encoding",  # the gateway decodes what it asked for (gzip, deflate), nothing else
 })
 HEADER_NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]{1,128}$")  # RFC 9110 field name
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import gzip
 import json
+import socket
+import struct
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -417,3 +419,37 @@ async def test_a_connection_closed_by_the_upstream_is_not_reused(
     two, _ = await timed(client, req(f"{up.url}/2"))
     assert (one.text, two.text) == ("one", "two") and one.ok and two.ok
     assert up.connections == 2
+
+
+def resetting(data: bytes) -> Answer:
+    """Writes `data` then resets the connection (SO_LINGER 0: an RST, not a FIN)."""
+    async def answer(_: bytes, writer: asyncio.StreamWriter) -> None:
+        writer.write(data)
+        await writer.drain()
+        sock = writer.get_extra_info("socket")
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        writer.transport.abort()
+    return answer
+
+
+async def test_answers_are_what_their_framing_and_status_say(
+    upstream: Callable[..., Awaitable[Upstream]], client: Any
+) -> None:
+    """A body without a length cut by a reset is an error, not a shorter success; a 204 may
+    declare any length (it has no body); a Transfer-Encoding other than chunked is read to the
+    connection's end; the headers of bytes past an answer never join it."""
+    up = await upstream(resetting(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\npart"))
+    cut, _ = await timed(client, req(f"{up.url}/a"))
+    assert cut.status_code is None and cut.retryable
+
+    up = await upstream(b"HTTP/1.1 204 No Content\r\nContent-Length: 5000000\r\n\r\n",
+                        closing(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: identity\r\n\r\nall"))
+    empty, _ = await timed(client, req(f"{up.url}/b"))
+    assert (empty.status_code, empty.text, empty.refused) == (204, "", False)
+    whole, _ = await timed(client, req(f"{up.url}/c"))
+    assert (whole.status_code, whole.text) == (200, "all")
+
+    extra = b"HTTP/1.1 200 OK\r\nRetry-After: 9\r\nContent-Length: 1\r\n\r\nx"
+    up = await upstream(ok(b"first") + extra)
+    first, _ = await timed(client, req(f"{up.url}/d"))
+    assert (first.text, first.retry_after_s) == ("first", None)

@@ -105,7 +105,8 @@ class AckBatch:
 
     def _claims(self, batch: list[_Ack]) -> dict[str, tuple[EndpointConfig, int, int]]:
         """The endpoints worth a claim behind these acks, for how many slots, and how many of
-        those are free now (the rest are the acked tasks', freed when their acks answer)."""
+        those are free now, held until the claim's answer is in (the rest are the acked
+        tasks', theirs until their acks answer)."""
         d = self.disp
         if d.stopping.is_set():
             return {}
@@ -119,15 +120,16 @@ class AckBatch:
                 free = d._room_for(e)
                 if free + n > 0:
                     out[e] = (ep, free + n, max(free, 0))
+                    # Held at once: the next endpoint's free room is what this one left.
+                    d.reserve(e, max(free, 0))
         return out
 
     async def _flush(self) -> None:
         batch, self._pending = self._pending, []
         d = self.disp
         claims = self._claims(batch)
-        for e, (_, _, free) in claims.items():
-            d._starved.discard(e)  # the claim here serves them: no second one when a slot frees
-            d.reserve(e, free)  # the acked tasks' slots stay theirs until their acks answer
+        for e in claims:  # the claim here serves them: no second one when a slot frees
+            d._starved.discard(e)
         try:
             await self._send(batch, claims)
         finally:

@@ -217,7 +217,7 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
-        if self._head_done and not self._framed:
+        if exc is None and self._head_done and not self._framed:
             self._finish(bytes(self._body))  # an answer that ends with its connection
         else:
             self._fail(BadAnswer("the upstream closed the connection before its answer ended"))
@@ -227,6 +227,7 @@ class _Connection(asyncio.Protocol):
     def on_message_begin(self) -> None:
         if self._waiter is None or self._waiter.done():  # a second answer to one request
             self.close()
+            raise BadAnswer("an answer nobody asked for")  # stops the parser here
         self._interim = False
 
     def on_header(self, name: bytes, value: bytes) -> None:
@@ -244,10 +245,12 @@ class _Connection(asyncio.Protocol):
             return
         headers = self._headers
         self._head_done = True
-        self._framed = "content-length" in headers or "transfer-encoding" in headers
+        # llhttp reads any other Transfer-Encoding to the connection's end
+        self._framed = "content-length" in headers or \
+            "chunked" in headers.get("transfer-encoding", "").lower()
         if self._head_only:  # no body follows, whatever its headers say
             self._finish(b"", reusable=False)
-        elif _int(headers.get("content-length")) > self._max_bytes:
+        elif status not in (204, 304) and _int(headers.get("content-length")) > self._max_bytes:
             self._finish(None, reusable=False)
 
     def on_body(self, chunk: bytes) -> None:
@@ -273,7 +276,7 @@ class _Connection(asyncio.Protocol):
         except zlib.error as exc:
             waiter.set_exception(BadAnswer(f"answer body not as encoded: {exc}"))
             return
-        waiter.set_result(Answer(self._parser.get_status_code(), self._headers, body))
+        waiter.set_result(Answer(self._parser.get_status_code(), dict(self._headers), body))
 
     def _fail(self, exc: Exception) -> None:
         if self._waiter is not None and not self._waiter.done():
@@ -295,4 +298,8 @@ def _decoded(raw: bytes | None, encoding: str | None, max_bytes: int) -> bytes |
         return raw
     inflate = zlib.decompressobj(wbits)
     out = inflate.decompress(raw, max_bytes + 1)
-    return None if len(out) > max_bytes or inflate.unconsumed_tail else out
+    if len(out) > max_bytes or inflate.unconsumed_tail:
+        return None
+    if not inflate.eof:
+        raise zlib.error("the compressed body is cut short")
+    return out
