@@ -131,7 +131,7 @@ async def _run(settings: Settings, job: Job, needs_runtime: bool) -> Any:
     from app.redis_url import WrongKind
 
     target: Runtime | _SqlOnly
-    if needs_runtime:  # the runtime's imports (aiohttp, the dispatcher...) cost a read time
+    if needs_runtime:  # the runtime's imports (the dispatcher, its HTTP client...) cost a read time
         from app.runtime import Runtime
 
         target = Runtime(settings)

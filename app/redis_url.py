@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar, cast
-from urllib.parse import unquote
+from urllib.parse import parse_qsl, unquote
 
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.cluster import ClusterNode, ClusterPipeline, RedisCluster
@@ -84,8 +84,7 @@ _TLS_OPTIONS = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs",
 def _tls(query: str, tls: bool) -> tuple[tuple[str, str], ...]:
     """The TLS options of a Sentinel or Cluster URL (as redis-py reads them from a rediss://
     URL); any other option is refused rather than quietly dropped."""
-    options = tuple((name, unquote(value)) for name, _, value in
-                    (item.partition("=") for item in query.split("&") if item))
+    options = tuple(parse_qsl(query, keep_blank_values=True))
     for name, _ in options:
         if name not in _TLS_OPTIONS:
             raise ValueError(f"unknown option {name!r}: a Sentinel or Cluster URL takes only "

@@ -96,7 +96,7 @@ class UpstreamClient:
             except BaseException:  # cut short (a timeout): the answer may still come
                 conn.close()
                 raise
-            if conn.reusable and not conn.lost and not self._closed:
+            if conn.reusable and not self._closed:
                 conn.idle_since = asyncio.get_running_loop().time()
                 self._idle.setdefault(where.key, []).append(conn)
             else:
@@ -169,9 +169,14 @@ class _Connection(asyncio.Protocol):
         self._head_only = False
         self._interim = False  # a 1xx answer before the real one
         self.idle_since = 0.0
-        self.reusable = False
+        self._keep = False
         self.lost = False
         self.heard = False  # a byte of an answer came
+
+    @property
+    def reusable(self) -> bool:
+        """Its answer was read to the end, which left the connection open for another."""
+        return self._keep and not self.lost
 
     def usable(self, now: float) -> bool:
         return not self.lost and self._waiter is None and now - self.idle_since < IDLE_S
@@ -188,7 +193,7 @@ class _Connection(asyncio.Protocol):
         self._headers, self._head_bytes, self._body = {}, 0, bytearray()
         self._max_bytes, self._head_only = max_bytes, head_only
         self._head_done = self._framed = self._interim = False
-        self.reusable = self.heard = False
+        self._keep = self.heard = False
         self._transport.write(head + body if body else head)
         if on_sent is not None:
             on_sent()
@@ -270,7 +275,7 @@ class _Connection(asyncio.Protocol):
         waiter = self._waiter
         if waiter is None or waiter.done():
             return
-        self.reusable = reusable and not self.lost
+        self._keep = reusable
         try:
             body = _decoded(raw, self._headers.get("content-encoding"), self._max_bytes)
         except zlib.error as exc:

@@ -22,7 +22,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import aiohttp
 from fastapi.responses import JSONResponse
 from redis.asyncio import Redis
 
@@ -32,6 +31,7 @@ from app.core.registry import EndpointRegistry, Mirror, cancel_all
 from app.core.scripts import Scripts
 from app.lifecycle import Ttls
 from app.models import TaskStatus, TaskView
+from app.queue.http1 import UpstreamClient
 from app.settings import Settings
 from app.store import ApiKey
 from app.webhooks import allowed, signature
@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 INTERVAL_S = 0.5
 #: Deliveries one process has in flight at most (over all endpoints).
 MAX_IN_FLIGHT = 64
+ANSWER_BYTES = 64 * 1024  # a receiver's answer is not kept: only its status counts
 FIRST_DELAY_S, MAX_DELAY_S = 1.0, 300.0
 #: A webhook is retried for at least this long after its task ended (API.md: an hour).
 GIVE_UP_S = 3600.0
@@ -67,7 +68,7 @@ class WebhookSender:
     api_keys: Mirror[ApiKey]
     settings: Settings
     view: Callable[[str, dict[str, str]], TaskView]
-    http: aiohttp.ClientSession | None = None
+    http: UpstreamClient | None = None
     _loop: asyncio.Task[None] | None = None
     _sending: set[asyncio.Task[None]] = field(default_factory=set)
     _by_id: tuple[str | None, dict[str, ApiKey]] = (None, {})
@@ -80,10 +81,9 @@ class WebhookSender:
         return int(timeout_ms + max(1000, timeout_ms / 2))
 
     def start(self) -> None:
-        self.http = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=MAX_IN_FLIGHT, ttl_dns_cache=60),
-            cookie_jar=aiohttp.DummyCookieJar(),
-            timeout=aiohttp.ClientTimeout(total=self.settings.webhook_timeout_s))
+        # The client of business API calls: no redirects, no cookies; its connections are as
+        # many as the deliveries in flight (MAX_IN_FLIGHT).
+        self.http = UpstreamClient("queue-gateway-webhook")
         self._loop = asyncio.create_task(every("webhooks", INTERVAL_S, self.tick),
                                          name="webhooks")
 
@@ -155,17 +155,15 @@ class WebhookSender:
     async def _post(self, url: str, delivery: str, secret: str, body: bytes) -> str | None:
         """None once the receiver answered 2xx, else what went wrong."""
         assert self.http is not None
-        headers = {"Content-Type": "application/json", "X-Queue-Delivery": delivery,
-                   "X-Queue-Signature": signature(secret, int(time.time()), body),
-                   "User-Agent": "queue-gateway-webhook"}
+        headers = [("Content-Type", "application/json"), ("X-Queue-Delivery", delivery),
+                   ("X-Queue-Signature", signature(secret, int(time.time()), body))]
         try:
-            # No redirects: a receiver must not send the gateway somewhere else. The answer's
-            # body is never read: only its status counts.
-            async with self.http.post(url, data=body, headers=headers,
-                                      allow_redirects=False) as resp:
-                return None if 200 <= resp.status < 300 else f"HTTP {resp.status}"
-        except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:
+            # No redirects: a receiver must not send the gateway somewhere else.
+            async with asyncio.timeout(self.settings.webhook_timeout_s):
+                answer = await self.http.request("POST", url, (), headers, body, ANSWER_BYTES)
+        except (TimeoutError, OSError, ValueError) as exc:  # BadAnswer is an OSError
             return f"{type(exc).__name__}: {exc}"[:200]
+        return None if 200 <= answer.status < 300 else f"HTTP {answer.status}"
 
     async def _done(self, task_id: str, hook: str) -> None:
         e = endpoint_of(task_id)
