@@ -2,20 +2,27 @@
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
-STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml clients/python/pyproject.toml | cksum | cut -d' ' -f1)
+HASH   := $(shell cat pyproject.toml clients/python/pyproject.toml | cksum | cut -d' ' -f1)
+# Two installs: the runtime alone for `make run`, the test tools on top for everything else.
+RUNSTAMP := $(VENV)/.run-$(HASH)
+STAMP  := $(VENV)/.installed-$(HASH)
 SYSDEPS := $(VENV)/.system-deps
 
 .PHONY: run test lint fuzz bench clean
 
-$(STAMP): pyproject.toml clients/python/pyproject.toml
+$(RUNSTAMP): pyproject.toml
 	PYTHON=$(PYTHON) scripts/system-deps run
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e .
+	rm -f $(VENV)/.run-* && touch $@
+
+$(STAMP): $(RUNSTAMP) clients/python/pyproject.toml
 	$(BIN)/pip install -q -e '.[test]' -e clients/python  # the client: its tests and mypy
 	rm -f $(VENV)/.installed-* && touch $@
 
 ## Start the gateway on embedded defaults (private Redis, SQLite in ./.qgw).
-run: $(STAMP)
+run: $(RUNSTAMP)
 	$(BIN)/qgw serve
 
 ## Lint, type-check and run the test suite against real servers.

@@ -117,7 +117,7 @@ class SubmitResponse(BaseModel):
     task_status: TaskStatus
     created_at: str | None
     wait_num: int
-    wait_time: int = 0  # estimated whole seconds until it starts, rounded up (API.md)
+    wait_time: int = 0  # estimated whole seconds until it starts, rounded up (docs/api.md)
 
 
 class Permit(BaseModel):

@@ -1,4 +1,4 @@
-"""What the OpenAPI document adds to FastAPI's: the security schemes (API.md, Authentication)
+"""What the OpenAPI document adds to FastAPI's: the security schemes (docs/api.md, Authentication)
 and operation ids a generated client can use as method names."""
 
 from __future__ import annotations

@@ -70,7 +70,7 @@ class Settings(BaseSettings):
     #: (X-Original-*), those Traefik sets (X-Forwarded-*), or `both`: every one present must
     #: agree, so a header a client added can refuse a call but never let one through.
     auth_check_headers: Literal["both", "nginx", "traefik"] = "both"
-    #: A webhook POST (API.md) that has not answered within this many seconds is retried.
+    #: A webhook POST (docs/api.md) that has not answered within this many seconds is retried.
     webhook_timeout_s: float = Field(10.0, gt=0, le=120)
     auto_migrate: bool = True
     log_level: Literal["debug", "info", "warning", "error", "critical"] = "info"

@@ -1,4 +1,4 @@
-"""Webhooks (API.md): which callback URLs a key may name, and how a delivery is signed.
+"""Webhooks (docs/api.md): which callback URLs a key may name, and how a delivery is signed.
 
 A callback URL is a request the gateway makes on a caller's behalf, so it must never reach
 anywhere the admin did not register for that key (an SSRF into the gateway's own network):

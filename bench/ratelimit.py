@@ -18,7 +18,7 @@ Measured on what the upstream received (arrival times in its log), each call aga
   transit    from admission to arrival at the upstream, p99 in ms: the dispatch jitter that
              the upstream sees on top of the limiter's exact windows
 Then, with --cases multi,cost (ours only, 1 and 2 dispatchers), endpoints under several limits
-at once (API.md `limits`):
+at once (docs/api.md `limits`):
   multi  50/s (the main limit) + 120 per 5 s, where the second binds (a shortened 50/s + 1000/min)
   cost   200 cost units per second (`per: "cost"`), tasks of random cost 1..5, no request limit
   paced  the same under a looser 100/s request limit too (the cost limit binds; the main

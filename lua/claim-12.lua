@@ -10,7 +10,7 @@ ARGV[5] limiter kind        ARGV[6] rate (0 = none)    ARGV[7] interval (ms)
 ARGV[8] task key prefix (same hash tag as KEYS, so the script stays in one slot)
 ARGV[9] lease token prefix (unique per call)    ARGV[10] permit TTL (ms) for online tasks
 ARGV[11] limiter guard (ms), see ratelimit.lua
-ARGV[12] how many further limits (API.md `limits`; 0 or absent = none), then kind, rate,
+ARGV[12] how many further limits (docs/api.md `limits`; 0 or absent = none), then kind, rate,
 interval (ms), guard (ms), per ('request' | 'cost') each: checked with the main one, all or
 none admitting (limits.lua); their state and pace keys are KEYS[13..]. A per-cost limit spends
 the task's `cost` field.

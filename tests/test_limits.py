@@ -1,4 +1,4 @@
-"""Several limits per endpoint, and per-cost limits settled to the real cost (API.md `limits`,
+"""Several limits per endpoint, and per-cost limits settled to the real cost (docs/api.md `limits`,
 `cost_from`, submit `cost`).
 
 Every window is checked, without tolerance, on the times the upstream received the calls (the

@@ -1,5 +1,5 @@
 """GET /readyz: ready while Redis takes writes; the database's state is reported, and an
-outage that submit survives keeps the API process in rotation (API.md, Operations)."""
+outage that submit survives keeps the API process in rotation (docs/api.md, Operations)."""
 
 from __future__ import annotations
 

@@ -17,9 +17,19 @@ from app import ROOT
 from tests.servers import free_port, stop, wait_port
 
 ADMIN = "package-admin-token"
-# What a source tree holds besides the code: never part of a build.
-NOT_SOURCE = shutil.ignore_patterns(".git", ".venv", "build", "dist", ".qgw", "*.egg-info",
-                                    "__pycache__", ".*_cache", ".artifacts", "artifacts")
+
+
+def _copy_source(dest: Path) -> None:
+    """Copy what git would ship (tracked files, and new ones not ignored) and nothing local:
+    a venv, a data dir or a link to another machine's path can never break the build."""
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                            cwd=ROOT, capture_output=True, check=True).stdout
+    for name in filter(None, listed.decode().split("\0")):
+        src = ROOT / name
+        if src.is_symlink() or not src.is_file():  # a link, or a file deleted but not committed
+            continue
+        (dest / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(src, dest / name)
 
 
 def _run(*cmd: str | Path, timeout: float = 300, **kw: object) -> str:
@@ -33,7 +43,7 @@ def _installed(tmp: Path) -> Path:
     """Build the wheel from a copy of the checkout (so no build/ is left in it) and install
     it into a new venv; the venv's bin directory."""
     src, dist, venv = tmp / "src", tmp / "dist", tmp / "venv"
-    shutil.copytree(ROOT, src, ignore=NOT_SOURCE)
+    _copy_source(src)
     _run(sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", dist, src)
     (wheel,) = dist.glob("queue_gateway-*.whl")
     _run(sys.executable, "-m", "venv", venv)

@@ -167,7 +167,7 @@ async def test_a_task_whose_hash_is_not_here_yet_is_never_dropped(gateway: Gatew
 
 
 def test_every_script_takes_its_keys_in_keys_as_its_name_and_header_say() -> None:
-    """A Cluster runs a script only if its caller names every key it touches (DESIGN.md,
+    """A Cluster runs a script only if its caller names every key it touches (docs/design.md,
     "Scaling out"): no script builds a key from another (the events channel is a channel), a
     script's name counts its fixed KEYS and its header lists exactly those (and any variable
     tail, `KEYS[n..]`), and a task key built from a prefix in ARGV is said in the header."""

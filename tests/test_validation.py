@@ -1,4 +1,4 @@
-"""Bad input gets a clear JSON error of API.md's shape, and disturbs nothing already queued."""
+"""Bad input gets a clear JSON error of docs/api.md's shape, and disturbs nothing already queued."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Signed webhooks (API.md), against `qgw dispatcher` processes and a receiver that checks
+"""Signed webhooks (docs/api.md), against `qgw dispatcher` processes and a receiver that checks
 every signature with the key's webhook_secret and counts deliveries by X-Queue-Delivery."""
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Revision ID: 0006
 Revises: 0005
 Create Date: 2026-11-23
 
-`paused` (API.md): dispatch of the endpoint stops, submits are still accepted. Existing
+`paused` (docs/api.md): dispatch of the endpoint stops, submits are still accepted. Existing
 endpoints keep running (false).
 """
 

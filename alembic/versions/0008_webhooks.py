@@ -4,7 +4,7 @@ Revision ID: 0008
 Revises: 0007
 Create Date: 2026-11-23
 
-Signed webhooks (API.md): the URL prefixes a key's tasks may name as `callback_url` (a JSON
+Signed webhooks (docs/api.md): the URL prefixes a key's tasks may name as `callback_url` (a JSON
 list, nullable: MySQL takes no literal default on a JSON column) and the secret their
 deliveries are signed with. Existing keys get no callback URLs and a secret of their own.
 """

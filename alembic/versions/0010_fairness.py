@@ -4,7 +4,7 @@ Revision ID: 0010
 Revises: 0009
 Create Date: 2026-11-23
 
-`fairness` (API.md): "fifo" (arrival order inside a priority band) or "per_user" (users with
+`fairness` (docs/api.md): "fifo" (arrival order inside a priority band) or "per_user" (users with
 tasks pending in the same band take turns, lua/includes/fairness.lua). Existing endpoints
 keep "fifo".
 """

@@ -91,7 +91,7 @@ class Keys:
 
     def further_limit(self, endpoint: str, kind: str, per: str, rate: int, interval_ms: int
                       ) -> str:
-        """A further limit's state (API.md `limits`), named by what it limits (claim-12.lua
+        """A further limit's state (docs/api.md `limits`), named by what it limits (claim-12.lua
         and ack-7.lua take one per limit after their fixed KEYS)."""
         return f"{self.prefix}:{self.tag(endpoint)}:rlx:{kind}:{per}:{rate}/{interval_ms}"
 

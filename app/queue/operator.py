@@ -1,5 +1,5 @@
 """An operator's view of any user's task: show, cancel, retry, and purge of an endpoint's
-pending tasks (`qgw tasks ...` and the admin routes of API.md call the same functions).
+pending tasks (`qgw tasks ...` and the admin routes of docs/api.md call the same functions).
 
 Not hot paths: a task's owner is looked up first (one HGET), then the user's own logic runs
 on their behalf, so an operator's cancel is exactly a user's cancel.

@@ -1,7 +1,7 @@
 """A submit's first step on a Redis Cluster: the caller's Idempotency-Key and daily quota.
 
 Their keys carry the user's tag, the queue the endpoint's, so no one script can take both
-(DESIGN.md "Scaling out"). `take` checks and counts them at once (lua/reserve-2.lua: exact
+(docs/design.md "Scaling out"). `take` checks and counts them at once (lua/reserve-2.lua: exact
 under races), the task is queued next, and `give_back` returns them when it is not.
 
 What two steps add, and how each case stays right:

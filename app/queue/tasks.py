@@ -357,7 +357,7 @@ PACED_COST_MS = 60_000  # per-cost sliding limits up to this long pace units (li
 def estimate_wait(endpoint: EndpointConfig | None, ahead: int, measured: Any) -> float:
     """Seconds until a task with `ahead` tasks before it in line starts.
 
-    It waits for the slowest of what holds it back (DESIGN.md, "Estimated wait"):
+    It waits for the slowest of what holds it back (docs/design.md, "Estimated wait"):
     - the concurrency cap C: the task starts once `ahead + 1 - free` slots have been given
       back, free = C - in flight.  Slots come back at C / slot time, the slot time being
       measured by the scripts from claim to finish (the calls of one attempt: a task waiting

@@ -1,4 +1,4 @@
-"""The webhook sender: POSTs a finished task's status to its `callback_url` (API.md).
+"""The webhook sender: POSTs a finished task's status to its `callback_url` (docs/api.md).
 
 Pending deliveries live in Redis, never only here: the script that ends a task puts its id in
 its endpoint's `hooks` ZSet (lua/includes/lifecycle.lua), and a sender takes due ones with a
@@ -43,7 +43,7 @@ INTERVAL_S = 0.5
 MAX_IN_FLIGHT = 64
 ANSWER_BYTES = 64 * 1024  # a receiver's answer is not kept: only its status counts
 FIRST_DELAY_S, MAX_DELAY_S = 1.0, 300.0
-#: A webhook is retried for at least this long after its task ended (API.md: an hour).
+#: A webhook is retried for at least this long after its task ended (docs/api.md: an hour).
 GIVE_UP_S = 3600.0
 
 

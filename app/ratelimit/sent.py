@@ -8,7 +8,7 @@ upstream saw a few calls over the limit in a window (bench/ratelimit.py, two dis
 request headers leaving is measured, and its entry in the sliding-window log moves later by
 that much (lua/sent-1.lua): later admissions are checked against the real sends.
 
-The entries of an endpoint's further sliding-window limits (API.md `limits`) move with it: a
+The entries of an endpoint's further sliding-window limits (docs/api.md `limits`) move with it: a
 per-cost limit does not pace, so it admits a whole window's units at once, and the burst that
 met cold connections reached the upstream more than the guard late (bench/ratelimit.py, 200
 cost units a second, one dispatcher: up to 330 units in a second before they moved).

@@ -1,4 +1,4 @@
-"""Admin routes over any user's tasks (API.md, "Tasks, for operators"): look one up, list an
+"""Admin routes over any user's tasks (docs/api.md, "Tasks, for operators"): look one up, list an
 endpoint's by status, retry, cancel, and purge an endpoint's pending tasks (admin token)."""
 
 from __future__ import annotations

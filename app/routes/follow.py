@@ -1,4 +1,4 @@
-"""Follow a task: `GET /api/v1/tasks/{task_id}/events`, server-sent events (API.md).
+"""Follow a task: `GET /api/v1/tasks/{task_id}/events`, server-sent events (docs/api.md).
 
 `event: status` with the status JSON at once and again on every change; the stream ends after
 a terminal status. Woken by the status events of app/queue/events.py; through a Redis outage

@@ -1,4 +1,4 @@
-"""Operations: liveness, readiness and Prometheus metrics (API.md, Operations)."""
+"""Operations: liveness, readiness and Prometheus metrics (docs/api.md, Operations)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Public task routes: submit, status, cancel (API.md)."""
+"""Public task routes: submit, status, cancel (docs/api.md)."""
 
 from __future__ import annotations
 

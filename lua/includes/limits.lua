@@ -1,4 +1,4 @@
--- Several limits per endpoint (API.md `limits`), all checked in the one admission step.
+-- Several limits per endpoint (docs/api.md `limits`), all checked in the one admission step.
 -- Include now.lua and ratelimit.lua first.
 --
 -- A further limit's state lives beside the endpoint's other keys (same hash tag), named by what

@@ -119,7 +119,7 @@ class AsyncTask:
             raise
         return str(r.json()["task_status"])
 
-    # `timeout` as API.md names it, the same in both clients.
+    # `timeout` as docs/api.md names it, the same in both clients.
     async def wait(self, timeout: float | None = None) -> Status:  # noqa: ASYNC109
         """The final status; raises WaitTimeout after `timeout` seconds (None: no limit)."""
         try:

@@ -15,7 +15,7 @@ import httpx
 
 FINAL = frozenset({"completed", "failed", "cancelled", "expired"})
 RETRY_STATUSES = frozenset({429, 503})
-LONG_POLL_S = 30.0  # the most `?wait=` holds a request (API.md)
+LONG_POLL_S = 30.0  # the most `?wait=` holds a request (docs/api.md)
 STREAM_READ_S = 45.0  # the stream sends a keep-alive every 15 s: silence this long = broken
 
 
