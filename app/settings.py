@@ -16,19 +16,31 @@ from app.redis_url import parse as parse_redis_url
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="QGW_", env_file=".env", extra="ignore")
 
+    #: redis://, rediss://, unix://, redis+sentinel://, redis+cluster:// (docs/api.md); unset: a
+    #: private Redis-compatible server on a unix socket in the data dir, append-only file on.
     redis_url: str | None = None
+    #: sqlite+aiosqlite:// or mysql+aiomysql://user:pw@host:3306/db; unset: SQLite in the data dir.
     database_url: str | None = None
+    #: The embedded Redis's data, the SQLite file, the generated admin token and permit secret.
     data_dir: Path = Path(".qgw")
+    #: Listen address of `qgw serve` and `qgw api` (their --host).
     host: str = "127.0.0.1"
+    #: Listen port (--port).
     port: int = Field(8080, ge=0, le=65535)
     #: At least 16 characters: the admin API must not be guessable (unset: one is generated).
     admin_token: str | None = Field(None, min_length=16)
+    #: HMAC key of online permits, the same on every replica (unset: generated into the data dir).
     permit_secret: str | None = None
+    #: Prefix of every Redis key: gateways sharing one Redis (or a Cluster) need their own.
     key_prefix: str = Field("qgw", pattern=r"^[A-Za-z0-9_.:-]{1,32}$")
 
+    #: A task still pending after this long expires and never runs.
     pending_ttl_s: int = Field(10800, ge=1)
+    #: How long a finished task stays in Redis once its SQL row is written.
     done_ttl_s: int = Field(3600, ge=1)
+    #: How long a finished task stays in Redis once its owner has read it.
     read_ttl_s: int = Field(20, ge=1)
+    #: How long finished tasks stay in SQL (status reads them there once Redis let them go).
     db_retention_s: int = Field(259200, ge=1)
     #: How often finished tasks move from the Redis outbox to SQL, and rows per transaction.
     outbox_interval_ms: int = Field(500, ge=10)
@@ -42,6 +54,7 @@ class Settings(BaseSettings):
     janitor_interval_s: float = Field(300.0, gt=0)
     janitor_batch: int = Field(1000, ge=1, le=1000)
 
+    #: The largest request body the API reads; a larger one is answered 413.
     max_body_bytes: int = Field(1_048_576, ge=1024)
     #: A request body must arrive whole within this many seconds of the route starting to
     #: read it, else 408 and the connection is closed (slow or stalled clients hold sockets).
@@ -58,6 +71,8 @@ class Settings(BaseSettings):
     #: On SIGTERM, how long calls in flight may take to finish before their tasks are handed
     #: back to their queues (at once, not when their leases run out).
     shutdown_grace_s: float = Field(10.0, ge=0, le=3600)
+    #: Socket timeout of a Redis command: a Redis that does not answer within it counts as
+    #: unavailable (503 redis_unavailable).
     redis_timeout_s: float = Field(1.0, gt=0)
     #: Replicas that must have a submit before it is answered 202 (Redis WAIT, for at most
     #: half of QGW_REDIS_TIMEOUT_S); 0: answer once the master has it, as replication is
@@ -72,7 +87,10 @@ class Settings(BaseSettings):
     auth_check_headers: Literal["both", "nginx", "traefik"] = "both"
     #: A webhook POST (docs/api.md) that has not answered within this many seconds is retried.
     webhook_timeout_s: float = Field(10.0, gt=0, le=120)
+    #: `qgw serve` and `qgw dispatcher` migrate the database on start; false: they refuse to
+    #: start on a database that is not at the newest revision, naming both.
     auto_migrate: bool = True
+    #: debug adds a line per completed task.
     log_level: Literal["debug", "info", "warning", "error", "critical"] = "info"
 
     @field_validator("log_level", mode="before")
