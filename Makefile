@@ -8,7 +8,7 @@ RUNSTAMP := $(VENV)/.run-$(HASH)
 STAMP  := $(VENV)/.installed-$(HASH)
 SYSDEPS := $(VENV)/.system-deps
 
-.PHONY: run test lint fuzz bench clean
+.PHONY: run test lint fuzz bench clean reference docs
 
 $(RUNSTAMP): pyproject.toml
 	PYTHON=$(PYTHON) scripts/system-deps run
@@ -39,14 +39,26 @@ $(SYSDEPS): scripts/system-deps
 fuzz: $(STAMP)
 	$(BIN)/python tests/fuzz_api.py
 
-## Lint and type-check; the Dockerfile (hadolint), compose.yaml (the compose spec) and the
-## Prometheus alert rules (promtool, from scripts/system-deps) too.
+## Lint and type-check; the Dockerfile (hadolint), compose.yaml (the compose spec), the
+## Prometheus alert rules (promtool, from scripts/system-deps), and the documentation site:
+## its generated reference current, and `mkdocs build --strict` (into a temporary directory).
 lint: $(STAMP) $(SYSDEPS)
-	$(BIN)/ruff check app tests bench clients
+	$(BIN)/ruff check app tests bench clients scripts
 	$(BIN)/mypy
 	$(BIN)/hadolint Dockerfile
 	$(BIN)/check-jsonschema -q --builtin-schema vendor.compose-spec compose.yaml
 	promtool check rules docs/prometheus-alerts.yml
+	$(BIN)/python -m scripts.gen_reference --check
+	site=$$(mktemp -d) && NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict -q -d "$$site"; \
+	  status=$$?; rm -rf "$$site"; exit $$status
+
+## Regenerate docs/reference/ (HTTP API, settings, CLI, metrics) from the code.
+reference: $(STAMP)
+	$(BIN)/python -m scripts.gen_reference
+
+## The documentation site on http://127.0.0.1:8000, rebuilt as pages change.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve
 
 ## Benchmarks: bounded, loopback only, ratios against a baseline measured in the same run.
 bench: $(STAMP)
