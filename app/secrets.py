@@ -35,8 +35,13 @@ class Undecryptable(Exception):
     The message names the endpoint, header and key id, never a value."""
 
 
-class NotStored(ValueError):
-    """`<set>` given for a header the endpoint does not have."""
+#: The longest value, in UTF-8 bytes (sealed, it takes about 4/3 of that and 30 characters).
+MAX_VALUE_BYTES = 8192
+
+
+class NotSealable(ValueError):
+    """A value the store cannot take: `<set>` for a header the endpoint does not have, or one
+    too long."""
 
 
 def mask(headers: Mapping[str, str]) -> dict[str, str]:
@@ -125,9 +130,12 @@ class Keyring:
         for name, value in given.items():
             if value == MASK:
                 if name.lower() not in held:
-                    raise NotStored(f"upstream_headers: {name} is {MASK!r} but the endpoint has "
+                    raise NotSealable(f"upstream_headers: {name} is {MASK!r} but the endpoint has "
                                     "no value for it; give the value")
                 out[name] = held[name.lower()]
+            elif len(value.encode()) > MAX_VALUE_BYTES:
+                raise NotSealable(f"upstream_headers: the value of {name} is over "
+                                  f"{MAX_VALUE_BYTES} bytes")
             else:
                 out[name] = self.seal(endpoint_id, name, value)
         return out

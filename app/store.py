@@ -25,7 +25,7 @@ from app.db import SQL_JOB_TIMEOUT_S, ApiKeyRow, EndpointRow, bounded, sessions,
 from app.endpoints import EndpointConfig
 from app.errors import ApiError
 from app.models import MAX_PRIORITY
-from app.secrets import AS_IS, Keyring, NotStored, Undecryptable
+from app.secrets import AS_IS, Keyring, NotSealable, Undecryptable
 from app.webhooks import new_secret
 
 log = logging.getLogger(__name__)
@@ -95,7 +95,7 @@ class EndpointStore(_Store):
             raise RuntimeError("this store cannot seal upstream_headers")
         try:
             return self.keyring.seal_given(endpoint_id, given, stored)
-        except NotStored as exc:
+        except NotSealable as exc:
             raise ApiError(422, "invalid_request", str(exc)) from None
 
     async def load_all(self) -> dict[str, str]:

@@ -269,7 +269,8 @@ BAD = [
     ({"X-Ok": f"{SECRET}\r\nX-Injected: 1"}, "control character"),
     ({"X-Ok": f"{SECRET}\n"}, "control character"), ({"X-Ok": f"a\x00{SECRET}"}, "control"),
     ({"X-Ok": ""}, "at least 1"), ({"X-Ok": "a", "x-ok": "b"}, "twice"),
-    ({"X-Ok": "<set>"}, "no value for it"),
+    ({"X-Ok": "<set>"}, "no value for it"), ({"X-Ok": "é" * 4097}, "over 8192 bytes"),
+    ({"X-Ok": "x" * 12_001}, "at most 12000"),
 ]
 
 
@@ -405,3 +406,30 @@ def test_a_generated_key_is_kept_in_the_data_dir_and_a_damaged_one_is_one_line(
     r = qgw(env, "secrets", "rotate")
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
     assert "secrets_key" in r.stderr and "32 bytes" in r.stderr
+
+
+def test_values_open_once_per_endpoint_version_and_only_where_they_were_sealed() -> None:
+    from app import secrets
+
+    ring = secrets.Keyring(parse_key(new_key()))
+    secrets.install(ring)
+    token = ring.seal("llm", "Authorization", "Bearer one")
+    creds = secrets.Credentials("llm", (("Authorization", token),))
+    caller = [("authorization", "Bearer caller"), ("accept", "*/*")]
+    before = secrets._opened.cache_info()
+    for _ in range(3):
+        assert secrets.outgoing(caller, creds) == [("accept", "*/*"),
+                                                   ("Authorization", "Bearer one")]
+    after = secrets._opened.cache_info()
+    assert (after.misses - before.misses, after.hits - before.hits) == (1, 2)
+    # A new write seals anew: the next call opens the new value.
+    changed = secrets.Credentials("llm", (("Authorization", ring.seal("llm", "Authorization",
+                                                                      "Bearer two")),))
+    assert secrets.outgoing([], changed) == [("Authorization", "Bearer two")]
+    # Copied onto another endpoint or header, or altered, a value does not open.
+    flipped = token[:-10] + ("A" if token[-10] != "A" else "B") + token[-9:]
+    for where, name, value in (("other", "Authorization", token), ("llm", "X-Key", token),
+                               ("llm", "Authorization", flipped)):
+        with pytest.raises(secrets.Undecryptable) as err:
+            ring.open(where, name, value)
+        assert "Bearer" not in str(err.value)
