@@ -4,7 +4,9 @@ A callback URL is a request the gateway makes on a caller's behalf, so it must n
 anywhere the admin did not register for that key (an SSRF into the gateway's own network):
 it is compared by its parts, not as a string, so `https://app.example.evil/`,
 `https://app.example@evil/` or `https://app.example/hooks/../admin` do not pass for
-`https://app.example/hooks/`."""
+`https://app.example/hooks/`. Nor does a path a receiver's server may read as another one:
+`/hooks/..;/admin` (Tomcat and Spring drop `;` parameters, then resolve the `..`),
+`/hooks/%2e%2e;/admin`, `/hooks/..%5cadmin` (IIS takes a backslash for `/`)."""
 
 from __future__ import annotations
 
@@ -35,9 +37,27 @@ def _parts(url: str) -> tuple[str, str, int, str] | None:
     if scheme not in _DEFAULT_PORTS or not parts.hostname or "@" in parts.netloc:
         return None
     path = parts.path or "/"
-    if any(seg in (".", "..") for seg in unquote(path).split("/")):
+    if not _plain_path(path):
         return None
     return scheme, parts.hostname.lower(), port or _DEFAULT_PORTS[scheme], path
+
+
+def _plain_path(path: str) -> bool:
+    """No segment a server could resolve elsewhere: no `;` parameters, no encoded slash or
+    backslash, no control character, no dot segment, however often it is percent-decoded."""
+    decoded = path
+    for _ in range(4):  # %252e%252e is `..` to a server that decodes twice
+        if ";" in decoded or any(ord(c) < 0x20 or c == "\\" for c in decoded):
+            return False
+        if any(seg in (".", "..") for seg in decoded.split("/")):
+            return False
+        once = unquote(decoded)
+        if once == decoded:
+            return True
+        if once.count("/") != decoded.count("/"):  # %2f: a `/` the prefix check cannot see
+            return False
+        decoded = once
+    return False  # still decoding after four rounds: nothing a real receiver path needs
 
 
 def registrable(url: str) -> str | None:

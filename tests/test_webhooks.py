@@ -240,3 +240,24 @@ async def test_endpoint_with_webhooks_due_is_not_deleted(
     assert r.status_code == 409 and "webhooks" in r.json()["error"]["message"], r.text
     r = await gateway.http.get("/admin/v1/endpoints/whd", headers=gateway.admin)
     assert r.status_code == 200  # still there, put back
+
+
+async def test_callback_path_escapes_refused(
+    gateway: Gateway, upstream: str, receiver: Receiver,
+) -> None:
+    """Paths a receiver's server reads as another one (Tomcat/Spring drop `;` parameters,
+    IIS takes a backslash for `/`, some servers decode twice) never pass for `/hooks/`."""
+    await gateway.add_endpoint("whe", f"{upstream}/wh/escape")
+    auth = await hook_key(gateway, receiver)
+    base = receiver.base
+    for tail in ("..;/admin", "%2e%2e;/admin", "..%5cadmin", "..%5Cadmin", "x%2f..%2fadmin",
+                 "%252e%252e/admin", "a;b/c", "x%2F", "%00/x", ".%2e/admin"):
+        r = await gateway.http.post("/api/v1/tasks", headers=auth, json={
+            "target_url": f"{upstream}/wh/escape", "callback_url": f"{base}/hooks/{tail}"})
+        assert r.status_code == 422, (tail, r.text)
+        assert r.json()["error"]["code"] == "callback_not_allowed", tail
+    for tail in ("ok/a%20b", "ok/100%25", "ok/..x/y"):  # encoded, but nothing to resolve
+        await gateway.submit(auth, f"{upstream}/wh/escape", callback_url=f"{base}/hooks/{tail}")
+    r = await gateway.http.post("/admin/v1/api-keys", headers=gateway.admin, json={
+        "user_id": 5, "callback_urls": [f"{base}/hooks;x=1/"]})
+    assert r.status_code == 422, r.text
