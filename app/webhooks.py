@@ -87,7 +87,14 @@ def allowed(url: str, prefixes: Iterable[str]) -> bool:
     return False
 
 
-def signature(secret: str, timestamp: int, body: bytes) -> str:
-    """The `X-Queue-Signature` header: `t=<unix s>,v1=<hex HMAC-SHA256(secret, "t.body")>`."""
-    mac = hmac.new(secret.encode(), f"{timestamp}.".encode() + body, hashlib.sha256)
-    return f"t={timestamp},v1={mac.hexdigest()}"
+def signature(secret: str, timestamp: int, delivery: str, body: bytes) -> str:
+    """The `X-Queue-Signature` header: `t=<unix s>,v1=<hex>,v0=<hex>`.
+
+    v1 is HMAC-SHA256(secret, "<t>.<delivery id>.<body>"): a delivery captured and replayed
+    under another `X-Queue-Delivery` (to slip past a receiver's de-duplication) no longer
+    verifies. v0, the old HMAC(secret, "<t>.<body>"), stays for one release so receivers that
+    check it keep working while they move to v1."""
+    t = str(timestamp).encode()
+    v1 = hmac.new(secret.encode(), b"%s.%s.%s" % (t, delivery.encode(), body), hashlib.sha256)
+    v0 = hmac.new(secret.encode(), b"%s.%s" % (t, body), hashlib.sha256)
+    return f"t={timestamp},v1={v1.hexdigest()},v0={v0.hexdigest()}"
