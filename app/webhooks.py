@@ -4,7 +4,9 @@ A callback URL is a request the gateway makes on a caller's behalf, so it must n
 anywhere the admin did not register for that key (an SSRF into the gateway's own network):
 it is compared by its parts, not as a string, so `https://app.example.evil/`,
 `https://app.example@evil/` or `https://app.example/hooks/../admin` do not pass for
-`https://app.example/hooks/`."""
+`https://app.example/hooks/`. Nor does a path a receiver's server may read as another one:
+`/hooks/..;/admin` (Tomcat and Spring drop `;` parameters, then resolve the `..`),
+`/hooks/%2e%2e;/admin`, `/hooks/..%5cadmin` (IIS takes a backslash for `/`)."""
 
 from __future__ import annotations
 
@@ -35,9 +37,27 @@ def _parts(url: str) -> tuple[str, str, int, str] | None:
     if scheme not in _DEFAULT_PORTS or not parts.hostname or "@" in parts.netloc:
         return None
     path = parts.path or "/"
-    if any(seg in (".", "..") for seg in unquote(path).split("/")):
+    if not _plain_path(path):
         return None
     return scheme, parts.hostname.lower(), port or _DEFAULT_PORTS[scheme], path
+
+
+def _plain_path(path: str) -> bool:
+    """No segment a server could resolve elsewhere: no `;` parameters, no encoded slash or
+    backslash, no control character, no dot segment, however often it is percent-decoded."""
+    decoded = path
+    for _ in range(4):  # %252e%252e is `..` to a server that decodes twice
+        if ";" in decoded or any(ord(c) < 0x20 or c == "\\" for c in decoded):
+            return False
+        if any(seg in (".", "..") for seg in decoded.split("/")):
+            return False
+        once = unquote(decoded)
+        if once == decoded:
+            return True
+        if once.count("/") != decoded.count("/"):  # %2f: a `/` the prefix check cannot see
+            return False
+        decoded = once
+    return False  # still decoding after four rounds: nothing a real receiver path needs
 
 
 def registrable(url: str) -> str | None:
@@ -67,7 +87,14 @@ def allowed(url: str, prefixes: Iterable[str]) -> bool:
     return False
 
 
-def signature(secret: str, timestamp: int, body: bytes) -> str:
-    """The `X-Queue-Signature` header: `t=<unix s>,v1=<hex HMAC-SHA256(secret, "t.body")>`."""
-    mac = hmac.new(secret.encode(), f"{timestamp}.".encode() + body, hashlib.sha256)
-    return f"t={timestamp},v1={mac.hexdigest()}"
+def signature(secret: str, timestamp: int, delivery: str, body: bytes) -> str:
+    """The `X-Queue-Signature` header: `t=<unix s>,v1=<hex>,v0=<hex>`.
+
+    v1 is HMAC-SHA256(secret, "<t>.<delivery id>.<body>"): a delivery captured and replayed
+    under another `X-Queue-Delivery` (to slip past a receiver's de-duplication) no longer
+    verifies. v0, the old HMAC(secret, "<t>.<body>"), stays for one release so receivers that
+    check it keep working while they move to v1."""
+    t = str(timestamp).encode()
+    v1 = hmac.new(secret.encode(), b"%s.%s.%s" % (t, delivery.encode(), body), hashlib.sha256)
+    v0 = hmac.new(secret.encode(), b"%s.%s" % (t, body), hashlib.sha256)
+    return f"t={timestamp},v1={v1.hexdigest()},v0={v0.hexdigest()}"

@@ -7,6 +7,7 @@ mock's log); wall-clock time only bounds how long a test may take.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import subprocess
 import time
@@ -254,3 +255,50 @@ async def test_a_task_costing_more_than_a_whole_interval_is_refused(
     r = await gateway.http.post("/api/v1/tasks", headers=auth,
                                 json={"target_url": f"{upstream}/big", "cost": 0})
     assert r.status_code == 422
+
+
+HUGE_LIMIT = {"limiter": "sliding_window", "rate": 1000, "interval_ms": 2000, "per": "cost"}
+
+
+async def test_a_huge_reported_cost_holds_the_endpoint_one_interval_at_most(
+    gateway: Gateway, fresh_upstream: str, start_dispatcher: StartDispatcher,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """One answer with `x-usage: 1000000000000` (1,000 units per 2 s): charged as the whole
+    rate, so the next task runs within one interval, not 317 years later; the operator is
+    warned with the endpoint and the figure."""
+    url = f"{fresh_upstream}/huge"
+    await gateway.add_endpoint("huge", url, limits=[HUGE_LIMIT], cost_from="header:x-usage")
+    auth = await gateway.new_key()
+    await start_dispatcher()
+    reply = {"X-Mock-Reply-Headers": ['{"X-Usage": "1000000000000"}']}
+    await _backlog(gateway, auth, url, 1, headers=reply)
+    await _drain(gateway, ["huge"], timeout=10)
+    await _backlog(gateway, auth, url, 1)
+    await _drain(gateway, ["huge"], timeout=15)
+    first, second = _arrivals(fresh_upstream, "/huge")
+    print(f"next task after a cost of 10^12: {second - first:.0f} ms (interval 2000 ms)")
+    assert second - first <= 2000 + 1500  # one interval (and the guard), with slack for load
+    warned = [r for r in caplog.records if "1000000000000" in r.getMessage()]
+    assert warned and getattr(warned[0], "endpoint", None) == "huge"
+
+
+async def test_an_edit_of_a_limit_resets_its_pacing(
+    gateway: Gateway, fresh_upstream: str, start_dispatcher: StartDispatcher,
+) -> None:
+    """A pace left years out (as a bad figure left it before the cap) is undone by saving the
+    limit again, even unchanged: the next task runs at once."""
+    url = f"{fresh_upstream}/reset"
+    await gateway.add_endpoint("reset", url, limits=[HUGE_LIMIT], cost_from="header:x-usage")
+    k, spec = gateway.rt.keys, (HUGE_LIMIT["limiter"], "cost", 1000, 2000)
+    pace = k.further_pace("reset", *spec)
+    far = int(time.time()) * 1000 + 10**13
+    await gateway.rt.redis.set(pace, f"{far}.000", px=10**13)
+    auth = await gateway.new_key()
+    await start_dispatcher()
+    task = await gateway.submit(auth, url)
+    await asyncio.sleep(1.5)
+    assert (await gateway.status(auth, task["task_id"]))["task_status"] == "pending"
+    await _patch(gateway, "reset", limits=[HUGE_LIMIT])  # the same limit, saved again
+    await _drain(gateway, ["reset"], timeout=5)
+    assert await gateway.rt.redis.exists(pace) == 0 or await gateway.rt.redis.pttl(pace) < 5000

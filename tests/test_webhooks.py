@@ -23,6 +23,15 @@ from tests.servers import free_port
 FAST = {"QGW_WEBHOOK_TIMEOUT_S": "1"}  # lease 2 s: a killed sender's delivery comes back soon
 
 
+def verify(secret: str, header: str, delivery: str, body: bytes) -> bool:
+    """The recipe of docs/guides/webhooks.md: v1 signs the time, the delivery id and the body."""
+    parts = dict(p.split("=", 1) for p in header.split(",") if "=" in p)
+    t, v1 = parts.get("t", ""), parts.get("v1", "")
+    want = hmac.new(secret.encode(), f"{t}.{delivery}.".encode() + body, hashlib.sha256)
+    return (t.isdigit() and abs(time.time() - int(t)) < 300
+            and hmac.compare_digest(want.hexdigest(), v1))
+
+
 @dataclass
 class Receiver:
     """Answers by path: `/hooks/ok/...` 200; `/hooks/flaky/...` 500 to a delivery's first two
@@ -39,6 +48,7 @@ class Receiver:
         delivery = request.headers.get("X-Queue-Delivery", "")
         seen = sum(1 for r in self.requests if r["delivery"] == delivery)
         rec = {"path": request.path, "delivery": delivery, "valid": self.verify(request, body),
+               "signature": request.headers.get("X-Queue-Signature", ""), "raw": body,
                "body": json.loads(body), "at": time.monotonic(), "status": 200}
         self.requests.append(rec)
         if "/flaky/" in request.path and seen < 2:
@@ -50,12 +60,8 @@ class Receiver:
         return web.Response(status=rec["status"])
 
     def verify(self, request: web.Request, body: bytes) -> bool:
-        parts = dict(p.split("=", 1) for p in request.headers.get("X-Queue-Signature", "")
-                     .split(",") if "=" in p)
-        t, v1 = parts.get("t", ""), parts.get("v1", "")
-        want = hmac.new(self.secret.encode(), f"{t}.".encode() + body, hashlib.sha256)
-        return (t.isdigit() and abs(time.time() - int(t)) < 300
-                and hmac.compare_digest(want.hexdigest(), v1))
+        return verify(self.secret, request.headers.get("X-Queue-Signature", ""),
+                      request.headers.get("X-Queue-Delivery", ""), body)
 
     def accepted(self) -> Counter[str]:
         return Counter(r["delivery"] for r in self.requests if r["status"] == 200)
@@ -136,6 +142,30 @@ async def test_finished_tasks_delivered_once_signed(
         assert rec["body"]["task_status"] == want
         assert rec["delivery"].startswith(task_id + ":")
         assert rec["body"] == await gateway.status(auth, task_id)  # the status JSON itself
+
+
+async def test_signature_covers_the_delivery_id(
+    gateway: Gateway, upstream: str, receiver: Receiver,
+    dispatcher_process: Callable[..., Any],
+) -> None:
+    """A captured delivery replayed under a new X-Queue-Delivery fails the v1 check; the old
+    v0 (time and body only) is still sent for one release."""
+    await gateway.add_endpoint("whr", f"{upstream}/wh/replay")
+    auth = await hook_key(gateway, receiver)
+    await gateway.submit(auth, f"{upstream}/wh/replay", callback_url=f"{receiver.base}/hooks/ok/r")
+    dispatcher_process(**FAST)
+    await receiver.wait_accepted(1)
+    got = receiver.requests[0]
+    assert got["valid"], got["signature"]
+    task_id, _, ended = got["delivery"].rpartition(":")
+    replayed = f"{task_id}:{int(ended) + 1}"
+    assert not verify(receiver.secret, got["signature"], replayed, got["raw"])
+    assert not verify(receiver.secret, got["signature"], got["delivery"], got["raw"] + b" ")
+    parts = dict(p.split("=", 1) for p in got["signature"].split(","))
+    assert set(parts) == {"t", "v1", "v0"}
+    v0 = hmac.new(receiver.secret.encode(), f"{parts['t']}.".encode() + got["raw"],
+                  hashlib.sha256).hexdigest()
+    assert hmac.compare_digest(v0, parts["v0"])
 
 
 @pytest.mark.backends("single", "cluster")  # hookclaim, hookretry and hookdone on both
@@ -240,3 +270,24 @@ async def test_endpoint_with_webhooks_due_is_not_deleted(
     assert r.status_code == 409 and "webhooks" in r.json()["error"]["message"], r.text
     r = await gateway.http.get("/admin/v1/endpoints/whd", headers=gateway.admin)
     assert r.status_code == 200  # still there, put back
+
+
+async def test_callback_path_escapes_refused(
+    gateway: Gateway, upstream: str, receiver: Receiver,
+) -> None:
+    """Paths a receiver's server reads as another one (Tomcat/Spring drop `;` parameters,
+    IIS takes a backslash for `/`, some servers decode twice) never pass for `/hooks/`."""
+    await gateway.add_endpoint("whe", f"{upstream}/wh/escape")
+    auth = await hook_key(gateway, receiver)
+    base = receiver.base
+    for tail in ("..;/admin", "%2e%2e;/admin", "..%5cadmin", "..%5Cadmin", "x%2f..%2fadmin",
+                 "%252e%252e/admin", "a;b/c", "x%2F", "%00/x", ".%2e/admin"):
+        r = await gateway.http.post("/api/v1/tasks", headers=auth, json={
+            "target_url": f"{upstream}/wh/escape", "callback_url": f"{base}/hooks/{tail}"})
+        assert r.status_code == 422, (tail, r.text)
+        assert r.json()["error"]["code"] == "callback_not_allowed", tail
+    for tail in ("ok/a%20b", "ok/100%25", "ok/..x/y"):  # encoded, but nothing to resolve
+        await gateway.submit(auth, f"{upstream}/wh/escape", callback_url=f"{base}/hooks/{tail}")
+    r = await gateway.http.post("/admin/v1/api-keys", headers=gateway.admin, json={
+        "user_id": 5, "callback_urls": [f"{base}/hooks;x=1/"]})
+    assert r.status_code == 422, r.text

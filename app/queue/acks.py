@@ -65,7 +65,7 @@ class AckBatch:
         """Finish this claim (ack-7.lua) with the others of this turn: 1, or 0 when its lease
         was lost."""
         loop = asyncio.get_running_loop()
-        cost = real_cost(outcome)
+        cost = real_cost(claim, outcome)
         item = _Ack(claim, [
             claim.task_id, claim.token, "completed" if outcome.ok else "failed", outcome.text,
             outcome.status_code or "", round(exec_ms), pause_ms(claim, outcome),

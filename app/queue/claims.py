@@ -72,12 +72,21 @@ def settle_limits(endpoint: EndpointConfig, keys: Keys, guard_ms: int
     return limit_keys(keys, endpoint), further_limits(endpoint, guard_ms)
 
 
-def real_cost(outcome: Outcome) -> int | None:
+def real_cost(claim: Claim, outcome: Outcome) -> int | None:
     """What a call spent of per-cost limits (None: unknown, nothing settles). A call the
     upstream refused with a pause (429/503 with Retry-After or its reset) spent nothing
     there: it settles to 0, or each refused attempt would spend the budget its retry reserves
-    again."""
-    return 0 if refused(outcome) else outcome.cost
+    again. A figure above a limit's whole rate is charged as that rate (lim_settle), one
+    interval of it: a misread `x-usage: 1000000000000` must not pace the endpoint for
+    centuries; the operator is told, since the upstream's figure or cost_from is wrong."""
+    if refused(outcome):
+        return 0
+    cost, rates = outcome.cost, [x.rate for x in claim.endpoint.limits if x.per == "cost"]
+    if cost is not None and rates and cost > min(rates):
+        log.warning("the upstream reported a cost of %d, over the limit's whole rate (%d per "
+                    "interval): charged as that rate", cost, min(rates),
+                    extra={"task_id": claim.task_id, "endpoint": claim.endpoint.id})
+    return cost
 
 
 def settle_args(claim: Claim, outcome: Outcome, keys: Keys, guard_ms: int
@@ -85,7 +94,7 @@ def settle_args(claim: Claim, outcome: Outcome, keys: Keys, guard_ms: int
     """retry-8.lua's KEYS[9..] and ARGV[8..]: the limits' state keys, the real cost and the
     limits it settles; nothing when there is nothing to settle (no per-cost limit, or no
     real cost read)."""
-    cost = real_cost(outcome)
+    cost = real_cost(claim, outcome)
     if cost is None or claim.endpoint.max_cost is None:
         return [], []
     limits, spec = settle_limits(claim.endpoint, keys, guard_ms)

@@ -156,7 +156,7 @@ class WebhookSender:
         """None once the receiver answered 2xx, else what went wrong."""
         assert self.http is not None
         headers = [("Content-Type", "application/json"), ("X-Queue-Delivery", delivery),
-                   ("X-Queue-Signature", signature(secret, int(time.time()), body))]
+                   ("X-Queue-Signature", signature(secret, int(time.time()), delivery, body))]
         try:
             # No redirects: a receiver must not send the gateway somewhere else.
             async with asyncio.timeout(self.settings.webhook_timeout_s):

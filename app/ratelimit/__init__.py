@@ -62,6 +62,37 @@ def further_limits(endpoint: EndpointConfig, guard_ms: int) -> list[str | int]:
     return args
 
 
+#: The endpoint fields a limit is made of: an edit of any of them resets the pacing state.
+LIMIT_FIELDS = frozenset({"limiter", "rate", "interval_ms", "limits"})
+
+
+def pacing_keys(keys: Keys, endpoint: EndpointConfig) -> list[str]:
+    """Where the endpoint's limits keep how far ahead they are paced: the main limit's pace,
+    each further limit's pace, and a per-cost token bucket's clock (its state is its pace).
+    The windows' logs and counts are not among them: they hold what was really sent."""
+    e = endpoint.id
+    out = [keys.pace(e, endpoint.limiter, endpoint.rate, endpoint.interval_ms)]
+    if endpoint.limiter == "token_bucket":
+        out.append(keys.ratelimit(e, "token_bucket"))
+    for x in endpoint.limits:
+        out.append(keys.further_pace(e, x.limiter, x.per, x.rate, x.interval_ms))
+        if x.limiter == "token_bucket":
+            out.append(keys.further_limit(e, x.limiter, x.per, x.rate, x.interval_ms))
+    return out
+
+
+async def reset_pacing(redis: Redis, keys: Keys, *endpoints: EndpointConfig) -> None:
+    """Forget the pacing state of these configurations of an endpoint (before and after an
+    edit): an operator who saves a limit again gets it paced afresh, whatever state a bad
+    figure or a bug left behind (a pace pushed years out is undone by editing the limit)."""
+    names = sorted({k for ep in endpoints for k in pacing_keys(keys, ep)})
+    await redis.unlink(*names)  # all in the endpoint's slot
+    # A dispatcher told to claim again in years must hear of it now (an edit to the same
+    # values changes no config, so nothing else wakes it).
+    for e in {ep.id for ep in endpoints}:
+        await redis.zadd(keys.wake(e), {e: 0})
+
+
 class Limiter:
     """Acquire admissions under one limit, keyed per endpoint as the dispatcher keys them."""
 

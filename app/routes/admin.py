@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request, Response
 from pydantic import BaseModel
 
 from app.auth import admin, runtime
+from app.core.loop import STORE_ERRORS
 from app.endpoints import EndpointConfig, EndpointPatch, EndpointSettings
 from app.models import ApiKeyCreate, ErrorResponse
 from app.queue.stats import queue_stats
+from app.ratelimit import LIMIT_FIELDS, reset_pacing
 from app.routes.body import body_schema, parse, read_limited
 from app.runtime import Runtime
 from app.secrets import AS_IS
@@ -21,6 +24,7 @@ ERRORS: dict[int | str, dict[str, Any]] = {
 router = APIRouter(prefix="/admin/v1", tags=["admin"], dependencies=[Depends(admin)],
                    responses=ERRORS)
 Rt = Annotated[Runtime, Depends(runtime)]
+log = logging.getLogger(__name__)
 ADMIN_BODY_LIMIT = 64 * 1024
 
 
@@ -59,7 +63,7 @@ async def get_endpoint(endpoint_id: str, rt: Rt) -> EndpointConfig:
 async def replace_endpoint(endpoint_id: str, request: Request, rt: Rt) -> EndpointConfig:
     config = parse(EndpointSettings, await read_limited(request, ADMIN_BODY_LIMIT))
     # As given (AS_IS): the store seals upstream_headers; any other dump would mask them.
-    return await rt.endpoints.update(endpoint_id, config.model_dump(context=AS_IS))
+    return await _update(rt, endpoint_id, config.model_dump(context=AS_IS))
 
 
 @router.patch("/endpoints/{endpoint_id}", response_model=EndpointConfig,
@@ -67,8 +71,22 @@ async def replace_endpoint(endpoint_id: str, request: Request, rt: Rt) -> Endpoi
 async def patch_endpoint(endpoint_id: str, request: Request, rt: Rt) -> EndpointConfig:
     changes = parse(EndpointPatch, await read_limited(request, ADMIN_BODY_LIMIT))
     # null means "leave as is": no endpoint field can be null.
-    return await rt.endpoints.update(
-        endpoint_id, changes.model_dump(exclude_unset=True, exclude_none=True, context=AS_IS))
+    return await _update(
+        rt, endpoint_id,
+        changes.model_dump(exclude_unset=True, exclude_none=True, context=AS_IS))
+
+
+async def _update(rt: Runtime, endpoint_id: str, changes: dict[str, Any]) -> EndpointConfig:
+    """Write the changes; an edit of any limit field (even to the same value) paces afresh."""
+    before = await rt.endpoints.get(endpoint_id)
+    after = await rt.endpoints.update(endpoint_id, changes)
+    if LIMIT_FIELDS & changes.keys():
+        try:
+            await reset_pacing(rt.redis, rt.keys, before, after)
+        except STORE_ERRORS as exc:  # saved all the same; saving again retries the reset
+            log.warning("endpoint %s: pacing state not reset: %s", endpoint_id, exc,
+                        extra={"endpoint": endpoint_id})
+    return after
 
 
 @router.delete("/endpoints/{endpoint_id}", status_code=204)

@@ -111,12 +111,15 @@ local function lim_name(l)
 end
 
 -- Settle a per-cost admission (made at `started` under lease token `member`, `reserved` units)
--- to its real cost: the difference is refunded, or spent, in the state the admission went to,
--- if it still counts there (a log entry out of the window, or a fixed window since ended, has
--- nothing left to settle).
+-- to its real cost (at most the limit's rate): the difference is refunded, or spent, in the
+-- state the admission went to, if it still counts there (a log entry out of the window, or a
+-- fixed window since ended, has nothing left to settle).
 local function lim_settle(l, member, reserved, real, started, now)
   if l.per ~= 'cost' then return end
   reserved = math.min(reserved, l.rate)  -- as lim_acquire spent it
+  -- One settle charges at most the whole rate, one interval's worth: a misread figure
+  -- (x-usage: 10^12) would push the pace, or a bucket's clock, centuries out.
+  real = math.min(real, l.rate)
   local delta = real - reserved
   if delta == 0 then return end
   if l.kind == 'sliding_cost' then
