@@ -46,7 +46,7 @@ lint: $(STAMP) $(SYSDEPS)
 	$(BIN)/mypy
 	$(BIN)/hadolint Dockerfile
 	$(BIN)/check-jsonschema -q --builtin-schema vendor.compose-spec compose.yaml
-	promtool check rules docs/prometheus-alerts.yml
+	promtool check rules deploy/prometheus/alerts.yml
 
 ## Benchmarks: bounded, loopback only, ratios against a baseline measured in the same run.
 bench: $(STAMP)

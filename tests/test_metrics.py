@@ -24,7 +24,7 @@ from app.settings import Settings
 from tests.conftest import Gateway
 from tests.test_storage import Outage, SqliteOutageCase, run_dispatcher
 
-DOCS = Path(__file__).resolve().parent.parent / "docs"
+DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 
 
 def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -365,13 +365,13 @@ async def test_the_dashboard_and_the_alert_rules_use_only_exported_metrics(
     await gateway.wait_finished(auth, [t["task_id"] for t in tasks])
     exported = _exported((await gateway.http.get("/metrics")).text)
 
-    dashboard = json.loads((DOCS / "grafana-dashboard.json").read_text())
+    dashboard = json.loads((DEPLOY / "grafana" / "dashboard.json").read_text())
     panels = [p for top in dashboard["panels"] for p in [top, *top.get("panels", [])]]
     exprs = [t["expr"] for p in panels for t in p.get("targets", [])]
     assert len(exprs) >= 10
     for expr in exprs:
         assert _named(expr) and _named(expr) <= exported, expr
-    rules = yaml.safe_load((DOCS / "prometheus-alerts.yml").read_text())
+    rules = yaml.safe_load((DEPLOY / "prometheus" / "alerts.yml").read_text())
     alerts = [r for g in rules["groups"] for r in g["rules"]]
     assert len(alerts) >= 6
     for rule in alerts:
@@ -382,7 +382,7 @@ async def test_the_dashboard_and_the_alert_rules_use_only_exported_metrics(
                      .replace("$endpoint", ".*")} for i, e in enumerate(exprs)]
         (tmp_path / "panels.yml").write_text(
             yaml.safe_dump({"groups": [{"name": "panels", "rules": as_rules}]}))
-        for path in (DOCS / "prometheus-alerts.yml", tmp_path / "panels.yml"):
+        for path in (DEPLOY / "prometheus" / "alerts.yml", tmp_path / "panels.yml"):
             done = subprocess.run([promtool, "check", "rules", str(path)], capture_output=True,
                                   text=True)
             assert done.returncode == 0, done.stdout + done.stderr
