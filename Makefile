@@ -47,6 +47,7 @@ lint: $(STAMP) $(SYSDEPS)
 	$(BIN)/hadolint Dockerfile
 	$(BIN)/check-jsonschema -q --builtin-schema vendor.compose-spec compose.yaml
 	promtool check rules deploy/prometheus/alerts.yml
+	promtool test rules deploy/prometheus/alerts.test.yml
 
 ## Benchmarks: bounded, loopback only, ratios against a baseline measured in the same run.
 bench: $(STAMP)

@@ -1,5 +1,6 @@
 """End to end through real nginx (auth_request) in front of the mock upstream, with `qgw serve`
-as the gateway: only a live permit reaches the business API. Uses deploy/nginx/nginx.conf as shipped."""
+as the gateway: only a live permit reaches the business API. Uses deploy/nginx/nginx.conf as
+shipped."""
 
 from __future__ import annotations
 

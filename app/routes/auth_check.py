@@ -3,7 +3,8 @@ forwardAuth). The signature is verified in memory; one Redis script then checks 
 still live and counts the use. No SQL.
 
 The request line being let through comes from headers the front gateway sets itself: nginx
-(deploy/nginx/nginx.conf) sets X-Original-URI/-Method, Traefik always overwrites X-Forwarded-Uri/-Method.
+(deploy/nginx/nginx.conf) sets X-Original-URI/-Method, Traefik always overwrites
+X-Forwarded-Uri/-Method.
 Each also passes on headers the client sent, so a client may add the other kind. With
 `QGW_AUTH_CHECK_HEADERS=both` every such header present must name this endpoint: the one the
 gateway set is always among them, so a client's own can refuse a call, never let one through.

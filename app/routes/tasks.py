@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse
 from app.auth import api_key, runtime, runtime_of
 from app.core.keys import endpoint_of
 from app.errors import ApiError
-from app.metrics import SUBMIT_LATENCY
+from app.metrics import SUBMIT_LATENCY, SUBMIT_REJECTED
 from app.models import (
     CancelResponse,
     CompleteRequest,
@@ -52,6 +52,14 @@ _IDEM = {"name": "Idempotency-Key", "in": "header", "required": False,
              openapi_extra={**body_schema(SubmitRequest), "parameters": [_IDEM]})
 async def submit(request: Request) -> JSONResponse:
     """Queue a request for a registered endpoint."""
+    try:
+        return await _submit(request)
+    except ApiError as exc:  # counted by reason: what operators see refused, and why
+        SUBMIT_REJECTED.labels(exc.code).inc()
+        raise
+
+
+async def _submit(request: Request) -> JSONResponse:
     started = time.perf_counter()
     caller, rt = api_key(request), runtime_of(request)
     idempotency_key = request.headers.get("idempotency-key")
