@@ -17,10 +17,9 @@ from starlette.datastructures import Headers
 
 from app import permits
 from app.auth import runtime_of
-from app.core.keys import endpoint_of
+from app.core.keys import TASK_ID, endpoint_of
 from app.endpoints import EndpointConfig
 from app.errors import error_response
-from app.routes.tasks import TASK_ID
 
 router = APIRouter(tags=["gateway"])
 _NGINX = ("x-original-uri", "x-original-method")
