@@ -3,13 +3,13 @@
 FROM python:3.11-slim AS build
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1
 WORKDIR /src
-# The dependencies alone first, read from pyproject.toml: a change to the code reuses this layer.
-COPY pyproject.toml ./
+# The dependencies alone first, exactly as locked (versions and hashes, `make lock`): a change
+# to the code reuses this layer.
+COPY requirements/run.txt ./requirements/run.txt
 RUN python -m venv /venv \
- && python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']))" > requirements.txt \
- && /venv/bin/pip install --no-cache-dir -r requirements.txt
+ && /venv/bin/pip install --no-cache-dir --require-hashes -r requirements/run.txt
 # Then the package itself (its wheel carries lua/ and alembic/, see setup.py), nothing else.
-COPY setup.py MANIFEST.in ./
+COPY pyproject.toml setup.py MANIFEST.in ./
 COPY app ./app
 COPY lua ./lua
 COPY alembic ./alembic

@@ -2,24 +2,39 @@
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
-HASH   := $(shell cat pyproject.toml clients/python/pyproject.toml | cksum | cut -d' ' -f1)
+# Installs come from the lock (requirements/*.txt, hashes checked); `make lock` rewrites it.
+LOCKS  := requirements/run.txt requirements/test.txt
+HASH   := $(shell cat pyproject.toml clients/python/pyproject.toml $(LOCKS) | cksum | cut -d' ' -f1)
 # Two installs: the runtime alone for `make run`, the test tools on top for everything else.
 RUNSTAMP := $(VENV)/.run-$(HASH)
 STAMP  := $(VENV)/.installed-$(HASH)
 SYSDEPS := $(VENV)/.system-deps
 
-.PHONY: run test lint fuzz bench clean reference docs
+.PHONY: run test lint fuzz bench lock clean reference docs
 
-$(RUNSTAMP): pyproject.toml
+$(RUNSTAMP): pyproject.toml requirements/run.txt
 	PYTHON=$(PYTHON) scripts/system-deps run
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e .
+	$(BIN)/pip install -q --require-hashes -r requirements/run.txt
+	$(BIN)/pip install -q --no-deps -e .
 	rm -f $(VENV)/.run-* && touch $@
 
-$(STAMP): $(RUNSTAMP) clients/python/pyproject.toml
-	$(BIN)/pip install -q -e '.[test]' -e clients/python  # the client: its tests and mypy
+$(STAMP): $(RUNSTAMP) requirements/test.txt clients/python/pyproject.toml
+	$(BIN)/pip install -q --require-hashes -r requirements/test.txt
+	$(BIN)/pip install -q --no-deps -e clients/python  # the client: its tests and mypy
 	rm -f $(VENV)/.installed-* && touch $@
+
+## Rewrite the lock from pyproject.toml after a dependency changed (pins kept where they
+## still fit; `make lock UPGRADE=--upgrade` takes the newest of everything). Needs PyPI.
+## tests/test_lock.py fails while the lock and pyproject.toml disagree.
+LOCK_FLAGS := --quiet --universal --python-version 3.11 --generate-hashes --no-header
+lock:
+	test -x $(BIN)/pip || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q 'uv>=0.9'
+	$(BIN)/uv pip compile $(LOCK_FLAGS) $(UPGRADE) pyproject.toml -o requirements/run.txt
+	$(BIN)/uv pip compile $(LOCK_FLAGS) $(UPGRADE) pyproject.toml clients/python/pyproject.toml \
+	  --extra test -c requirements/run.txt -o requirements/test.txt
 
 ## Start the gateway on embedded defaults (private Redis, SQLite in ./.qgw).
 run: $(RUNSTAMP)
@@ -47,7 +62,8 @@ lint: $(STAMP) $(SYSDEPS)
 	$(BIN)/mypy
 	$(BIN)/hadolint Dockerfile
 	$(BIN)/check-jsonschema -q --builtin-schema vendor.compose-spec compose.yaml
-	promtool check rules docs/prometheus-alerts.yml
+	promtool check rules deploy/prometheus/alerts.yml
+	promtool test rules deploy/prometheus/alerts.test.yml
 	$(BIN)/python -m scripts.gen_reference --check
 	site=$$(mktemp -d) && NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict -q -d "$$site"; \
 	  status=$$?; rm -rf "$$site"; exit $$status

@@ -273,8 +273,9 @@ def _endpoint_purge(args: argparse.Namespace) -> Job:
 
 
 def _endpoint_rm(args: argparse.Namespace) -> Job:
-    async def job(rt: Runtime) -> None:
+    async def job(rt: Runtime) -> Any:
         await rt.retire_endpoint(args.id)
+        return {"endpoint": args.id, "deleted": True}  # said, not silence
 
     return job
 
@@ -299,8 +300,9 @@ def _key_list(args: argparse.Namespace) -> Job:
 
 
 def _key_revoke(args: argparse.Namespace) -> Job:
-    async def job(rt: Runtime) -> None:
+    async def job(rt: Runtime) -> Any:
         await rt.key_store.revoke(args.id)
+        return {"key_id": args.id, "revoked": True}
 
     return job
 

@@ -14,7 +14,7 @@ import logging
 import signal
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 from app import __version__, admin_cli, healthcheck, logs
 from app.embedded import EmbeddedRedisError
@@ -76,8 +76,16 @@ def _raise_open_files_limit() -> None:
             log.warning("could not raise the open files limit from %d: %s", soft, exc)
 
 
+class Parser(argparse.ArgumentParser):
+    """A mistake on the command line is one line (which argument, why), not the usage block
+    repeated above it: `--help` shows that."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="qgw", description="queue-gateway: a queueing gateway for slow, rate-limited APIs.",
         epilog="Settings come from QGW_* environment variables or a .env file (README.md).")
     p.add_argument("--version", action="version", version=f"qgw {__version__}")

@@ -106,6 +106,9 @@ class TaskResultRow(Base):
     result: Mapped[str | None] = mapped_column(ResultText, nullable=True)
     result_status_code: Mapped[int | None] = mapped_column(SmallInteger, nullable=True)
     attempts: Mapped[int] = mapped_column(Integer, default=0)
+    # So a listing of failed tasks shows the priority they ran at (NULL: a row written before
+    # the column existed).
+    priority: Mapped[int | None] = mapped_column(SmallInteger, nullable=True)
     created_at: Mapped[datetime] = mapped_column(TaskTime, index=True)
     started_at: Mapped[datetime | None] = mapped_column(TaskTime, nullable=True)
     ended_at: Mapped[datetime | None] = mapped_column(TaskTime, nullable=True)

@@ -16,13 +16,16 @@ from pydantic import (
     field_validator,
 )
 
+from app.errors import expects
 from app.models import ENDPOINT_ID, HTTP_URL, Method, StrictInput
 from app.secrets import AS_IS, Credentials, mask
 
 Limiter = Literal["sliding_window", "fixed_window", "token_bucket"]
 MAX_LIMITS = 5
 #: Where a finished call's real cost is read: a response header, or a dot path in its JSON body.
-COST_FROM = r"^(header:[!#$%&'*+.^_`|~0-9A-Za-z-]{1,128}|json:[^\s.]{1,64}(\.[^\s.]{1,64}){0,7})$"
+COST_FROM = expects(
+    r"^(header:[!#$%&'*+.^_`|~0-9A-Za-z-]{1,128}|json:[^\s.]{1,64}(\.[^\s.]{1,64}){0,7})$",
+    "'header:<name>' or 'json:<dot.path>' (up to 8 parts)")
 
 
 def _post_only() -> list[Method]:
@@ -57,7 +60,9 @@ _NEVER_FORWARD = frozenset({
     "upgrade", "expect", "proxy-authorization", "proxy-connection", "idempotency-key",
     "accept-encoding",  # the gateway decodes what it asked for (gzip, deflate), nothing else
 })
-HEADER_NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]{1,128}$")  # RFC 9110 field name
+# An RFC 9110 field name.
+HEADER_NAME = re.compile(expects(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]{1,128}$",
+                                 "an HTTP header name (1 to 128 token characters)"))
 #: Control characters an HTTP field value cannot hold (CR and LF would split the request).
 _BAD_VALUE = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
 MAX_UPSTREAM_HEADERS = 32
@@ -67,7 +72,9 @@ HeaderNameText = Annotated[str, StringConstraints(max_length=128)]
 #: Long enough for a sealed value of MAX_VALUE_BYTES (app/secrets.py checks the plain one).
 HeaderValueText = Annotated[str, StringConstraints(min_length=1, max_length=12_000)]
 TargetUrl = Annotated[
-    str, StringConstraints(max_length=2048, pattern=HTTP_URL + r"(/[^?#\x00-\x20\x7f-\x9f]*)?$")]
+    str, StringConstraints(max_length=2048, pattern=expects(
+        HTTP_URL + r"(/[^?#\x00-\x20\x7f-\x9f]*)?$",
+        "an absolute http:// or https:// URL with a host and a path, no query or fragment"))]
 
 
 class LimitSpec(StrictInput):

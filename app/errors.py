@@ -45,12 +45,40 @@ def error_response(
     )
 
 
+#: What a pattern-checked string must look like, in words: a regular expression is no answer
+#: to a person (`expects` registers one where the pattern is defined).
+EXPECTED: dict[str, str] = {}
+_LOCATIONS = ("body", "query", "path", "header", "cookie")
+
+
+def expects(pattern: str, what: str) -> str:
+    """The pattern, registered with the words a validation error says instead of it."""
+    EXPECTED[pattern] = what
+    return pattern
+
+
+def _message(err: Any) -> str:
+    if err["type"] == "string_pattern_mismatch":
+        pattern = str(err.get("ctx", {}).get("pattern"))
+        what = EXPECTED.get(pattern, "a value of the documented form")
+        return f"expected {what}"
+    return str(err["msg"])
+
+
 def describe(exc: ValidationError | RequestValidationError) -> str:
-    """One readable line per problem: `priority: Input should be greater than or equal to 0`."""
+    """One readable line per problem, naming the field: `priority: Input should be greater
+    than or equal to 0`, `target_url: expected an http:// or https:// URL ...`.  FastAPI puts
+    where the value came from first (body, query ...): that part goes, a field named `body`
+    stays; a problem with the whole body says so."""
     parts = []
     for err in exc.errors():
-        loc = ".".join(str(p) for p in err["loc"] if p != "body")
-        parts.append(f"{loc}: {err['msg']}" if loc else err["msg"])
+        loc = list(err["loc"])
+        if isinstance(exc, RequestValidationError) and loc and loc[0] in _LOCATIONS:
+            where = loc.pop(0)
+            if not loc:
+                loc = [f"the {where}" if where == "body" else where]
+        name = ".".join(str(p) for p in loc) or "the body"
+        parts.append(f"{name}: {_message(err)}")
     return "; ".join(parts[:5])
 
 

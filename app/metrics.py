@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from prometheus_client import REGISTRY, Histogram, generate_latest
+from prometheus_client import Counter as PromCounter
 from redis.exceptions import RedisError
 
 from app import __version__
@@ -23,6 +24,7 @@ from app.queue.stats import (
     BOUNDS_MS,
     COUNTERS,
     FAIL_CLASSES,
+    HOOK_OUTCOMES,
     EndpointStats,
     Snapshot,
     binding_limit,
@@ -33,6 +35,9 @@ SUBMIT_LATENCY = Histogram(
     "qgw_submit_latency_seconds", "Time to accept a task (POST /api/v1/tasks answered 202), "
     "in this API process", ["endpoint"],
     buckets=(.0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5))
+SUBMIT_REJECTED = PromCounter(
+    "qgw_submit_rejections", "Submits this API process refused, by the error code it answered "
+    "(invalid_request, quota_exceeded, endpoint_not_registered ...)", ["reason"])
 _LE = [*(f"{b / 1000:g}" for b in BOUNDS_MS), "+Inf"]
 DATABASE_CHECK_EVERY_S = 5.0  # a scrape reuses a database check (its own or /readyz's) this new
 _HELP = {
@@ -42,8 +47,15 @@ _HELP = {
     "retried": "Attempts made again (upstream error or an expired lease)",
     "expired": "Tasks that expired (pending past their TTL, or an unused online permit)",
     "cancelled": "Tasks cancelled by their owner",
-    "limited": "Claim attempts the rate limiter deferred",
+    "limited": "Claim attempts a limit deferred (a task is tried again each time its limit "
+               "admits: this counts attempts, not tasks)",
 }
+#: The counter names: every one counts tasks but `limited`, which counts claim attempts.
+_COUNTER_NAMES = {c: f"qgw_tasks_{c}_total" for c in COUNTERS} | {
+    "limited": "qgw_claim_attempts_limited_total"}
+_HOOK_HELP = {"delivered": "Webhooks a receiver accepted (2xx)",
+              "retried": "Webhook deliveries that failed and will be tried again",
+              "given_up": "Webhooks given up (an hour of failures, or their key revoked)"}
 
 
 def _family(out: list[str], name: str, kind: str, help_text: str) -> None:
@@ -80,8 +92,8 @@ def _endpoint_gauges(now_ms: int) -> tuple[tuple[str, str, Callable[[EndpointSta
         ("qgw_endpoint_upstream_paused", "1 while the upstream's own limit pauses the endpoint "
          "(until the time below, then until a probe call succeeds)",
          lambda s: int(s.upstream_paused_until is not None)),
-        ("qgw_endpoint_upstream_paused_until_seconds", "Until when the upstream asked for the "
-         "pause (unix time)",
+        ("qgw_endpoint_upstream_paused_until_timestamp_seconds", "Until when the upstream "
+         "asked for the pause (unix time)",
          lambda s: None if s.upstream_paused_until is None else s.upstream_paused_until / 1000),
     )
 
@@ -127,9 +139,13 @@ def render_snapshot(snapshot: Snapshot) -> str:
                 out.append(f'{name}{{endpoint="{s.id}"}} {_num(v)}\n')
     _binding_limits(out, snapshot)
     for c in COUNTERS:
-        name = f"qgw_tasks_{c}_total"
+        name = _COUNTER_NAMES[c]
         _family(out, name, "counter", _HELP[c])
         out.extend(f'{name}{{endpoint="{s.id}"}} {s.counters[c]}\n' for s in eps)
+    for outcome in HOOK_OUTCOMES:
+        name, field = f"qgw_webhooks_{outcome}_total", f"hooks_{outcome}"
+        _family(out, name, "counter", _HOOK_HELP[outcome])
+        out.extend(f'{name}{{endpoint="{s.id}"}} {s.raw.get(field, 0)}\n' for s in eps)
     name = "qgw_upstream_failures_total"
     _family(out, name, "counter", "Upstream calls that failed (retried or for good), by the "
             "class of their HTTP status; none = no answer (timeout, connection error)")

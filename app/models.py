@@ -13,17 +13,22 @@ from pydantic import (
     field_validator,
 )
 
+from app.errors import expects
 from app.webhooks import registrable
 
 MAX_PRIORITY = 1000  # keeps every queue score below 2^53 (see lua/submit-5.lua)
-ENDPOINT_ID = r"^[a-z0-9][a-z0-9_-]{0,63}$"
+ENDPOINT_ID = expects(r"^[a-z0-9][a-z0-9_-]{0,63}$", "1 to 64 lowercase letters, digits, "
+                      "'_' or '-', starting with a letter or digit")
 _PORT = r"([1-9][0-9]{0,3}|[1-5][0-9]{4}|6[0-4][0-9]{3}|65[0-4][0-9]{2}|655[0-2][0-9]|6553[0-5])"
-CALLBACK_PREFIX = (rf"^https?://[A-Za-z0-9-]+(\.[A-Za-z0-9-]+)*(:{_PORT})?"
-                   r"(/[A-Za-z0-9_~-][A-Za-z0-9._~-]*)*/?$")
+CALLBACK_PREFIX = expects(
+    rf"^https?://[A-Za-z0-9-]+(\.[A-Za-z0-9-]+)*(:{_PORT})?(/[A-Za-z0-9_~-][A-Za-z0-9._~-]*)*/?$",
+    "an http:// or https:// URL prefix: a host name, an optional port, a path without "
+    "'..', no query")
 CallbackPrefix = Annotated[str, StringConstraints(max_length=2048, pattern=CALLBACK_PREFIX)]
 # scheme://host[:port] with an unambiguous host; the rest (path, query) is checked by the caller.
 _PORT = r"(6553[0-5]|655[0-2][0-9]|65[0-4][0-9]{2}|6[0-4][0-9]{3}|[1-5][0-9]{4}|[0-9]{1,4})"
-HTTP_URL = r"^[hH][tT][tT][pP][sS]?://[A-Za-z0-9._~%-]+(:" + _PORT + ")?"
+HTTP_URL = expects(r"^[hH][tT][tT][pP][sS]?://[A-Za-z0-9._~%-]+(:" + _PORT + ")?",
+                   "an absolute http:// or https:// URL with a host (and a port up to 65535)")
 Method = Literal["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
 
 

@@ -117,7 +117,8 @@ async def test_lists_an_endpoints_tasks_by_status_a_page_at_a_time(
     assert first["total"] == 7 and first["next_cursor"] and first["waiting_to_retry"] == 0
 
     slow = await gateway.submit(auth, url, priority=9, headers={"X-Mock-Latency-Ms": ["1500"]})
-    fail = [await gateway.submit(auth, url, headers={"X-Mock-Status": ["404"]}) for _ in range(3)]
+    fail = [await gateway.submit(auth, url, priority=3, headers={"X-Mock-Status": ["404"]})
+            for _ in range(3)]
     await start_dispatcher()
     for _ in range(100):
         running = await _get(gateway, "/admin/v1/endpoints/lst/tasks", status="processing")
@@ -135,6 +136,12 @@ async def test_lists_an_endpoints_tasks_by_status_a_page_at_a_time(
     ends = [t["ended_at"] for t in failed]
     assert ends == sorted(ends, reverse=True)  # newest first
     assert all(t["result_status_code"] == 404 for t in failed)
+    for _ in range(200):  # their rows in SQL, out of the outbox: listed from SQL now
+        if not await gateway.rt.redis.zcard(gateway.rt.keys.outbox("lst")):
+            break
+        await asyncio.sleep(0.05)
+    failed = await _all_pages(gateway, "lst", "failed", 2)
+    assert [t["priority"] for t in failed] == [3, 3, 3]  # kept with the row
     done = await _all_pages(gateway, "lst", "completed", 5)
     assert len(done) == 8 and len({t["task_id"] for t in done}) == 8
 

@@ -120,7 +120,7 @@ async def test_under_traefik_only_the_request_line_traefik_sets_decides(
 ) -> None:
     """A client's own X-Original-* (or X-Forwarded-*) never picks the path that is checked."""
     _, s = await _admitted(gateway, start_dispatcher, permit_max_uses=1)
-    shipped = yaml.safe_load((ROOT / "docs" / "traefik.yml").read_text())
+    shipped = yaml.safe_load((ROOT / "deploy" / "traefik" / "traefik.yml").read_text())
     shipped = shipped["http"]["middlewares"]["queue-permit"]["forwardAuth"]
     assert not shipped.get("trustForwardHeader")  # else the client's X-Forwarded-* would count
     permit = {"X-Queue-Task-Id": s["task_id"], "X-Queue-Permit": s["permit"]["token"]}

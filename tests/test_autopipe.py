@@ -322,3 +322,51 @@ async def test_redis_down_fails_calls_fast_then_recovers(own_redis: RedisServer)
         assert await r.lrange("k", 0, -1) == ["before", "after"]
     finally:
         await r.aclose()
+
+
+async def test_redis_py_still_has_what_the_auto_pipeline_reads(piped: Piped) -> None:
+    """app/core/autopipe.py reads redis-py's private reader and writer: a redis-py that renamed
+    them fails here by name (and the gateway falls back to plain calls, test below)."""
+    import redis
+
+    from app.core.autopipe import unsupported
+
+    missing = unsupported(piped.redis.connection_pool)
+    assert missing == [], (f"redis-py {redis.__version__} changed what app/core/autopipe.py "
+                           f"reads: {missing}")
+    conn = await piped.redis.connection_pool.get_connection()  # type: ignore[no-untyped-call]
+    try:  # connected, they are the streams the module uses
+        assert conn._writer is not None and conn._reader is not None
+        assert conn._writer.transport.get_write_buffer_size() == 0
+        assert not conn._reader.at_eof()
+    finally:
+        await piped.redis.connection_pool.release(conn)
+
+
+async def test_a_redis_py_that_changed_them_gets_plain_calls(redis_server: RedisServer) -> None:
+    """The fallback: a connection whose read_response lost a keyword the module passes (as
+    a redis-py that changed it would): no auto-pipeline, and the scripts still answer,
+    through redis-py's own calls."""
+    from redis.asyncio.connection import Connection
+
+    from app.core.scripts import Scripts
+
+    class Changed(Connection):
+        async def read_response(self, disable_decoding: bool = False,  # type: ignore[override]
+                                timeout: float | None = None, *,
+                                push_request: bool | None = False) -> object:
+            return await super().read_response(disable_decoding, timeout,
+                                               push_request=push_request)
+
+    r = redis_client(redis_server.url, 2.0)
+    key = f"ap:{uuid.uuid4().hex}"
+    try:
+        r.connection_pool.connection_class = Changed
+        assert AutoPipeline.of(r) is None
+        scripts = Scripts.register(r)
+        assert scripts.confirm._batched is None  # every script: plain calls
+        push = Lua(r, PUSH, AutoPipeline.of(r))
+        assert [await push(keys=[key], args=[v]) for v in "xy"] == [["x", 1], ["y", 2]]
+    finally:
+        await r.delete(key)
+        await r.aclose()

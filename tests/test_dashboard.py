@@ -365,3 +365,38 @@ async def _paused_by_upstream_shown(gateway: Gateway, served: str, upstream: str
                                 shown["admits_next_at"])
     await expect(page.locator('tr[data-endpoint="upst"] td[data-field="id"]')).to_have_text(
         f"upst (paused by upstream until {until})", timeout=10_000)
+
+
+async def test_ten_endpoints_fit_a_1280_pixel_screen_with_a_favicon(
+    gateway: Gateway, served: str, upstream: str, browser: object
+) -> None:
+    """Every row's buttons on screen at 1,280 px wide with 10 busy endpoints (they sat off
+    it at 1,400 px with 7), and the tab has an icon of its own."""
+    from playwright.async_api import Browser, expect
+
+    assert isinstance(browser, Browser)
+    auth = await gateway.new_key(user_id=8)
+    for i in range(10):
+        url = f"{upstream}/wide-endpoint-number-{i}"
+        await gateway.add_endpoint(f"wide-endpoint-number-{i}", url, max_concurrency=1,
+                                   rate=1, interval_ms=60_000, paused=True)
+        for _ in range(3):
+            await gateway.submit(auth, url)
+    page = await browser.new_page(viewport={"width": 1280, "height": 900})
+    await page.goto(f"{served}/dashboard#token={ADMIN}")
+    rows = page.locator("#rows tr")
+    await expect(rows).to_have_count(10, timeout=10_000)
+    await expect(rows.first.locator('td[data-field="pending"]')).to_have_text("3")
+    ARTIFACTS.mkdir(exist_ok=True)
+    await page.screenshot(path=str(ARTIFACTS / "dashboard-1280.png"), full_page=True)
+    off = await page.evaluate("""() => [...document.querySelectorAll('button')]
+        .filter(b => b.offsetParent !== null)
+        .map(b => [b.textContent, b.getBoundingClientRect().right])
+        .filter(([, right]) => right > window.innerWidth)""")
+    assert off == [], off
+    assert await page.evaluate("document.documentElement.scrollWidth") <= 1280
+    icon = await page.evaluate("document.querySelector('link[rel=icon]')?.href")
+    assert icon, "no favicon link"
+    r = httpx.get(icon)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("image/"), r
+    assert httpx.get(f"{served}/favicon.ico").status_code == 200  # what browsers ask for

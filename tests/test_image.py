@@ -84,7 +84,7 @@ def test_compose_builds_only_services_this_test_runs() -> None:
 
 def test_dockerfile_and_compose_are_production_shaped() -> None:
     # Dependencies in a layer before the code; the code copied once, as the installed wheel.
-    deps, code = DOCKERFILE.index("-r requirements.txt"), DOCKERFILE.index("COPY app ")
+    deps, code = DOCKERFILE.index("-r requirements/run.txt"), DOCKERFILE.index("COPY app ")
     assert deps < code and DOCKERFILE.count("COPY app ") == 1 and "PYTHONPATH" not in DOCKERFILE
     assert re.search(r"^USER 10001(:10001)?$", DOCKERFILE, re.MULTILINE)
     for name, service in COMPOSE["services"].items():

@@ -24,7 +24,7 @@ from app.settings import Settings
 from tests.conftest import Gateway
 from tests.test_storage import Outage, SqliteOutageCase, run_dispatcher
 
-DOCS = Path(__file__).resolve().parent.parent / "docs"
+DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 
 
 def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -104,10 +104,12 @@ async def test_a_rate_limited_claim_is_counted(
     await gateway.wait_finished(auth, [first["task_id"]])
 
     async def limited() -> bool:
-        return value(await scrape(gateway), "qgw_tasks_limited_total", "slowrate") >= 1
+        return value(await scrape(gateway), "qgw_claim_attempts_limited_total", "slowrate") >= 1
 
     await wait_until(limited)
     m = await scrape(gateway)
+    # Claim attempts, not tasks: named so (qgw_tasks_* count tasks).
+    assert not any(name == "qgw_tasks_limited_total" for name, _ in m)
     assert value(m, "qgw_tasks_admitted_total", "slowrate") == 1
     assert value(m, "qgw_queue_pending", "slowrate") == 1
     # The one in line waits out the minute since the first admission, a new task one more.
@@ -365,13 +367,13 @@ async def test_the_dashboard_and_the_alert_rules_use_only_exported_metrics(
     await gateway.wait_finished(auth, [t["task_id"] for t in tasks])
     exported = _exported((await gateway.http.get("/metrics")).text)
 
-    dashboard = json.loads((DOCS / "grafana-dashboard.json").read_text())
+    dashboard = json.loads((DEPLOY / "grafana" / "dashboard.json").read_text())
     panels = [p for top in dashboard["panels"] for p in [top, *top.get("panels", [])]]
     exprs = [t["expr"] for p in panels for t in p.get("targets", [])]
     assert len(exprs) >= 10
     for expr in exprs:
         assert _named(expr) and _named(expr) <= exported, expr
-    rules = yaml.safe_load((DOCS / "prometheus-alerts.yml").read_text())
+    rules = yaml.safe_load((DEPLOY / "prometheus" / "alerts.yml").read_text())
     alerts = [r for g in rules["groups"] for r in g["rules"]]
     assert len(alerts) >= 6
     for rule in alerts:
@@ -382,10 +384,54 @@ async def test_the_dashboard_and_the_alert_rules_use_only_exported_metrics(
                      .replace("$endpoint", ".*")} for i, e in enumerate(exprs)]
         (tmp_path / "panels.yml").write_text(
             yaml.safe_dump({"groups": [{"name": "panels", "rules": as_rules}]}))
-        for path in (DOCS / "prometheus-alerts.yml", tmp_path / "panels.yml"):
+        for path in (DEPLOY / "prometheus" / "alerts.yml", tmp_path / "panels.yml"):
             done = subprocess.run([promtool, "check", "rules", str(path)], capture_output=True,
                                   text=True)
             assert done.returncode == 0, done.stdout + done.stderr
+        _slots_panel_skips_uncapped_endpoints(promtool, exprs, tmp_path)
+
+
+def _slots_panel_skips_uncapped_endpoints(promtool: str, exprs: list[str], tmp: Path) -> None:
+    """The alert rules' own unit tests pass (a rate-only endpoint, max_concurrency 0, is never
+    saturated), and the slot panel shows no +Inf for one: promtool evaluates it."""
+    done = subprocess.run([promtool, "test", "rules",
+                           str(DEPLOY / "prometheus" / "alerts.test.yml")],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    (panel,) = [e for e in exprs if "qgw_endpoint_max_concurrency" in e]
+    series = [(f'{name}{{endpoint="{e}"}}', f"{v}x5") for e, cap, busy in
+              (("capped", 2, 1), ("rates", 0, 7))
+              for name, v in (("qgw_queue_in_flight", busy),
+                              ("qgw_endpoint_max_concurrency", cap))]
+    test = {"evaluation_interval": "1m", "rule_files": [], "tests": [{
+        "interval": "1m",
+        "input_series": [{"series": n, "values": v} for n, v in series],
+        "promql_expr_test": [{"expr": panel.replace("$endpoint", ".*"), "eval_time": "2m",
+                              "exp_samples": [{"labels": '{endpoint="capped"}',
+                                               "value": 0.5}]}]}]}
+    (tmp / "panel.test.yml").write_text(yaml.safe_dump(test))
+    done = subprocess.run([promtool, "test", "rules", str(tmp / "panel.test.yml")],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+async def test_timestamps_and_rejections_are_named_as_prometheus_asks(
+    gateway: Gateway, upstream: str
+) -> None:
+    """A point in time ends in _timestamp_seconds; refused submits are counted by reason."""
+    await gateway.add_endpoint("named", f"{upstream}/named")
+    auth = await gateway.new_key()
+    before = await scrape(gateway)
+    for body in ({"target_url": f"{upstream}/nowhere"}, {"target_url": "ftp://x/named"}):
+        r = await gateway.http.post("/api/v1/tasks", headers=auth, json=body)
+        assert r.status_code in (404, 422), r.text
+    text = (await gateway.http.get("/metrics")).text
+    assert "# TYPE qgw_endpoint_upstream_paused_until_timestamp_seconds gauge" in text
+    assert "qgw_endpoint_upstream_paused_until_seconds" not in text
+    after = samples(text)
+    for reason in ("endpoint_not_registered", "invalid_request"):
+        series = ("qgw_submit_rejections_total", (("reason", reason),))
+        assert after[series] == before.get(series, 0) + 1, reason
 
 
 async def test_an_operators_pause_shows_in_metrics(gateway: Gateway, upstream: str) -> None:

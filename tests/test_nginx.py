@@ -1,5 +1,6 @@
 """End to end through real nginx (auth_request) in front of the mock upstream, with `qgw serve`
-as the gateway: only a live permit reaches the business API. Uses docs/nginx.conf as shipped."""
+as the gateway: only a live permit reaches the business API. Uses deploy/nginx/nginx.conf as
+shipped."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ def stack(tmp_path: Path, env: dict[str, str], fresh_upstream: str) -> Iterator[
     gateway = subprocess.Popen([*QGW, "serve", "--port", str(gw_port)], env=env,
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     upstream_hostport = fresh_upstream.removeprefix("http://")
-    snippet = (ROOT / "docs" / "nginx.conf").read_text()
+    snippet = (ROOT / "deploy" / "nginx" / "nginx.conf").read_text()
     snippet = snippet.replace("GATEWAY", f"127.0.0.1:{gw_port}").replace("UPSTREAM",
                                                                          upstream_hostport)
     conf = tmp_path / "nginx.conf"

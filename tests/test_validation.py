@@ -205,3 +205,34 @@ def test_a_fixed_route_the_fast_lane_would_shadow_is_refused() -> None:
     unrelated.include_router(fast)
     fast_lane(unrelated, fast, {show: show_fast})  # alone: no complaint
 
+
+
+async def test_validation_errors_name_the_field_and_say_what_is_expected(
+    ready: tuple[Gateway, dict[str, str], str],
+) -> None:
+    """A field called `body` is named like any other, and a pattern is described in words."""
+    gw, auth, _ = ready
+    headers = {**auth, "Content-Type": "application/json"}
+    cases = [
+        (b'{"target_url": "' + TARGET.encode() + b'", "body": {"x": 1}}', "body: "),
+        (b'{"target_url": "ftp://127.0.0.1:9/v/gen"}',
+         "target_url: expected an absolute http:// or https:// URL"),
+        (b"[1, 2]", "the body: "),
+    ]
+    for raw, start in cases:
+        r = await gw.http.post("/api/v1/tasks", content=raw, headers=headers)
+        _is_error(r, 422, "invalid_request")
+        message = r.json()["error"]["message"]
+        assert message.startswith(start) and "pattern" not in message, message
+    # Admin routes validated by FastAPI: its `body` location part goes, the field stays.
+    r = await gw.http.post("/admin/v1/endpoints", headers=gw.admin,
+                           json={"id": "Bad Id", "target_url": "http://127.0.0.1:9/x"})
+    _is_error(r, 422)
+    assert r.json()["error"]["message"].startswith("id: expected 1 to 64 lowercase"), r.text
+    r = await gw.http.post("/admin/v1/endpoints", headers=gw.admin,
+                           json={"id": "ok", "target_url": "http://127.0.0.1:9/x?q=1"})
+    _is_error(r, 422)
+    assert r.json()["error"]["message"].startswith("target_url: "), r.text
+    r = await gw.http.post("/admin/v1/endpoints", headers=gw.admin, content=b"[]")
+    _is_error(r, 422)
+    assert "pattern" not in r.json()["error"]["message"], r.text

@@ -19,6 +19,7 @@ from aiohttp import web
 
 from tests.conftest import Gateway
 from tests.servers import free_port
+from tests.test_metrics import scrape, value
 
 FAST = {"QGW_WEBHOOK_TIMEOUT_S": "1"}  # lease 2 s: a killed sender's delivery comes back soon
 
@@ -201,6 +202,34 @@ async def test_retried_until_2xx_with_one_delivery_id(
             break
         await asyncio.sleep(0.1)
     assert await gateway.rt.redis.pttl(task_key) > 0
+    m = await scrape(gateway)
+    assert [value(m, f"qgw_webhooks_{o}_total", "whf") for o in HOOK_OUTCOMES] == [1, 2, 0]
+
+
+HOOK_OUTCOMES = ("delivered", "retried", "given_up")
+
+
+async def test_a_webhook_of_a_revoked_key_is_given_up_and_counted(
+    gateway: Gateway, upstream: str, receiver: Receiver,
+    dispatcher_process: Callable[..., Any],
+) -> None:
+    await gateway.add_endpoint("whr", f"{upstream}/wh/revoked", paused=True)
+    auth = await hook_key(gateway, receiver)
+    task = await gateway.submit(auth, f"{upstream}/wh/revoked",
+                                callback_url=f"{receiver.base}/hooks/ok/r")
+    r = await gateway.http.post(f"/api/v1/tasks/{task['task_id']}/cancel", headers=auth)
+    assert r.status_code == 200  # its webhook is due in Redis
+    (key,) = (await gateway.http.get("/admin/v1/api-keys", headers=gateway.admin)).json()
+    r = await gateway.http.delete(f"/admin/v1/api-keys/{key['id']}", headers=gateway.admin)
+    assert r.status_code == 204, r.text
+    dispatcher_process(**FAST)
+    for _ in range(200):
+        m = await scrape(gateway)
+        if value(m, "qgw_webhooks_given_up_total", "whr") == 1:
+            break
+        await asyncio.sleep(0.1)
+    assert [value(m, f"qgw_webhooks_{o}_total", "whr") for o in HOOK_OUTCOMES] == [0, 0, 1]
+    assert receiver.requests == []
 
 
 async def test_kill_9_mid_delivery_still_delivers(
@@ -243,6 +272,9 @@ async def test_callback_url_only_under_the_keys_callback_urls(
             "target_url": f"{upstream}/wh/ssrf", "callback_url": url})
         assert r.status_code == 422, (url, r.text)
         assert r.json()["error"]["code"] == "callback_not_allowed", url
+    rejected = await scrape(gateway)  # this process's counter: other tests' refusals too
+    assert rejected[("qgw_submit_rejections_total", (("reason", "callback_not_allowed"),))
+                    ] >= len(refused)
     for url in (f"{base}/hooks/x?y=1", f"HTTP://127.0.0.1:{port}/hooks/"):
         await gateway.submit(auth, f"{upstream}/wh/ssrf", callback_url=url)
 

@@ -26,17 +26,21 @@ and is left to do so.
 from __future__ import annotations
 
 import asyncio
+import inspect
+import logging
 import math
 from collections import deque
 from typing import Any
 
 from hiredis import pack_command  # in C: a fraction of redis-py's packing in Python
+from redis import __version__ as redis_version
 from redis.asyncio import Redis
 from redis.asyncio.connection import AbstractConnection, ConnectionPool
 from redis.exceptions import BusyLoadingError, DataError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+log = logging.getLogger(__name__)
 # Replies redis-py raises as errors; the connection they came on is fine. (A LOADING reply is
 # a ConnectionError to redis-py, but it is one command's answer like any other.)
 _REPLY_ERRORS = (ResponseError, BusyLoadingError)
@@ -55,6 +59,27 @@ WRITE_AT = 4
 # reply): a connection taken from the pool and given back for every round trip was a tenth of
 # a dispatcher's CPU. Short, so a process that goes quiet gives it back soon.
 IDLE_S = 0.05
+
+
+#: The private parts of redis-py's asyncio connection read here, all set in its __init__
+#: (redis-py 8.1; pyproject.toml pins it). A release that renames one turns this module off.
+PRIVATE = ("_reader", "_writer")
+#: The methods called, with the keyword arguments given to them.
+METHODS = {"read_response": ("timeout", "disconnect_on_error"), "disconnect": ("nowait",)}
+
+
+def unsupported(pool: ConnectionPool) -> list[str]:
+    """What this module reads of a connection that the pool's connection class does not
+    have (none: auto-pipelining works); checked on a connection never opened."""
+    conn = pool.connection_class(**pool.connection_kwargs)
+    missing = [name for name in PRIVATE if not hasattr(conn, name)]
+    if not hasattr(conn, "socket_timeout"):
+        missing.append("socket_timeout")
+    for name, keywords in METHODS.items():
+        method = getattr(conn, name, None)
+        params = inspect.signature(method).parameters if callable(method) else {}
+        missing += [f"{name}({k}=)" for k in keywords if k not in params]
+    return missing
 
 
 class PipelineClosed(RedisConnectionError):
@@ -79,9 +104,17 @@ class AutoPipeline:
 
     @classmethod
     def of(cls, redis: Redis) -> AutoPipeline | None:
-        """One for this client's pool, or None for a Cluster client."""
+        """One for this client's pool, or None for a Cluster client or a redis-py whose
+        connections are not what this module reads (then every call is a plain one)."""
         pool = getattr(redis, "connection_pool", None)
-        return cls(pool) if isinstance(pool, ConnectionPool) else None
+        if not isinstance(pool, ConnectionPool):
+            return None
+        missing = unsupported(pool)
+        if missing:
+            log.warning("auto-pipelining off, plain Redis calls instead: redis-py %s lacks %s",
+                        redis_version, ", ".join(missing))
+            return None
+        return cls(pool)
 
     def execute(self, *args: Any) -> asyncio.Future[Any]:
         """Send `args` as one command (when: see the module's docstring); its reply (or

@@ -19,6 +19,7 @@ key of the endpoint: both layouts keep the tag right before the key's last part.
 
 from __future__ import annotations
 
+import re
 import zlib
 from dataclasses import dataclass, field
 from functools import cache
@@ -252,6 +253,10 @@ class Keys:
         if self.cluster:
             return f"{self.prefix}:{{{group_tags()[group_of(process)]}}}:readyz:{process}"
         return f"{self.prefix}:readyz"
+
+
+#: A task id: 32 hex digits, a dot, its endpoint's id (app/models.py ENDPOINT_ID).
+TASK_ID = re.compile(r"^[0-9a-f]{32}\.[a-z0-9][a-z0-9_-]{0,63}$")
 
 
 def endpoint_of(task_id: str) -> str:

@@ -174,8 +174,8 @@ async def _from_sql(queue: TaskQueue, e: str, status: str, limit: int, after: Cu
                     ) -> dict[str, dict[str, Any]]:
     if queue.results is None:
         return {}
-    q = select(T.c.task_id, T.c.user_id, T.c.type, T.c.status, T.c.attempts, T.c.created_at,
-               T.c.started_at, T.c.ended_at, T.c.result_status_code).where(
+    q = select(T.c.task_id, T.c.user_id, T.c.type, T.c.status, T.c.attempts, T.c.priority,
+               T.c.created_at, T.c.started_at, T.c.ended_at, T.c.result_status_code).where(
         T.c.endpoint == e, T.c.status == status)
     if after is not None:
         at = from_ms(after.at)
@@ -184,7 +184,7 @@ async def _from_sql(queue: TaskQueue, e: str, status: str, limit: int, after: Cu
     async with queue.results.engine.connect() as conn:
         rows = (await conn.execute(q)).all()
     return {row.task_id: {"user_id": row.user_id, "status": row.status, "type": row.type,
-                          "priority": None, "attempts": row.attempts,
+                          "priority": row.priority, "attempts": row.attempts,
                           "created_at": to_ms(row.created_at),
                           "started_at": to_ms(row.started_at), "ended_at": to_ms(row.ended_at),
                           "result_status_code": row.result_status_code}

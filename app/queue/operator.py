@@ -12,7 +12,7 @@ from typing import Any
 
 from sqlalchemy import select
 
-from app.core.keys import endpoint_of
+from app.core.keys import TASK_ID, endpoint_of
 from app.core.registry import EndpointRegistry
 from app.db import bounded
 from app.errors import ApiError
@@ -55,6 +55,8 @@ async def cancel(queue: TaskQueue, task_id: str) -> TaskStatus:
 
 async def retry(queue: TaskQueue, task_id: str) -> dict[str, Any]:
     """A failed or expired task runs again, from its old place in its queue."""
+    if not TASK_ID.match(task_id):  # not one of ours: no endpoint of it to talk about
+        raise ApiError(404, "task_not_found", f"no task {task_id!r}")
     k, e = queue.keys, endpoint_of(task_id)
     res = await queue.scripts.requeue(
         keys=[k.task(task_id), k.queue(e), k.wake(e), k.outbox(e), k.delivered(e), k.live(e)],

@@ -27,6 +27,7 @@ from app.timefmt import rfc3339
 
 COUNTERS = ("submitted", "admitted", "completed", "failed", "retried", "expired", "cancelled",
             "limited")
+HOOK_OUTCOMES = ("delivered", "retried", "given_up")  # fields hooks_<outcome> (webhooks.py)
 HISTOGRAMS = ("queue_wait_ms", "upstream_ms", "upstream_failed_ms")
 FAIL_CLASSES = ("2xx", "3xx", "4xx", "5xx", "none")  # fields fail_<class>, stats_call_failed
 AVERAGES = ("exec_ms", "slot_ms")

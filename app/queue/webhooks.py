@@ -135,22 +135,25 @@ class WebhookSender:
         key = self._key(fields.get("key_id", ""))
         if key is None or not allowed(url, key.callback_urls):
             log.warning("webhook given up: the key that asked for it was revoked", extra=extra)
-            await self._done(task_id, hook)
+            await self._done(task_id, hook, "given_up")
             return
         outcome = await self._post(url, f"{task_id}:{hook}", key.webhook_secret,
                                    render(self.view(task_id, fields)))
         if outcome is None:
-            await self._done(task_id, hook)
+            await self._done(task_id, hook, "delivered")
         elif time.time() - int(hook) / 1000 >= GIVE_UP_S:
             log.warning("webhook given up after %d tries: %s", int(fields.get("hook_tries", 0))
                         + 1, outcome, extra=extra)
-            await self._done(task_id, hook)
+            await self._done(task_id, hook, "given_up")
         else:
             delay = backoff_ms(int(fields.get("hook_tries", 0)))
             log.info("webhook failed (%s); retry in %.1f s", outcome, delay / 1000, extra=extra)
-            await self.scripts.hookretry(
-                keys=[self.keys.task(task_id), self.keys.hooks(endpoint_of(task_id))],
-                args=[task_id, hook, deadline, delay])
+            e = endpoint_of(task_id)
+            async with self.redis.pipeline(transaction=False) as pipe:
+                await self.scripts.hookretry(keys=[self.keys.task(task_id), self.keys.hooks(e)],
+                                             args=[task_id, hook, deadline, delay], client=pipe)
+                self._count(pipe, e, "retried")
+                await pipe.execute()
 
     async def _post(self, url: str, delivery: str, secret: str, body: bytes) -> str | None:
         """None once the receiver answered 2xx, else what went wrong."""
@@ -165,11 +168,22 @@ class WebhookSender:
             return f"{type(exc).__name__}: {exc}"[:200]
         return None if 200 <= answer.status < 300 else f"HTTP {answer.status}"
 
-    async def _done(self, task_id: str, hook: str) -> None:
+    async def _done(self, task_id: str, hook: str, outcome: str | None = None) -> None:
+        """No more deliveries of this one; the outcome counted for /metrics in the same round
+        trip (qgw_webhooks_<outcome>_total)."""
         e = endpoint_of(task_id)
-        await self.scripts.hookdone(
-            keys=[self.keys.task(task_id), self.keys.hooks(e), self.keys.outbox(e)],
-            args=[task_id, hook, Ttls.of(self.settings).done_ms])
+        async with self.redis.pipeline(transaction=False) as pipe:
+            await self.scripts.hookdone(
+                keys=[self.keys.task(task_id), self.keys.hooks(e), self.keys.outbox(e)],
+                args=[task_id, hook, Ttls.of(self.settings).done_ms], client=pipe)
+            if outcome is not None:
+                self._count(pipe, e, outcome)
+            await pipe.execute()
+
+    def _count(self, pipe: Any, endpoint: str, outcome: str) -> None:
+        # The endpoint's stats hash (app/queue/stats.py HOOK_OUTCOMES): shared by every
+        # process, read by every scrape with the rest.
+        pipe.hincrby(self.keys.stats(endpoint), f"hooks_{outcome}", 1)
 
     def _key(self, key_id: str) -> ApiKey | None:
         """The live key of that id (the mirror is keyed by key hash), indexed once a version."""

@@ -11,7 +11,7 @@ from sqlalchemy import text
 
 from app.auth import admin, runtime
 from app.db import bounded
-from app.errors import ApiError
+from app.errors import ApiError, expects
 from app.lifecycle import history
 from app.queue import heartbeats
 from app.routes.admin import ERRORS
@@ -55,7 +55,7 @@ async def overview(rt: Rt) -> dict[str, Any]:
 @router.get("/history", operation_id="history")
 async def get_history(
     rt: Rt, endpoints: Annotated[str, Query(
-        max_length=8_000, pattern=r"^[a-z0-9_,-]*$",
+        max_length=8_000, pattern=expects(r"^[a-z0-9_,-]*$", "endpoint ids, comma-separated"),
         description="endpoint ids, comma-separated")] = "",
 ) -> dict[str, Any]:
     """What the server sampled every 10 s over the last hour, per endpoint, oldest first:

@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Depends, Query
 
 from app.auth import admin, runtime
-from app.errors import ApiError
+from app.errors import ApiError, expects
 from app.models import TaskStatus
 from app.queue import listing, operator
 from app.routes.admin import ERRORS
@@ -50,7 +50,8 @@ async def cancel_task(task_id: str, rt: Rt) -> dict[str, str]:
 async def list_endpoint_tasks(
     endpoint_id: str, rt: Rt, status: Status = "pending",
     limit: Annotated[int, Query(ge=1, le=listing.MAX_LIMIT)] = 50,
-    cursor: Annotated[str | None, Query(max_length=200, pattern=r"^-?\d{1,19}:\S+$")] = None,
+    cursor: Annotated[str | None, Query(max_length=200, pattern=expects(
+        r"^-?\d{1,19}:\S+$", "the next_cursor of a previous page"))] = None,
 ) -> dict[str, Any]:
     """A page of the endpoint's tasks of one status: pending in dispatch order (with each
     one's `wait_num`), processing by lease deadline, finished ones newest first. Pass

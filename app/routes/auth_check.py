@@ -3,7 +3,8 @@ forwardAuth). The signature is verified in memory; one Redis script then checks 
 still live and counts the use. No SQL.
 
 The request line being let through comes from headers the front gateway sets itself: nginx
-(docs/nginx.conf) sets X-Original-URI/-Method, Traefik always overwrites X-Forwarded-Uri/-Method.
+(deploy/nginx/nginx.conf) sets X-Original-URI/-Method, Traefik always overwrites
+X-Forwarded-Uri/-Method.
 Each also passes on headers the client sent, so a client may add the other kind. With
 `QGW_AUTH_CHECK_HEADERS=both` every such header present must name this endpoint: the one the
 gateway set is always among them, so a client's own can refuse a call, never let one through.
@@ -16,10 +17,9 @@ from starlette.datastructures import Headers
 
 from app import permits
 from app.auth import runtime_of
-from app.core.keys import endpoint_of
+from app.core.keys import TASK_ID, endpoint_of
 from app.endpoints import EndpointConfig
 from app.errors import error_response
-from app.routes.tasks import TASK_ID
 
 router = APIRouter(tags=["gateway"])
 _NGINX = ("x-original-uri", "x-original-method")

@@ -51,6 +51,7 @@ _ASSETS = {
     "app.js": ("dashboard.js", "text/javascript"),
     "actions.js": ("actions.js", "text/javascript"),
     "style.css": ("dashboard.css", "text/css"),
+    "favicon.svg": ("favicon.svg", "image/svg+xml"),
 }
 
 
@@ -60,3 +61,11 @@ async def dashboard_asset(asset: str) -> Response:
         raise ApiError(404, "not_found", f"no dashboard file {asset!r}")
     name, media = _ASSETS[asset]
     return Response(_file(name), media_type=f"{media}; charset=utf-8", headers=_HEADERS)
+
+
+@router.get("/favicon.ico", response_class=Response, include_in_schema=False)
+async def favicon() -> Response:
+    """The icon browsers ask for on any page (/docs too): the dashboard's, an SVG (browsers
+    go by the media type, not the name)."""
+    return Response(_file("favicon.svg"), media_type="image/svg+xml",
+                    headers={"Cache-Control": "max-age=86400"})

@@ -11,9 +11,9 @@ from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse
 
 from app.auth import api_key, runtime, runtime_of
-from app.core.keys import endpoint_of
+from app.core.keys import TASK_ID, endpoint_of
 from app.errors import ApiError
-from app.metrics import SUBMIT_LATENCY
+from app.metrics import SUBMIT_LATENCY, SUBMIT_REJECTED
 from app.models import (
     CancelResponse,
     CompleteRequest,
@@ -29,7 +29,6 @@ from app.store import ApiKey
 from app.webhooks import allowed
 
 router = APIRouter(prefix="/api/v1", tags=["tasks"])
-TASK_ID = re.compile(r"^[0-9a-f]{32}\.[a-z0-9][a-z0-9_-]{0,63}$")
 AUTHORITY = re.compile(r"^[^:/?#]*://([^/?#]*)")
 IDEM_KEY = re.compile(r"^[\x21-\x7e]{1,128}$")
 MAX_WAIT_S = 30  # the longest a status read may hold for a change (`?wait=`)
@@ -52,6 +51,14 @@ _IDEM = {"name": "Idempotency-Key", "in": "header", "required": False,
              openapi_extra={**body_schema(SubmitRequest), "parameters": [_IDEM]})
 async def submit(request: Request) -> JSONResponse:
     """Queue a request for a registered endpoint."""
+    try:
+        return await _submit(request)
+    except ApiError as exc:  # counted by reason: what operators see refused, and why
+        SUBMIT_REJECTED.labels(exc.code).inc()
+        raise
+
+
+async def _submit(request: Request) -> JSONResponse:
     started = time.perf_counter()
     caller, rt = api_key(request), runtime_of(request)
     idempotency_key = request.headers.get("idempotency-key")
