@@ -7,7 +7,8 @@ for a status, a latency, a cookie or a body of N bytes with `X-Mock-Status` /
 (a JSON object of headers to answer with) (CONTROL_HEADERS: a task
 carries them only to an endpoint that lists them in `forward_headers`).  It records every request:
 `GET /_mock/stats` gives counts, `GET /_mock/log` the requests in arrival order (time in ms,
-method, path, query, Idempotency-Key, body, status), `POST /_mock/reset` clears both.
+method, path, query, Idempotency-Key, body, status, and `closed`: when the caller closed the
+connection before the answer, in ms, else null), `POST /_mock/reset` clears both.
 """
 
 from __future__ import annotations
@@ -51,9 +52,9 @@ class MockUpstream:
         if path.startswith("/_mock/"):
             await self._control(path, send)
             return
-        await self._serve(scope, body, send)
+        await self._serve(scope, body, receive, send)
 
-    async def _serve(self, scope: Scope, body: bytes, send: Any) -> None:
+    async def _serve(self, scope: Scope, body: bytes, receive: Any, send: Any) -> None:
         headers = {k.decode().lower(): v.decode() for k, v in scope["headers"]}
         arrived = time.time() * 1000
         self.in_flight += 1
@@ -68,12 +69,13 @@ class MockUpstream:
                 "query": dict(parse_qsl(scope["query_string"].decode())),
                 "idempotency_key": headers.get("idempotency-key"),
                 "headers": headers, "body": body.decode(errors="replace"), "status": status,
+                "closed": None,
             }
             self.log.append(entry)
             self.statuses[status] += 1
             latency = float(headers.get("x-mock-latency-ms", self.latency_ms))
-            if latency and status != 429:
-                await asyncio.sleep(latency / 1000)
+            if latency and status != 429 and not await _held(latency / 1000, receive, entry):
+                return  # the caller hung up while held: nobody to answer
             reply: Any = {"ok": 200 <= status < 300, "n": len(self.log), "path": scope["path"],
                           "echo": entry["body"]}
             if size := int(headers.get("x-mock-body-bytes", 0)):
@@ -101,6 +103,25 @@ class MockUpstream:
                 "statuses": {str(k): v for k, v in self.statuses.items()},
                 "duplicates": sum(v - 1 for k, v in keys.items() if k and v > 1),
             })
+
+
+async def _held(seconds: float, receive: Any, entry: dict[str, Any]) -> bool:
+    """Hold the answer `seconds`; False (and the time in `entry["closed"]`) when the caller
+    closes the connection first: a gateway aborting a call is seen here."""
+    gone = asyncio.ensure_future(_disconnected(receive))
+    try:
+        await asyncio.wait_for(asyncio.shield(gone), seconds)
+    except TimeoutError:
+        return True
+    finally:
+        gone.cancel()
+    entry["closed"] = time.time() * 1000
+    return False
+
+
+async def _disconnected(receive: Any) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _send_json(send: Any, status: int, payload: Any,

@@ -1,5 +1,8 @@
 --[[ Cancel a task of this user: a pending one leaves its queue; an admitted online one loses
-its permit and frees its slot. Anything that already ended, or an offline call in flight, stays.
+its permit and frees its slot; an offline call in flight loses its lease and frees its slot, and
+the dispatcher holding it hears so on the cancel channel (events.lua) and aborts the call (its
+ack, refused for the lost lease, changes nothing: the first writer wins). Its cost reservation
+stays spent: the upstream may have counted the call. Anything that already ended stays.
 KEYS[1] task    KEYS[2] queue    KEYS[3] active    KEYS[4] wake    KEYS[5] outbox
 KEYS[6] retry    KEYS[7] stats    KEYS[8] hooks (lifecycle.lua)    KEYS[9] probe (upstream.lua):
 an online probe cancelled is no probe any more; the next claim sends another
@@ -18,13 +21,14 @@ local now = now_ms()
 if f[2] == 'pending' then
   redis.call('ZREM', KEYS[2], ARGV[1])
   redis.call('ZREM', KEYS[6], ARGV[1])  -- waiting out a retry back-off
-elseif f[2] == 'processing' and f[3] == 'online' then
+elseif f[2] == 'processing' then
   redis.call('ZREM', KEYS[3], ARGV[1])
   redis.call('HDEL', KEYS[1], 'lease', 'deadline')
   if f[4] then upstream_call_ended(KEYS[7], KEYS[9], f[4], false) end
   if redis.call('ZCARD', KEYS[2]) > 0 then
     redis.call('ZADD', KEYS[4], 'NX', now, ARGV[4])
   end
+  if f[3] ~= 'online' then publish_cancel(KEYS[3], ARGV[1]) end
 else
   return {'conflict', f[2]}
 end

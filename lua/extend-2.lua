@@ -1,11 +1,13 @@
 --[[ Renew a lease (heartbeat of a long call).
 KEYS[1] active    KEYS[2] task
 ARGV[1] task id   ARGV[2] lease token   ARGV[3] lease (ms)
-Returns 1, or -1 when the lease was lost.
+Returns 1, -1 when the lease was lost, or -2 when the task was cancelled meanwhile (the
+dispatcher then aborts the call: the fallback for a cancel message it did not hear).
 ]]
 --@include now.lua
 
-if redis.call('HGET', KEYS[2], 'lease') ~= ARGV[2] then return -1 end
+local f = redis.call('HMGET', KEYS[2], 'lease', 'status')
+if f[1] ~= ARGV[2] then return f[2] == 'cancelled' and -2 or -1 end
 local deadline = now_ms() + tonumber(ARGV[3])
 redis.call('ZADD', KEYS[1], 'XX', deadline, ARGV[1])
 redis.call('HSET', KEYS[2], 'deadline', deadline)

@@ -165,6 +165,16 @@ class Keys:
         a script changed. Hash-tagged like a key, so a Cluster port can use sharded pub/sub."""
         return f"{self.prefix}:{self.tag(endpoint)}:ev"
 
+    def cancels(self, endpoint: str) -> str:
+        """Pub/sub channel of the endpoint's running offline calls cancelled (cancel-9.lua):
+        the dispatcher holding one aborts it (app/queue/cancels.py)."""
+        return f"{self.prefix}:{self.tag(endpoint)}:cx"
+
+    @property
+    def cancels_pattern(self) -> str:
+        """Every endpoint's `cancels` channel: both layouts end the tag with `}` before it."""
+        return f"{self.prefix}:*}}:cx"
+
     def history(self, endpoint: str) -> str:
         """List of the endpoint's samples every 10 s, newest first, capped at an hour
         (app/lifecycle/history.py); deleted with the endpoint, like its stats."""

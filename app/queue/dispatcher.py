@@ -14,6 +14,10 @@ Through a Redis outage every loop retries with a short capped back-off and carri
 (SIGTERM) the dispatcher stops claiming, lets calls in flight finish within a grace period while
 it keeps renewing their leases, and hands the rest back to their queues at once
 (lua/release-8.lua) instead of leaving them to the reaper when their leases run out.
+
+A running call cancelled (cancel-9.lua) is aborted here as soon as its cancel is heard
+(app/queue/cancels.py, or the lease renewal's answer): its connection closes, so the upstream
+sees it go, and its slot is free for the next task at once.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from app.core.registry import EndpointRegistry, cancel_all
 from app.core.scripts import Scripts
 from app.endpoints import EndpointConfig
 from app.lifecycle import Ttls
+from app.queue import cancels
 from app.queue.acks import AckBatch
 from app.queue.claims import Claim, claim_keys, pause_ms, settle_args
 from app.queue.http1 import UpstreamClient
@@ -89,6 +94,8 @@ class Dispatcher:
     _starved: set[str] = field(default_factory=set)  # woken while this process had no room
     _in_claim: set[str] = field(default_factory=set)  # wake sets whose loop is claiming
     _call_ms: dict[str, float] = field(default_factory=dict)  # moving average per endpoint
+    _aborted: set[str] = field(default_factory=set)  # calls cancelled, their tasks ending
+    cancels_heard: asyncio.Event = field(default_factory=asyncio.Event)  # subscribed
     _ident: str = field(init=False)
     ident: str = field(init=False)
 
@@ -122,6 +129,9 @@ class Dispatcher:
             self._claimers.append(asyncio.create_task(self._wake_loop(wake), name=wake))
         self._claimers.append(asyncio.create_task(reaper.run(), name="reaper"))
         self._heartbeat.append(asyncio.create_task(self._heartbeat_loop(), name="heartbeat"))
+        self._heartbeat.append(asyncio.create_task(cancels.listen(
+            self.redis, self.keys.cancels_pattern, self.abort, self.cancels_heard),
+            name="cancels"))
 
     async def stop(self, grace_s: float | None = None) -> None:
         """Stop claiming, give calls in flight `grace_s` to finish, hand the rest back at once.
@@ -345,6 +355,15 @@ class Dispatcher:
 
     # -- executing --------------------------------------------------------------------------
 
+    def abort(self, task_id: str) -> None:
+        """Its task was cancelled while its call runs here: abort the call (the connection
+        closes); the slot frees as its run ends. Not ours, or ending already: nothing."""
+        running = self.inflight.get(task_id)
+        if running is None or task_id in self._aborted:
+            return
+        self._aborted.add(task_id)
+        running.cancel()
+
     async def _run(self, claim: Claim) -> None:
         """One attempt: a retry is set aside in Redis and claimed again, never slept on here."""
         ep, tid = claim.endpoint, claim.task_id
@@ -363,10 +382,15 @@ class Dispatcher:
             else:
                 await self._retry_later(claim, outcome, exec_ms)
         except asyncio.CancelledError:
-            raise
+            if tid not in self._aborted:
+                raise
+            # The cancel script ended the task and took its lease: nothing left to write.
+            log.info("call aborted: its task was cancelled", extra={"task_id": tid,
+                                                                    "endpoint": ep.id})
         except Exception:
             log.exception("executor error", extra={"task_id": tid, "endpoint": ep.id})
         finally:
+            self._aborted.discard(tid)
             self._done(claim)
 
     async def _retry_later(self, claim: Claim, outcome: Outcome, exec_ms: float) -> None:
@@ -446,8 +470,11 @@ class Dispatcher:
                             keys=[k.active(e), k.task(c.task_id)],
                             args=[c.task_id, c.token, self.settings.lease_ms], client=pipe,
                         )
-                    await pipe.execute()
+                    renewed = await pipe.execute()
                 delay = period
+                for c, r in zip(claims, renewed, strict=True):
+                    if int(r) == -2:  # cancelled, and its message not heard (cancels.py)
+                        self.abort(c.task_id)
             except (RedisError, OSError) as exc:
                 log.warning("heartbeat failed: %s", exc)
                 delay = min(period, HEARTBEAT_RETRY_S)

@@ -79,7 +79,8 @@ async def retry(queue: TaskQueue, task_id: str) -> dict[str, Any]:
 
 
 async def purge(queue: TaskQueue, endpoint_id: str) -> int:
-    """Cancel every pending task of the endpoint, a batch per script run; returns how many."""
+    """Cancel every pending task of the endpoint, a batch per script run, then every one
+    running (their calls are aborted: cancel-9.lua); returns how many."""
     k, e, total = queue.keys, endpoint_id, 0
     for _ in range(PURGE_ROUNDS):
         cancelled, more = await queue.scripts.purge(
@@ -88,7 +89,21 @@ async def purge(queue: TaskQueue, endpoint_id: str) -> int:
         total += int(cancelled)
         if not int(more):
             break
+    # Running tasks are few (the endpoint's slots): one cancel each, as their owner's.
+    for task_id in [str(t) for t in await queue.redis.zrange(k.active(e), 0, -1)]:
+        total += await _cancel_quietly(queue, task_id)
     return total
+
+
+async def _cancel_quietly(queue: TaskQueue, task_id: str) -> int:
+    """1 if this cancelled the task, 0 if it had ended meanwhile (or was gone)."""
+    try:
+        await cancel(queue, task_id)
+    except ApiError as exc:
+        if exc.status in (404, 409):
+            return 0
+        raise
+    return 1
 
 
 async def owner(queue: TaskQueue, task_id: str) -> int:

@@ -62,7 +62,8 @@ async def list_endpoint_tasks(
 
 @router.post("/endpoints/{endpoint_id}/purge", operation_id="purge_endpoint")
 async def purge_endpoint(endpoint_id: str, rt: Rt) -> dict[str, Any]:
-    """Cancel every pending task of the endpoint (each as a user's cancel would); answers
-    how many. Submits go on being accepted: pause or disable the endpoint to stop them."""
+    """Cancel every pending and running task of the endpoint (each as a user's cancel would:
+    a running call is aborted); answers how many. Submits go on being accepted: pause or
+    disable the endpoint to stop them."""
     _known(rt, endpoint_id)
     return {"endpoint": endpoint_id, "cancelled": await operator.purge(rt.queue, endpoint_id)}

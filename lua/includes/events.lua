@@ -4,8 +4,14 @@
 -- A channel, not a key: the only name a script builds from a key it was given (keys come in
 -- KEYS, tests/test_scale_out.py).
 
-local function event_channel(any_key)
-  return (string.gsub(any_key, '}:[^}]*$', '}:ev'))
+local function event_channel(any_key, kind)
+  return (string.gsub(any_key, '}:[^}]*$', '}:' .. (kind or 'ev')))
+end
+
+-- A running offline call cancelled: the dispatcher holding its lease hears its id on the
+-- endpoint's cancel channel `<prefix>:{e}:cx` (app/queue/cancels.py) and aborts the call.
+local function publish_cancel(any_key, id)
+  redis.call('PUBLISH', event_channel(any_key, 'cx'), id)
 end
 
 local function publish_changed(any_key, ids)
