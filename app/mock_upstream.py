@@ -6,7 +6,8 @@ for a status, a latency, a cookie or a body of N bytes with `X-Mock-Status` /
 `X-Mock-Latency-Ms` / `X-Mock-Set-Cookie` / `X-Mock-Body-Bytes` / `X-Mock-Reply-Headers`
 (a JSON object of headers to answer with); `X-Mock-Status-Times: N` keeps that status and those
 headers to the first N requests of one Idempotency-Key (a refusal that passes)
-(CONTROL_HEADERS: a task carries them only to an endpoint that lists them in `forward_headers`).  It records every request:
+(CONTROL_HEADERS: a task carries them only to an endpoint that lists them in
+`forward_headers`).  It records every request:
 `GET /_mock/stats` gives counts, `GET /_mock/log` the requests in arrival order (time in ms,
 method, path, query, Idempotency-Key, body, status), `POST /_mock/reset` clears both.
 """
