@@ -4,8 +4,10 @@ Any path answers `{"ok": true, "n": <request number>, ...}` after `latency_ms`; 
 `concurrency` requests in flight get 429; `fail_rate` of requests get 503.  A request may ask
 for a status, a latency, a cookie or a body of N bytes with `X-Mock-Status` /
 `X-Mock-Latency-Ms` / `X-Mock-Set-Cookie` / `X-Mock-Body-Bytes` / `X-Mock-Reply-Headers`
-(a JSON object of headers to answer with) (CONTROL_HEADERS: a task
-carries them only to an endpoint that lists them in `forward_headers`).  It records every request:
+(a JSON object of headers to answer with); `X-Mock-Status-Times: N` keeps that status and those
+headers to the first N requests of one Idempotency-Key (a refusal that passes)
+(CONTROL_HEADERS: a task carries them only to an endpoint that lists them in
+`forward_headers`).  It records every request:
 `GET /_mock/stats` gives counts, `GET /_mock/log` the requests in arrival order (time in ms,
 method, path, query, Idempotency-Key, body, status, and `closed`: when the caller closed the
 connection before the answer, in ms, else null), `POST /_mock/reset` clears both.
@@ -24,7 +26,7 @@ from urllib.parse import parse_qsl
 
 Scope = dict[str, Any]
 CONTROL_HEADERS = ("X-Mock-Status", "X-Mock-Latency-Ms", "X-Mock-Set-Cookie", "X-Mock-Body-Bytes",
-                   "X-Mock-Reply-Headers")
+                   "X-Mock-Reply-Headers", "X-Mock-Status-Times")
 
 
 @dataclass
@@ -35,6 +37,7 @@ class MockUpstream:
     in_flight: int = 0
     log: list[dict[str, Any]] = field(default_factory=list)
     statuses: Counter[int] = field(default_factory=Counter)
+    seen: Counter[str] = field(default_factory=Counter)  # requests per Idempotency-Key
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
@@ -60,6 +63,11 @@ class MockUpstream:
         self.in_flight += 1
         try:
             status = int(headers.get("x-mock-status", 0)) or 200
+            key = headers.get("idempotency-key") or ""
+            self.seen[key] += 1
+            if (times := headers.get("x-mock-status-times")) and self.seen[key] > int(times):
+                status = 200  # told to refuse only so many times
+                headers.pop("x-mock-reply-headers", None)
             if self.concurrency and self.in_flight > self.concurrency:
                 status = 429
             elif status == 200 and random.random() < self.fail_rate:
@@ -93,6 +101,7 @@ class MockUpstream:
         if path == "/_mock/reset":
             self.log.clear()
             self.statuses.clear()
+            self.seen.clear()
             await _send_json(send, 200, {"ok": True})
         elif path == "/_mock/log":
             await _send_json(send, 200, self.log)

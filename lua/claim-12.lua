@@ -14,7 +14,9 @@ ARGV[12] how many further limits (docs/api.md `limits`; 0 or absent = none), the
 interval (ms), guard (ms), per ('request' | 'cost') each: checked with the main one, all or
 none admitting (limits.lua); their state and pace keys are KEYS[13..]. A per-cost limit spends
 the task's `cost` field.
-An endpoint its upstream paused (upstream.lua) is 'limited' until then, then claims one probe.
+An endpoint its upstream paused (upstream.lua) is 'limited' until then, then claims one probe;
+one whose upstream said how many calls remain before its reset (budget-2.lua) claims no more
+than that until then.
 Returns {state, wait ms, now, then per claim: id, token, attempts, type, method, url, headers,
 query, body, cost (what it spent of per-cost limits, uncapped)}; state is
 'more' (N reached, work remains), 'empty', 'full' (concurrency cap) or 'limited' (retry in wait ms).
@@ -68,6 +70,12 @@ elseif paused and redis.call('EXISTS', probe) == 1 then
   out[1], n = 'full', 0  -- the probe's ending wakes it
 elseif paused then
   probing, n = true, 1
+end
+-- No more calls than the upstream said remain before its reset (upstream.lua).
+local budget, budget_wait = upstream_budget(stats, now)
+if budget and n > 0 then
+  if budget <= 0 then out[1], out[2], n = 'limited', budget_wait, 0
+  else n = math.min(n, budget) end
 end
 
 -- Its active count, read once and kept as this run adds to it (no ZCARD per task).
@@ -139,6 +147,7 @@ if probing and claimed > 0 then
   redis.call('SET', probe, token_prefix .. ':0', 'PX',
     math.max(lease, permit_ttl))
 end
+if budget and claimed > 0 then redis.call('HINCRBY', stats, 'ubudget', -claimed) end
 if claimed > 0 then
   redis.call('HSET', stats, 'last_admit', now)  -- when the limiter admits next (estimate_wait)
   redis.call('HINCRBY', stats, 'admitted', claimed)

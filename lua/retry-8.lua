@@ -8,12 +8,17 @@ KEYS[9..] the further limits' state and pace keys, two per limit of ARGV[9..] (o
 ARGV[1] task id   ARGV[2] lease token   ARGV[3] back-off (ms)   ARGV[4] endpoint id
 ARGV[5] pause the upstream asked for (ms; 0 = none), see upstream.lua
 ARGV[6] the failed call's HTTP status ('' if none)   ARGV[7] its exec time (ms)
-ARGV[8] the call's real cost ('' or absent = unknown; 0 when the upstream refused it), ARGV[9..]
+ARGV[8] how many refusals a task may have for free (0 = this call was not refused with a pause):
+a call the upstream refused asking for a pause (429/503 with a reset or Retry-After) did no work,
+so up to that many times the task goes straight back to its place in line (original score),
+its attempt given back and no back-off of its own: the endpoint's pause holds it
+ARGV[9] the call's real cost ('' or absent = unknown; 0 when the upstream refused it), ARGV[10..]
 the endpoint's further limits as claim-12.lua takes them: the per-cost ones settle this
 attempt's reservation (limits.lua), as ack-7.lua does; the retry is a new admission, which
 reserves again
-Returns the due time (ms, Redis clock), or 0 when the lease was lost.  The retry is counted in
-the endpoint's stats (KEYS[7], stats.lua), with the failed call.
+Returns the due time (ms, Redis clock), 1 when the task went back in line at once (a refusal
+given back), or 0 when the lease was lost.  The retry is counted in the endpoint's stats
+(KEYS[7], stats.lua), with the failed call.
 ]]
 --@include now.lua
 --@include stats.lua
@@ -24,7 +29,7 @@ the endpoint's stats (KEYS[7], stats.lua), with the failed call.
 
 if redis.call('HGET', KEYS[2], 'lease') ~= ARGV[2] then return 0 end
 local now = now_ms()
-lim_settle_task(KEYS[2], ARGV[2], tonumber(ARGV[8] or ''), ARGV, 9, KEYS, 9, now)
+lim_settle_task(KEYS[2], ARGV[2], tonumber(ARGV[9] or ''), ARGV, 10, KEYS, 9, now)
 local due = now + tonumber(ARGV[3])
 local pause = tonumber(ARGV[5]) or 0
 if pause > 0 then
@@ -34,11 +39,20 @@ else
 end
 redis.call('ZREM', KEYS[1], ARGV[1])
 redis.call('HDEL', KEYS[2], 'lease', 'deadline')
-redis.call('HSET', KEYS[2], 'status', 'pending', 'retry_at', due)
-redis.call('ZADD', KEYS[3], due, ARGV[1])
 local stats = KEYS[7]
 redis.call('HINCRBY', stats, 'retried', 1)
 stats_call_failed(stats, ARGV[6], tonumber(ARGV[7]))
+local free = tonumber(ARGV[8]) or 0
+if free > 0 and redis.call('HINCRBY', KEYS[2], 'refusals', 1) <= free then
+  redis.call('HINCRBY', KEYS[2], 'attempts', -1)
+  redis.call('HSET', KEYS[2], 'status', 'pending')
+  redis.call('ZADD', KEYS[5], redis.call('HGET', KEYS[2], 'score'), ARGV[1])
+  redis.call('ZADD', KEYS[6], 'NX', now, ARGV[4])  -- its claim meets the pause, and waits
+  publish_changed(KEYS[1], {ARGV[1]})
+  return 1
+end
+redis.call('HSET', KEYS[2], 'status', 'pending', 'retry_at', due)
+redis.call('ZADD', KEYS[3], due, ARGV[1])
 redis.call('ZADD', KEYS[4], 'LT', due, ARGV[4])  -- the earliest due retry wakes the endpoint
 if redis.call('ZCARD', KEYS[5]) > 0 then
   redis.call('ZADD', KEYS[6], 'NX', now, ARGV[4])  -- its slot is free: worth a claim

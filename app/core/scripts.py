@@ -191,6 +191,7 @@ class Scripts:
     reserve: Lua
     unreserve: Lua
     confirm: Lua
+    budget: Lua
 
     @classmethod
     def register(cls, redis: Redis) -> Scripts:

@@ -53,6 +53,7 @@ class _Ack:
     claim: Claim
     values: list[Any]  # its eight values of ack-7.lua's ARGV
     result: asyncio.Future[int]
+    remaining: tuple[int, float] | None = None  # what the upstream said remains (budget-2.lua)
 
 
 @dataclass
@@ -69,7 +70,7 @@ class AckBatch:
         item = _Ack(claim, [
             claim.task_id, claim.token, "completed" if outcome.ok else "failed", outcome.text,
             outcome.status_code or "", round(exec_ms), pause_ms(claim, outcome),
-            "" if cost is None else cost], loop.create_future())
+            "" if cost is None else cost], loop.create_future(), outcome.remaining)
         self._pending.append(item)
         if len(self._pending) == 1:
             loop.call_soon(self.disp._spawn, self._flush())
@@ -143,14 +144,16 @@ class AckBatch:
         groups = self._groups(batch)
         acks = [self._call(g, g[0].claim.endpoint.id in claims) for g in groups]
         calls = {e: d.claim_call(ep, room) for e, (ep, room, _) in claims.items()}
+        budgets = self._budgets(batch)
         asked = asyncio.get_running_loop().time()
         try:
             res = await Lua.together(d.redis, [
                 *((d.scripts.ack, keys, args) for keys, args in acks),
+                *((d.scripts.budget, keys, args) for keys, args in budgets),
                 *((d.scripts.claim, keys, args) for keys, args in calls.values())])
         except (RedisError, OSError) as exc:
             log.warning("ack batch failed: %s", exc)
-            res = [exc] * (len(groups) + len(calls))
+            res = [exc] * (len(groups) + len(budgets) + len(calls))
         if any(isinstance(r, NoScriptError) for r in res):  # Redis restarted or flushed
             await self._load()
         for group, r in zip(groups, res, strict=False):
@@ -158,12 +161,33 @@ class AckBatch:
                 d._spawn(self._one(group))  # on its own: the marker is its to add
             else:
                 self._acked(group, r)
-        for (e, (ep, _, _)), r in zip(claims.items(), res[len(groups):], strict=True):
+        for (keys, args), r in zip(budgets, res[len(groups):], strict=False):
+            if isinstance(r, Exception):  # on its own (the script loaded, or Redis back)
+                d._spawn(self._budget(keys, args))
+        claimed = res[len(groups) + len(budgets):]
+        for (e, (ep, _, _)), r in zip(claims.items(), claimed, strict=True):
             if isinstance(r, Exception):
                 log.warning("claim failed: %s", r, extra={"endpoint": e})
                 d._claim_later(e, 0 if isinstance(r, NoScriptError) else CLAIM_RETRY_S)
             else:
                 d.claimed(ep, r, asked)
+
+    def _budgets(self, batch: list[_Ack]) -> list[tuple[list[str], list[Any]]]:
+        """budget-2.lua's calls, after the acks and before the claims: per endpoint, the lowest
+        count its upstream told in these answers (the latest news of its window)."""
+        told: dict[str, tuple[int, float]] = {}
+        for a in batch:
+            e = a.claim.endpoint.id
+            if a.remaining is not None and a.claim.endpoint.honor_upstream_limits:
+                told[e] = min(told.get(e, a.remaining), a.remaining)
+        return [(list(self.disp.keys.of(e, "stats", "active")), [n, round(s * 1000)])
+                for e, (n, s) in told.items()]
+
+    async def _budget(self, keys: list[str], args: list[Any]) -> None:
+        try:
+            await self.disp.scripts.budget(keys=keys, args=args)
+        except (RedisError, OSError) as exc:  # the next answer tells it again
+            log.warning("could not keep the upstream's count: %s", exc)
 
     def _acked(self, group: list[_Ack], res: list[Any]) -> None:
         if not int(res[0]):  # its queue is empty: nothing to claim behind the next acks
@@ -193,5 +217,6 @@ class AckBatch:
         try:
             await self.disp.scripts.ack.load()
             await self.disp.scripts.claim.load()
+            await self.disp.scripts.budget.load()
         except (RedisError, OSError) as exc:
             log.warning("could not load scripts: %s", exc)

@@ -13,6 +13,7 @@ from app.ratelimit import further_limits
 from app.ratelimit.sent import SendTimes, sliding_logs
 
 log = logging.getLogger(__name__)
+FREE_REFUSALS = 20  # refusals with a pause a task may have without spending attempts
 
 
 @dataclass
@@ -91,14 +92,23 @@ def real_cost(claim: Claim, outcome: Outcome) -> int | None:
 
 def settle_args(claim: Claim, outcome: Outcome, keys: Keys, guard_ms: int
                 ) -> tuple[list[str], list[str | int]]:
-    """retry-8.lua's KEYS[9..] and ARGV[8..]: the limits' state keys, the real cost and the
-    limits it settles; nothing when there is nothing to settle (no per-cost limit, or no
-    real cost read)."""
+    """retry-8.lua's KEYS[9..] and ARGV[8..]: the refusals a task may have for free, then the
+    limits' state keys, the real cost and the limits it settles; no cost nor limits when there
+    is nothing to settle (no per-cost limit, or no real cost read)."""
     cost = real_cost(claim, outcome)
+    free = FREE_REFUSALS if given_back(claim, outcome) else 0
     if cost is None or claim.endpoint.max_cost is None:
-        return [], []
+        return [], [free]
     limits, spec = settle_limits(claim.endpoint, keys, guard_ms)
-    return limits, [cost, *spec]
+    return limits, [free, cost, *spec]
+
+
+def given_back(claim: Claim, outcome: Outcome) -> bool:
+    """A refusal that costs the task nothing (retry-8.lua): back to its place in line, the
+    endpoint's pause holding it, its attempt not spent. Only when the pause is honoured (else
+    nothing would hold it), and a task refused FREE_REFUSALS times spends attempts again, so an
+    upstream that refuses one task for ever (a request over a token limit) still ends it."""
+    return refused(outcome) and claim.endpoint.honor_upstream_limits
 
 
 def refused(outcome: Outcome) -> bool:

@@ -47,7 +47,7 @@ from app.endpoints import EndpointConfig
 from app.lifecycle import Ttls
 from app.queue import cancels
 from app.queue.acks import AckBatch
-from app.queue.claims import Claim, claim_keys, pause_ms, settle_args
+from app.queue.claims import Claim, claim_keys, given_back, pause_ms, settle_args
 from app.queue.http1 import UpstreamClient
 from app.queue.reaper import Reaper
 from app.queue.upstream import Outcome, Request, backoff_s, call
@@ -377,7 +377,9 @@ class Dispatcher:
             exec_ms = (time.monotonic() - started) * 1000
             average = self._call_ms.get(ep.id, exec_ms)
             self._call_ms[ep.id] = average + (exec_ms - average) / 8
-            if outcome.ok or not outcome.retryable or claim.attempts > ep.max_retries:
+            if given_back(claim, outcome):  # back in line, its attempt not spent
+                await self._retry_later(claim, outcome, exec_ms)
+            elif outcome.ok or not outcome.retryable or claim.attempts > ep.max_retries:
                 await self._finish(claim, outcome, exec_ms)
             else:
                 await self._retry_later(claim, outcome, exec_ms)
@@ -409,7 +411,7 @@ class Dispatcher:
                   outcome.status_code or "", round(exec_ms), *settle]))
         if not due:
             log.warning("lease lost before the retry was scheduled", extra=extra)
-        elif not self.stopping.is_set():
+        elif due != 1 and not self.stopping.is_set():  # 1: back in line, its marker set
             self._claim_later(e, delay)
 
     async def _finish(self, claim: Claim, outcome: Outcome, exec_ms: float) -> None:

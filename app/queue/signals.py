@@ -56,12 +56,37 @@ def pause_s(status: int, headers: Mapping[str, str], now: float | None = None) -
                 told.append((wait, _whole(headers.get(reset) or "")))
     if not told:
         return None
-    precise = [w for w, whole in told if not whole]
-    longest = max(
-        w if not whole or w <= 0 else next(
-            (p for p in precise if w - 1 < p <= w), math.floor(now + w) - now + ALIGN_MARGIN_S)
-        for w, whole in told)
+    longest = max(_aligned(told, now))
     return min(max(0.0, longest), MAX_PAUSE_S)
+
+
+def _aligned(told: list[tuple[float, bool]], now: float) -> list[float]:
+    """Each wait, a whole-seconds one ending at the second it was rounded up from (pause_s)."""
+    precise = [w for w, whole in told if not whole]
+    return [w if not whole or w <= 0 else next(
+        (p for p in precise if w - 1 < p <= w), math.floor(now + w) - now + ALIGN_MARGIN_S)
+        for w, whole in told]
+
+
+def remaining(headers: Mapping[str, str], now: float | None = None
+              ) -> tuple[int, float] | None:
+    """How many more calls the upstream said it takes before its reset, and in how many
+    seconds that is (aligned as pause_s aligns a pause), from its request-count headers (a
+    token count is no count of calls); the smallest count if several limits say. None when
+    none says, with a reset we can read."""
+    now = time.time() if now is None else now
+    told: list[tuple[int, float, bool]] = []
+    for name, reset in _PAIRS:
+        if "tokens" in name or not (value := (headers.get(name) or "").strip()).isdigit():
+            continue
+        wait = reset_s(headers.get(reset), now)
+        if wait is not None:
+            told.append((int(value), wait, _whole(headers.get(reset) or "")))
+    if not told:
+        return None
+    waits = _aligned([(w, whole) for _, w, whole in told], now)
+    count, wait = min(zip((c for c, _, _ in told), waits, strict=True))
+    return count, min(max(0.0, wait), MAX_PAUSE_S)
 
 
 def _whole(value: str) -> bool:

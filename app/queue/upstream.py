@@ -12,7 +12,7 @@ from typing import Any
 from app import __version__, secrets
 from app.endpoints import DEFAULT_FORWARD
 from app.queue.http1 import BadAnswer, UpstreamClient
-from app.queue.signals import pause_s, retry_after
+from app.queue.signals import pause_s, remaining, retry_after
 
 
 def forwardable(headers: dict[str, list[str]], allowed: frozenset[str]) -> list[tuple[str, str]]:
@@ -50,6 +50,8 @@ class Outcome:
     refused: bool = False  # an answer we will not keep (too large): failed, not retried
     pause_s: float | None = None  # the upstream asks the whole endpoint to pause (signals.py)
     cost: int | None = None  # the call's real cost, read through cost_from (None = unknown)
+    #: (calls, seconds): how many more the upstream takes before its reset (signals.remaining)
+    remaining: tuple[int, float] | None = None
 
     @property
     def ok(self) -> bool:
@@ -100,7 +102,8 @@ async def call(
     after = retry_after(got.get("retry-after"))
     if pause is not None and status in (429, 503):
         after = pause  # read as the endpoint's pause is: due when it ends, as the probe
-    return Outcome(status, text, after, pause_s=pause, cost=real_cost(req.cost_from, got, text))
+    return Outcome(status, text, after, pause_s=pause, cost=real_cost(req.cost_from, got, text),
+                   remaining=remaining(got))
 
 
 MAX_COST = 10**12  # a larger "cost" is a misreading, not a cost

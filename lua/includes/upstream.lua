@@ -19,3 +19,28 @@ local function upstream_call_ended(stats, probe, token, ok)
     if ok then redis.call('HDEL', stats, 'upause') end
   end
 end
+
+-- What the upstream said remains before its reset (budget-2.lua): fields `ubudget` (calls the
+-- claim may still admit) and `ubudget_until` (its reset, ms) of the stats hash. Two answers
+-- naming the same reset (within UPSTREAM_SAME_RESET_MS) are news of one window: the lower count
+-- is the later one. A later reset is a new window, whose count replaces the old.
+local UPSTREAM_SAME_RESET_MS = 100
+
+local function upstream_budget_told(stats, now, budget, untl)
+  local f = redis.call('HMGET', stats, 'ubudget', 'ubudget_until')
+  local old, old_until = tonumber(f[1]), tonumber(f[2])
+  if old and old_until and old_until > now then
+    if untl < old_until - UPSTREAM_SAME_RESET_MS then return end  -- older news, late
+    if untl <= old_until + UPSTREAM_SAME_RESET_MS then budget = math.min(budget, old) end
+  end
+  redis.call('HSET', stats, 'ubudget', math.max(0, budget), 'ubudget_until', untl)
+end
+
+-- How many calls the claim may admit before the upstream's reset (nil: no count known), and
+-- the ms until that reset.
+local function upstream_budget(stats, now)
+  local f = redis.call('HMGET', stats, 'ubudget', 'ubudget_until')
+  local budget, untl = tonumber(f[1]), tonumber(f[2])
+  if not budget or not untl or untl <= now then return nil, 0 end
+  return budget, untl - now
+end

@@ -1,0 +1,81 @@
+"""A call the upstream refused with a pause costs its task nothing: back to its place in line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from collections.abc import Callable
+
+import httpx
+import pytest
+
+from app.queue.signals import ALIGN_MARGIN_S, remaining
+from tests.conftest import Gateway
+
+Spawn = Callable[..., subprocess.Popen[bytes]]
+pytestmark = pytest.mark.backends("single", "cluster")
+REFUSAL = {"x-ratelimit-remaining-requests": "0", "x-ratelimit-reset-requests": "250ms"}
+
+
+async def test_a_refused_call_waits_only_for_the_pause_and_spends_no_attempt(
+    gateway: Gateway, fresh_upstream: str, dispatcher_process: Spawn,
+) -> None:
+    """Five calls refused at once with a 0.25 s reset: all done just after it, each on its
+    first attempt, though a retry's own back-off (retry_backoff_ms 3000) is 1.5 to 3 s."""
+    url = f"{fresh_upstream}/refused"
+    await gateway.add_endpoint("refused", url, max_concurrency=5, retry_backoff_ms=3000,
+                               max_retries=1)
+    auth = await gateway.new_key()
+    ids = [(await gateway.submit(auth, url, headers={
+        "X-Mock-Status": ["429"], "X-Mock-Status-Times": ["1"],
+        "X-Mock-Reply-Headers": [json.dumps(REFUSAL)]}))["task_id"] for _ in range(5)]
+    dispatcher_process()
+    done = await gateway.wait_finished(auth, ids, timeout=30)
+    assert [d["task_status"] for d in done] == ["completed"] * 5
+    assert [d["attempts"] for d in done] == [1] * 5  # the refusals spent none
+    async with httpx.AsyncClient(base_url=fresh_upstream) as mock:
+        log = (await mock.get("/_mock/log")).json()
+    refused = [e["t"] for e in log if e["status"] == 429]
+    served = [e["t"] for e in log if e["status"] == 200]
+    assert len(refused) == 5 and len(served) == 5
+    # The pause held them (nothing before it ended), and nothing more: the probe first, then
+    # the four others, all within a second of the refusals (3.7 s before).
+    assert min(served) - min(refused) >= 240
+    assert max(served) - min(refused) < 1000
+
+
+def test_what_remains_is_read_from_the_request_counts() -> None:
+    now = 1_800_000_000.2
+    assert remaining({"x-ratelimit-remaining-requests": "7",
+                      "x-ratelimit-reset-requests": "250ms"}, now) == (7, 0.25)
+    # The lowest count of several; a token count is no count of calls; no reset, no count.
+    assert remaining({"x-ratelimit-remaining": "9", "x-ratelimit-reset": "2",
+                      "ratelimit-remaining": "3", "ratelimit-reset": "2"},
+                     now) == (3, pytest.approx(1.8 + ALIGN_MARGIN_S))
+    assert remaining({"x-ratelimit-remaining-tokens": "1",
+                      "x-ratelimit-reset-tokens": "1s"}, now) is None
+    assert remaining({"x-ratelimit-remaining-requests": "4"}, now) is None
+
+
+async def test_no_more_calls_than_the_upstream_said_remain_before_its_reset(
+    gateway: Gateway, fresh_upstream: str, dispatcher_process: Spawn,
+) -> None:
+    """An answer says 2 calls remain for 1.5 s: of six tasks waiting, two go, the others once
+    the reset has passed (before, all six went at once and four were refused)."""
+    url = f"{fresh_upstream}/remaining"
+    await gateway.add_endpoint("remaining", url, max_concurrency=10)
+    auth = await gateway.new_key()
+    first = (await gateway.submit(auth, url, headers={"X-Mock-Reply-Headers": [json.dumps(
+        {"x-ratelimit-remaining-requests": "2", "x-ratelimit-reset-requests": "1500ms"})]}))
+    dispatcher_process()
+    await gateway.wait_finished(auth, [first["task_id"]])
+    ids = [(await gateway.submit(auth, url, headers={"X-Mock-Latency-Ms": ["100"]}))["task_id"]
+           for _ in range(6)]
+    done = await gateway.wait_finished(auth, ids, timeout=30)
+    assert [d["task_status"] for d in done] == ["completed"] * 6
+    async with httpx.AsyncClient(base_url=fresh_upstream) as mock:
+        log = (await mock.get("/_mock/log")).json()
+    told, *rest = [e["t"] for e in log]
+    assert len(rest) == 6
+    assert sum(1 for t in rest if t < told + 1450) == 2
+    assert sum(1 for t in rest if t < told + 2500) == 6  # then at once
