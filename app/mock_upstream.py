@@ -5,8 +5,8 @@ Any path answers `{"ok": true, "n": <request number>, ...}` after `latency_ms`; 
 for a status, a latency, a cookie or a body of N bytes with `X-Mock-Status` /
 `X-Mock-Latency-Ms` / `X-Mock-Set-Cookie` / `X-Mock-Body-Bytes` / `X-Mock-Reply-Headers`
 (a JSON object of headers to answer with) / `X-Mock-Binary` (`<bytes>[;seed=<n>][;type=<content
-type>]`: that many pseudo-random bytes, the same for the same seed (`binary_body`), streamed in
-chunks so that even gigabytes cost the mock no memory) (CONTROL_HEADERS: a task
+type>][;chunked=1]`: that many pseudo-random bytes, the same for the same seed (`binary_body`),
+streamed in chunks so that even gigabytes cost the mock no memory) (CONTROL_HEADERS: a task
 carries them only to an endpoint that lists them in `forward_headers`).  It records every request:
 `GET /_mock/stats` gives counts, `GET /_mock/log` the requests in arrival order (time in ms,
 method, path, query, Idempotency-Key, body, status), `POST /_mock/reset` clears both.
@@ -46,10 +46,11 @@ def binary_body(size: int, seed: int = 0) -> Iterator[bytes]:
         first = False
 
 
-def _binary_spec(value: str) -> tuple[int, int, str]:
+def _binary_spec(value: str) -> tuple[int, int, str, bool]:
     size, *params = value.split(";")
     opts = dict(p.strip().split("=", 1) for p in params if "=" in p)
-    return int(size), int(opts.get("seed", 0)), opts.get("type", "image/png")
+    return (int(size), int(opts.get("seed", 0)), opts.get("type", "image/png"),
+            opts.get("chunked") == "1")
 
 
 @dataclass
@@ -132,10 +133,12 @@ class MockUpstream:
             })
 
 
-async def _send_binary(send: Any, status: int, size: int, seed: int, ctype: str) -> None:
+async def _send_binary(send: Any, status: int, size: int, seed: int, ctype: str,
+                       chunked: bool) -> None:
+    """`chunked`: no Content-Length, so its size is known only once it has all come."""
+    length = [] if chunked else [(b"content-length", str(size).encode())]
     await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", ctype.encode()),
-                            (b"content-length", str(size).encode()),
+                "headers": [(b"content-type", ctype.encode()), *length,
                             (b"content-disposition", b'attachment; filename="out.bin"'),
                             (b"etag", f'"{size}-{seed}"'.encode())]})
     for chunk in binary_body(size, seed):

@@ -211,6 +211,8 @@ class SeaweedFS:
     master, volume and filer on ports of their own, nothing else (no Iceberg, no Lance)."""
 
     ACCESS_KEY, SECRET_KEY = "qgw-test", "qgw-test-secret"
+    BUCKET = "qgw"  # one for the session (a bucket is a collection, volumes of its own):
+    # tests take a prefix each
 
     def __init__(self, data_dir: Path) -> None:
         self.data_dir = data_dir
@@ -235,7 +237,8 @@ class SeaweedFS:
             flags[name] = free_port()
         args = [binary, "server", "-s3", f"-dir={self.data_dir}", "-ip=127.0.0.1",
                 "-ip.bind=127.0.0.1", "-s3.port.iceberg=0", "-s3.port.lance=0",
-                "-master.volumeSizeLimitMB=256", *(f"-{k}={v}" for k, v in flags.items())]
+                "-master.volumeSizeLimitMB=256", "-volume.max=64",
+                *(f"-{k}={v}" for k, v in flags.items())]
         log = (self.data_dir / "weed.log").open("wb")
         self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout
@@ -243,7 +246,7 @@ class SeaweedFS:
             if self.proc.poll() is not None:
                 said = (self.data_dir / "weed.log").read_text()[-2000:]
                 raise RuntimeError(f"weed exited: {said}")
-            if self._try_bucket("qgw-probe"):
+            if self._try_bucket(self.BUCKET):
                 return
             time.sleep(0.5)
         raise TimeoutError("SeaweedFS did not come up")
