@@ -12,7 +12,17 @@ from fastapi_offline import FastAPIOffline
 
 from app import __version__, errors, logs, openapi
 from app.metrics import HttpRequests
-from app.routes import admin, admin_ops, admin_tasks, auth_check, dashboard, follow, ops, tasks
+from app.routes import (
+    admin,
+    admin_ops,
+    admin_tasks,
+    auth_check,
+    dashboard,
+    follow,
+    ops,
+    results,
+    tasks,
+)
 from app.routes.fastlane import fast_lane
 from app.runtime import Runtime
 
@@ -47,7 +57,7 @@ def create_app(
                          generate_unique_id_function=openapi.operation_id, **_NO_TELEMETRY)
     app.state.runtime = runtime
     errors.install(app)
-    for router in (tasks.router, follow.router, auth_check.router, admin.router,
+    for router in (tasks.router, results.router, follow.router, auth_check.router, admin.router,
                    admin_tasks.router, admin_ops.router, ops.router,
                    dashboard.router):
         app.include_router(router)

@@ -592,4 +592,4 @@ def test_serve_refuses_an_unmigrated_database_when_auto_migrate_is_off(tmp_path:
     proc = subprocess.run([*QGW, "serve", "--port", str(free_port())], env=env,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1
-    assert "run `qgw migrate`" in proc.stderr and "needs 0010" in proc.stderr
+    assert "run `qgw migrate`" in proc.stderr and "needs 0011" in proc.stderr

@@ -51,7 +51,7 @@ GROUP_BYTES = 1 << 20  # results in one ack call, about (one larger result goes 
 @dataclass
 class _Ack:
     claim: Claim
-    values: list[Any]  # its eight values of ack-7.lua's ARGV
+    values: list[Any]  # its nine values of ack-7.lua's ARGV
     result: asyncio.Future[int]
     remaining: tuple[int, float] | None = None  # what the upstream said remains (budget-2.lua)
 
@@ -70,7 +70,8 @@ class AckBatch:
         item = _Ack(claim, [
             claim.task_id, claim.token, "completed" if outcome.ok else "failed", outcome.text,
             outcome.status_code or "", round(exec_ms), pause_ms(claim, outcome),
-            "" if cost is None else cost], loop.create_future(), outcome.remaining)
+            "" if cost is None else cost, outcome.meta.dumps() if outcome.meta else ""],
+            loop.create_future(), outcome.remaining)
         self._pending.append(item)
         if len(self._pending) == 1:
             loop.call_soon(self.disp._spawn, self._flush())
