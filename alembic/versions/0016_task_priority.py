@@ -12,8 +12,8 @@ import sqlalchemy as sa
 
 from alembic import op
 
-revision = "0011_task_priority"
-down_revision = "0010"
+revision = "0016"
+down_revision = "0012"
 branch_labels = None
 depends_on = None
 
