@@ -76,7 +76,8 @@ def _raise_open_files_limit() -> None:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="qgw", description="queue-gateway: a queueing gateway for slow, rate-limited APIs.",
-        epilog="Settings come from QGW_* environment variables or a .env file (README.md).")
+        epilog="Settings come from QGW_* environment variables or a .env file "
+               "(docs/reference/settings.md).")
     p.add_argument("--version", action="version", version=f"qgw {__version__}")
     sub = p.add_subparsers(title="commands", metavar="<command>", required=True)
 
