@@ -87,7 +87,8 @@ class Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(
         prog="qgw", description="queue-gateway: a queueing gateway for slow, rate-limited APIs.",
-        epilog="Settings come from QGW_* environment variables or a .env file (README.md).")
+        epilog="Settings come from QGW_* environment variables or a .env file "
+               "(docs/reference/settings.md).")
     p.add_argument("--version", action="version", version=f"qgw {__version__}")
     sub = p.add_subparsers(title="commands", metavar="<command>", required=True)
 

@@ -50,7 +50,11 @@ _BOUNDS = ((Ge, "ge", "≥ {}"), (Gt, "gt", "> {}"), (Le, "le", "≤ {}"), (Lt, 
 
 
 def _bounds(metadata: list[Any]) -> str:
-    said = []
+    low = next((m.ge for m in metadata if isinstance(m, Ge)), None)
+    high = next((m.le for m in metadata if isinstance(m, Le)), None)
+    if low is not None and high is not None:  # the common case, said as the CLI says it
+        metadata = [m for m in metadata if not isinstance(m, Ge | Le)]
+    said = [f"{_number(low)}..{_number(high)}"] if low is not None and high is not None else []
     for m in metadata:
         for kind, attr, word in _BOUNDS:
             if isinstance(m, kind):
@@ -104,7 +108,7 @@ def _commands(parser: argparse.ArgumentParser, path: str
 
 
 def _usage(parser: argparse.ArgumentParser) -> str:
-    formatter = argparse.HelpFormatter(parser.prog, width=100)
+    formatter = argparse.HelpFormatter(parser.prog, width=80)  # what a code block shows unscrolled
     formatter.add_usage(parser.usage, parser._actions, parser._mutually_exclusive_groups)
     return formatter.format_help().strip()
 
@@ -116,9 +120,12 @@ def _options(parser: argparse.ArgumentParser) -> list[str]:
         if isinstance(action, argparse._SubParsersAction | argparse._HelpAction):
             continue
         name = ", ".join(action.option_strings) or action.dest
-        if action.option_strings and action.nargs != 0:
-            name += " " + formatter._format_args(action, action.dest.upper())
         text = formatter._expand_help(action) if action.help else ""
+        if action.choices is not None:  # said in the meaning: a long {a,b,c} crowds the column
+            name += " CHOICE" if action.option_strings else ""
+            text += "; one of " + ", ".join(f"`{c}`" for c in action.choices)
+        elif action.option_strings and action.nargs != 0:
+            name += " " + formatter._format_args(action, action.dest.upper())
         rows.append(f"| `{cell(name)}` | {'yes' if action.required else ''} | {cell(text)} |")
     if not rows:
         return []

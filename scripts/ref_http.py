@@ -34,10 +34,11 @@ def openapi() -> Schema:
 
 
 def cell(text: object) -> str:
-    """Text fit for one Markdown table cell: one line, pipes escaped, and `<name>` outside code
-    spans shown rather than taken for an HTML tag."""
-    parts = " ".join(str(text).split()).replace("|", "\\|").split("`")
-    return "`".join(p if i % 2 else p.replace("<", "&lt;") for i, p in enumerate(parts))
+    """Text fit for one Markdown table cell: one line; outside code spans, pipes escaped and
+    `<name>` shown rather than taken for an HTML tag (inside them Python-Markdown keeps both)."""
+    parts = " ".join(str(text).split()).split("`")
+    return "`".join(p if i % 2 else p.replace("|", "\\|").replace("<", "&lt;")
+                    for i, p in enumerate(parts))
 
 
 def code(value: object) -> str:
@@ -101,17 +102,22 @@ def rules_of(schema: Schema) -> list[str]:
     return out
 
 
+def rules_cell(schema: Schema, required: bool) -> str:
+    """Required or the default, then the constraints: one column rather than three."""
+    said = ["required"] if required else []
+    if "default" in schema:
+        said.append("default " + code(json.dumps(schema["default"])))
+    return cell("; ".join(said + rules_of(schema)))
+
+
 def fields_table(schema: Schema) -> list[str]:
     props: dict[str, Schema] = schema.get("properties", {})
     if not props:
         return [f"Type: {type_of(schema)}.", ""]
     required = set(schema.get("required", []))
-    lines = ["| field | type | required | default | rules | meaning |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| field | type | rules | meaning |", "|---|---|---|---|"]
     for name, prop in props.items():
-        default = code(json.dumps(prop["default"])) if "default" in prop else ""
-        lines.append(f"| `{name}` | {cell(type_of(prop))} | {'yes' if name in required else ''} "
-                     f"| {cell(default)} | {cell('; '.join(rules_of(prop)))} "
+        lines.append(f"| `{name}` | {cell(type_of(prop))} | {rules_cell(prop, name in required)} "
                      f"| {cell(prop.get('description', ''))} |")
     return [*lines, ""]
 
@@ -132,14 +138,11 @@ def operation(method: str, path: str, op: Schema) -> list[str]:
     lines += [f"Authentication: {who}.", ""]
     params = op.get("parameters", [])
     if params:
-        lines += ["| parameter | in | type | required | default | rules | meaning |",
-                  "|---|---|---|---|---|---|---|"]
+        lines += ["| parameter | in | type | rules | meaning |", "|---|---|---|---|---|"]
         for p in params:
             s = p.get("schema", {})
-            default = code(json.dumps(s["default"])) if "default" in s else ""
             lines.append(f"| `{p['name']}` | {p['in']} | {cell(type_of(s))} "
-                         f"| {'yes' if p.get('required') else ''} | {cell(default)} "
-                         f"| {cell('; '.join(rules_of(s)))} "
+                         f"| {rules_cell(s, bool(p.get('required')))} "
                          f"| {cell(p.get('description', ''))} |")
         lines.append("")
     if "requestBody" in op:
