@@ -306,6 +306,9 @@ def test_cli_update_sets_and_removes_one_header_and_keeps_the_others(
                                                           "X-Project": "<set>"}
     bad = qgw(env, "endpoints", "update", "llm", "--upstream-header", "Host: x")
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "Host" in bad.stderr
+    bad = subprocess.run([*QGW, "endpoints", "update", "llm", "--upstream-header",
+                          b"X-Raw: \xff\xfe"], env=env, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1, bad.stderr  # not text
     bad = qgw(env, "endpoints", "update", "llm", "--upstream-header", "no colon")
     assert bad.returncode == 2 and "Name: value" in bad.stderr
 
