@@ -445,3 +445,19 @@ def test_values_open_once_per_endpoint_version_and_only_where_they_were_sealed()
         with pytest.raises(secrets.Undecryptable) as err:
             ring.open(where, name, value)
         assert "Bearer" not in str(err.value)
+
+
+async def test_a_dispatcher_without_the_key_fails_the_call_and_says_which_key(
+    gateway: Any, dispatcher_process: Any, raw_upstream: tuple[RawUpstream, str]
+) -> None:
+    up, base = raw_upstream
+    await gateway.add_endpoint("llm", f"{base}/v1/nokey", max_retries=0,
+                               upstream_headers={"Authorization": f"Bearer {SECRET}"})
+    auth = await gateway.new_key()
+    task = await gateway.submit(auth, f"{base}/v1/nokey", body="{}")
+    dispatcher_process(QGW_SECRETS_KEY=new_key())  # not the key the API sealed with
+    (done,) = await gateway.wait_finished(auth, [task["task_id"]])
+    assert done["task_status"] == "failed" and up.requests == []
+    said = done["task_result"]
+    assert key_id(gateway.rt.settings.keyring.current) in said and "does not hold" in said
+    assert SECRET not in said
