@@ -70,7 +70,7 @@ MAX_UPSTREAM_HEADERS = 32
 
 HeaderNameText = Annotated[str, StringConstraints(max_length=128)]
 #: Long enough for a sealed value of MAX_VALUE_BYTES (app/secrets.py checks the plain one).
-HeaderValueText = Annotated[str, StringConstraints(min_length=1, max_length=12_000)]
+HeaderValueText = Annotated[str, StringConstraints(min_length=1, max_length=6000)]
 TargetUrl = Annotated[
     str, StringConstraints(max_length=2048, pattern=expects(
         HTTP_URL + r"(/[^?#\x00-\x20\x7f-\x9f]*)?$",

@@ -36,7 +36,7 @@ class Undecryptable(Exception):
 
 
 #: The longest value, in UTF-8 bytes (sealed, it takes about 4/3 of that and 30 characters).
-MAX_VALUE_BYTES = 8192
+MAX_VALUE_BYTES = 4096
 
 
 class NotSealable(ValueError):

@@ -194,8 +194,11 @@ class SettingsError(Exception):
 
 def load_settings(**overrides: object) -> Settings:
     try:
-        return Settings(**overrides)  # type: ignore[arg-type]
+        settings = Settings(**overrides)  # type: ignore[arg-type]
     except ValidationError as exc:
         err = exc.errors()[0]
         name = "QGW_" + str(err["loc"][0]).upper() if err["loc"] else "settings"
         raise SettingsError(f"bad setting {name}: {err['msg']}") from None
+    if not settings.secrets_key and (settings.data_dir / "secrets_key").exists():
+        settings.keyring  # noqa: B018 - a damaged key file is one line before anything starts
+    return settings
