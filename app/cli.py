@@ -147,6 +147,7 @@ def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
 async def _serve_until_stopped(settings: Settings, sock: Any, dispatcher: bool) -> None:
     import uvicorn
 
+    from app.connections import uvicorn_limit
     from app.main import create_app
 
     stop = asyncio.Event()
@@ -169,7 +170,8 @@ async def _serve_until_stopped(settings: Settings, sock: Any, dispatcher: bool) 
               f"  database: {hide_password(settings.db_url)}", flush=True)
 
     config = uvicorn.Config(create_app(rt, manage=False, on_started=banner), log_config=None,
-                            access_log=False, timeout_graceful_shutdown=5)
+                            access_log=False, timeout_graceful_shutdown=5,
+                            limit_concurrency=uvicorn_limit(settings))
     try:
         await uvicorn.Server(config).serve(sockets=[sock])
     finally:

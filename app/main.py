@@ -11,6 +11,7 @@ from fastapi import FastAPI
 from fastapi_offline import FastAPIOffline
 
 from app import __version__, errors, logs, openapi
+from app.connections import RequestCap, max_requests
 from app.metrics import HttpRequests
 from app.routes import (
     admin,
@@ -65,6 +66,8 @@ def create_app(
     # Added before the counter, so inside it: it counts the fast lane's answers too.
     fast_lane(app, tasks.router, {tasks.submit: tasks.submit, tasks.status: tasks.status_fast})
     app.add_middleware(HttpRequests, counts=runtime.scrapes.http)  # /metrics, by route
+    if (cap := max_requests(runtime.settings)) is not None:  # outermost: refuses before all
+        app.add_middleware(RequestCap, limit=cap)
     # Patterns catch keys and permits; these two have no recognisable shape.
     logs.redact(runtime.settings.admin_secret, runtime.settings.permit_key.decode())
     return app

@@ -77,7 +77,9 @@ class SubmitRequest(StrictInput):
     max_wait_s: int | None = Field(
         None, gt=0, le=30 * 86_400,
         description="start within this many seconds or not at all: 409 deadline_unreachable "
-                    "when the estimate already exceeds it, else the task expires unstarted")
+                    "when the estimate already exceeds it (409 endpoint_paused while an "
+                    "operator has paused the endpoint: its wait is unknown), else the task "
+                    "expires unstarted")
     # Header names are checked when the call is made (invalid ones are dropped), not here:
     # JSON Schema cannot state a pattern for keys in a way every client honours.
     headers: MultiDict = Field(default_factory=dict)
@@ -122,7 +124,9 @@ class SubmitResponse(BaseModel):
     task_status: TaskStatus
     created_at: str | None
     wait_num: int
-    wait_time: int = 0  # estimated whole seconds until it starts, rounded up (docs/api.md)
+    # Estimated whole seconds until it starts, rounded up; None (unknown) while the endpoint is
+    # paused by its operator (docs/api.md).
+    wait_time: int | None = 0
 
 
 class Permit(BaseModel):
@@ -136,7 +140,7 @@ class TaskView(BaseModel):
     task_status: TaskStatus
     task_result: str | None = None
     wait_num: int = 0
-    wait_time: int = 0  # whole seconds: go-zero clients decode it as int64
+    wait_time: int | None = 0  # whole seconds (go-zero clients: int64); None while paused
     created_at: str | None = None
     started_at: str | None = None
     ended_at: str | None = None

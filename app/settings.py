@@ -65,6 +65,10 @@ class Settings(BaseSettings):
 
     #: The largest request body the API reads; a larger one is answered 413.
     max_body_bytes: int = Field(1_048_576, ge=1024)
+    #: Requests the API serves at once; beyond, 503 (Retry-After: 1) before the body is read,
+    #: so the process never runs out of descriptors and /healthz, /readyz and /metrics (never
+    #: refused) still get in. 0: three quarters of the open-files limit (app/connections.py).
+    max_connections: int = Field(0, ge=0, le=10_000_000)
     #: A request body must arrive whole within this many seconds of the route starting to
     #: read it, else 408 and the connection is closed (slow or stalled clients hold sockets).
     body_timeout_s: float = Field(10.0, gt=0, le=3600)

@@ -239,9 +239,12 @@ async def test_an_expired_task_is_retried_and_runs(
     """A task that expired in line (its max_wait_s passed while dispatch was paused) goes back
     in line when the operator retries it, and runs."""
     url = f"{fresh_upstream}/late"
-    await gateway.add_endpoint("late", url, paused=True)
+    await gateway.add_endpoint("late", url)
     auth = await gateway.new_key()
-    tid = (await gateway.submit(auth, url, max_wait_s=1))["task_id"]
+    tid = (await gateway.submit(auth, url, max_wait_s=1))["task_id"]  # nothing dispatches yet
+    r = await gateway.http.patch("/admin/v1/endpoints/late", headers=gateway.admin,
+                                 json={"paused": True})
+    assert r.status_code == 200, r.text
     await start_dispatcher()
     await _wait_ended(gateway, [tid], timeout=20)
     assert (await _get(gateway, f"/admin/v1/tasks/{tid}"))["task_status"] == "expired"

@@ -206,10 +206,13 @@ async def test_a_task_not_started_by_its_deadline_expires_even_behind_older_ones
 ) -> None:
     """The sweep finds it though the task ahead of it (same priority) is not due for hours."""
     url = f"{upstream}/deadline-sweep"
-    await gateway.add_endpoint("deadline-sweep", url, enabled=True, paused=True)
+    await gateway.add_endpoint("deadline-sweep", url)
     auth = await gateway.new_key()
     await gateway.submit(auth, url)
-    hurried = await gateway.submit(auth, url, max_wait_s=1)
+    hurried = await gateway.submit(auth, url, max_wait_s=1)  # nothing dispatches yet
+    r = await gateway.http.patch("/admin/v1/endpoints/deadline-sweep", headers=gateway.admin,
+                                 json={"paused": True})
+    assert r.status_code == 200, r.text
     started = time.monotonic()
     await start_dispatcher()  # runs the sweep; the endpoint is paused, so nothing starts
     for _ in range(100):
@@ -219,3 +222,32 @@ async def test_a_task_not_started_by_its_deadline_expires_even_behind_older_ones
         await asyncio.sleep(0.1)
     assert status["task_status"] == "expired" and status["started_at"] is None
     assert time.monotonic() - started < 5
+
+
+async def test_a_paused_endpoints_wait_is_unknown(gateway: Gateway, upstream: str) -> None:
+    """While its operator has paused the endpoint, nobody can say when a task starts:
+    `wait_time` is null in the submit's answer and the status, and a deadline (max_wait_s)
+    is refused with 409 endpoint_paused rather than promised; resumed, the estimate is a
+    whole number again."""
+    url = f"{upstream}/held"
+    await gateway.add_endpoint("held", url, paused=True, max_concurrency=1, avg_exec_ms=2000)
+    auth = await gateway.new_key()
+    first = await gateway.submit(auth, url)
+    second = await gateway.submit(auth, url)
+    assert (first["wait_num"], first["wait_time"]) == (0, None)
+    assert (second["wait_num"], second["wait_time"]) == (1, None)
+    status = await gateway.status(auth, second["task_id"])
+    assert (status["wait_num"], status["wait_time"]) == (1, None)
+    r = await gateway.http.post("/api/v1/tasks", headers=auth,
+                                json={"target_url": url, "max_wait_s": 3600})
+    assert r.status_code == 409 and r.json()["error"]["code"] == "endpoint_paused", r.text
+    assert r.json()["error"]["wait_num"] == 2
+
+    r = await gateway.http.patch("/admin/v1/endpoints/held", headers=gateway.admin,
+                                 json={"paused": False})  # no dispatcher: the line stays
+    assert r.status_code == 200, r.text
+    status = await gateway.status(auth, second["task_id"])
+    assert status["wait_num"] == 1 and status["wait_time"] == 1  # half a slot of 2 s
+    r = await gateway.http.post("/api/v1/tasks", headers=auth,
+                                json={"target_url": url, "max_wait_s": 3600})
+    assert r.status_code == 202 and r.json()["wait_time"] == 3, r.text  # 1.5 slots

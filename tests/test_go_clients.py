@@ -99,3 +99,23 @@ async def test_every_answer_decodes_with_int64_numbers(
         await asyncio.sleep(0.05)
     assert {"pending", "processing", "completed", "cancelled"} <= seen
     assert [v["task_status"] for v in views] == ["completed"] * 5 + ["cancelled"]
+
+
+def _go_null_is_zero(body: dict[str, Any]) -> dict[str, Any]:
+    """Go's decoder leaves an int64 field at 0 for a JSON null, without an error."""
+    return {k: 0 if v is None and k in ("wait_num", "wait_time") else v for k, v in body.items()}
+
+
+async def test_a_paused_endpoints_unknown_wait_decodes_as_zero(gateway: Gateway,
+                                                              upstream: str) -> None:
+    """While an operator has paused the endpoint, wait_time is null (unknown): the structs
+    still decode (to 0), and nothing else in the answers changes type."""
+    url = f"{upstream}/go-paused"
+    await gateway.add_endpoint("go-paused", url, paused=True)
+    auth = await gateway.new_key()
+    r = await gateway.http.post("/api/v1/tasks", headers=auth, json={"target_url": url})
+    assert r.json()["wait_time"] is None
+    SubmitResp.model_validate(_go_null_is_zero(json.loads(r.text, parse_float=_no_fractions)))
+    r = await gateway.http.get(f"/api/v1/tasks/{r.json()['task_id']}", headers=auth)
+    assert r.json()["wait_time"] is None
+    StatusResp.model_validate(_go_null_is_zero(json.loads(r.text, parse_float=_no_fractions)))

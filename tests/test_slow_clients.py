@@ -11,6 +11,7 @@ import socket
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -109,3 +110,61 @@ async def test_stalled_bodies_time_out_and_leave_room_for_others(
     lines = [json.loads(line) for line in text.splitlines() if line.strip()]
     assert "Traceback" not in text
     assert [line for line in lines if line["level"] in ("error", "critical")] == []
+
+
+FD_LIMIT, UPLOADS = 256, 300  # the issue's 1,024 and 1,100, scaled down
+
+
+def _hard_fd_limit() -> None:
+    """A hard limit the server cannot raise (as 1,024 in many containers)."""
+    resource.setrlimit(resource.RLIMIT_NOFILE, (FD_LIMIT, FD_LIMIT))
+
+
+def _over_the_limit(port: int, auth: dict[str, str]) -> dict[str, Any]:
+    uploads = [_stalled(port, auth) for _ in range(UPLOADS)]
+    try:
+        time.sleep(1)  # the server has read their headers
+        t = time.monotonic()
+        health = httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=10)
+        health_s = time.monotonic() - t
+        t = time.monotonic()
+        fresh = httpx.post(f"http://127.0.0.1:{port}/api/v1/tasks", headers=auth,
+                           json={"target_url": URL}, timeout=10)
+        fresh_s = time.monotonic() - t
+        got = _until_closed(uploads, 2)
+    finally:
+        for s in uploads:
+            s.close()
+    refused = [g for g in got.values() if g.startswith(b"HTTP/1.1 503 ")]
+    return {"health": health.status_code, "health_s": health_s, "fresh": fresh.status_code,
+            "fresh_code": fresh.json()["error"]["code"] if fresh.status_code == 503 else "",
+            "fresh_s": fresh_s, "refused": len(refused),
+            "refused_body": refused[0].partition(b"\r\n\r\n")[2] if refused else b""}
+
+
+async def test_more_slow_uploads_than_descriptors_leave_healthz_answering(
+    gateway: Gateway, env: dict[str, str],
+) -> None:
+    """300 uploads that stall after one body byte against a `qgw api` with a hard limit of 256
+    open files (body deadline 30 s): past QGW_MAX_CONNECTIONS (by default 3/4 of the limit)
+    the extra ones get 503 at once and are closed, /healthz answers 200 at once, and a new
+    caller gets a prompt 503 with Retry-After instead of a connection that never opens."""
+    await gateway.add_endpoint("slow", URL)
+    auth = await gateway.new_key()
+    port = free_port()
+    proc = subprocess.Popen([*QGW, "api", "--port", str(port)],
+                            env={**env, "QGW_BODY_TIMEOUT_S": "30"},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            preexec_fn=_hard_fd_limit)
+    try:
+        await asyncio.to_thread(wait_port, port, 30, proc)
+        got = await asyncio.to_thread(_over_the_limit, port, auth)
+    finally:
+        stop(proc)
+    print(f"{UPLOADS} stalled uploads, {FD_LIMIT} descriptors: /healthz {got['health']} in "
+          f"{got['health_s']:.3f} s, a new submit {got['fresh']} in {got['fresh_s']:.3f} s, "
+          f"{got['refused']} uploads refused at once")
+    assert got["health"] == 200 and got["health_s"] < 2
+    assert got["fresh"] in (202, 503) and got["fresh_s"] < 2
+    assert got["refused"] >= UPLOADS - int(FD_LIMIT * 0.75)
+    assert json.loads(got["refused_body"])["error"]["code"] == "too_many_connections"

@@ -7,11 +7,14 @@ import asyncio
 import hashlib
 import hmac
 import json
+import math
 import signal
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 import pytest
@@ -36,19 +39,26 @@ def verify(secret: str, header: str, delivery: str, body: bytes) -> bool:
 @dataclass
 class Receiver:
     """Answers by path: `/hooks/ok/...` 200; `/hooks/flaky/...` 500 to a delivery's first two
-    tries, then 200; `/hooks/hold/...` holds its first request (until released), then 200."""
+    tries, then 200; `/hooks/hold/...` holds its first request (until released), then 200;
+    `/hooks/hang/...` holds every request until the test ends (not recorded)."""
 
     base: str = ""
     secret: str = ""
     requests: list[dict[str, Any]] = field(default_factory=list)
     held: asyncio.Event = field(default_factory=asyncio.Event)
     release: asyncio.Event = field(default_factory=asyncio.Event)
+    hung: int = 0
 
     async def handle(self, request: web.Request) -> web.Response:
         body = await request.read()
         delivery = request.headers.get("X-Queue-Delivery", "")
         seen = sum(1 for r in self.requests if r["delivery"] == delivery)
+        if "/hang/" in request.path:  # accepts, never answers (until the test ends)
+            self.hung += 1
+            await self.release.wait()
+            return web.Response(status=503)
         rec = {"path": request.path, "delivery": delivery, "valid": self.verify(request, body),
+               "wall": time.time(),
                "signature": request.headers.get("X-Queue-Signature", ""), "raw": body,
                "body": json.loads(body), "at": time.monotonic(), "status": 200}
         self.requests.append(rec)
@@ -80,19 +90,27 @@ class Receiver:
             await asyncio.sleep(0.05)
 
 
-@pytest.fixture
-async def receiver() -> AsyncIterator[Receiver]:
+@asynccontextmanager
+async def serving() -> AsyncIterator[Receiver]:
     rec = Receiver()
     app = web.Application()
     app.router.add_post("/{tail:.*}", rec.handle)
     runner = web.AppRunner(app, shutdown_timeout=1)
     await runner.setup()
     port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
+    await web.TCPSite(runner, "127.0.0.1", port, backlog=1024).start()
     rec.base = f"http://127.0.0.1:{port}"
-    yield rec
-    rec.release.set()
-    await runner.cleanup()
+    try:
+        yield rec
+    finally:
+        rec.release.set()
+        await runner.cleanup()
+
+
+@pytest.fixture
+async def receiver() -> AsyncIterator[Receiver]:
+    async with serving() as rec:
+        yield rec
 
 
 async def hook_key(gw: Gateway, rec: Receiver, urls: list[str] | None = None) -> dict[str, str]:
@@ -323,3 +341,39 @@ async def test_callback_path_escapes_refused(
     r = await gateway.http.post("/admin/v1/api-keys", headers=gateway.admin, json={
         "user_id": 5, "callback_urls": [f"{base}/hooks;x=1/"]})
     assert r.status_code == 422, r.text
+
+
+async def test_a_hung_receiver_does_not_delay_other_receivers(
+    gateway: Gateway, upstream: str, receiver: Receiver,
+    dispatcher_process: Callable[..., Any],
+) -> None:
+    """User A's 256 webhooks go to a receiver that accepts and never answers; user B's (another
+    receiver) keep arriving within 2 s of their tasks' end (p99 of 30), as A's receiver gets
+    a small share of the delivery slots and rests after its timeouts."""
+    await gateway.add_endpoint("whi", f"{upstream}/wh/isolated")
+    async with serving() as hung:
+        a = await hook_key(gateway, hung)
+        b = await hook_key(gateway, receiver)
+        dispatcher_process(QGW_WEBHOOK_TIMEOUT_S="5")
+        for start in range(0, 256, 64):
+            await asyncio.gather(*(gateway.submit(a, f"{upstream}/wh/isolated",
+                                                  callback_url=f"{hung.base}/hooks/hang/{i}")
+                                   for i in range(start, start + 64)))
+        ids = []
+        for i in range(30):  # over 15 s: A's first calls hang, time out (5 s), rest, probe
+            task = await gateway.submit(b, f"{upstream}/wh/isolated",
+                                        callback_url=f"{receiver.base}/hooks/ok/{i}")
+            ids.append(task["task_id"])
+            await asyncio.sleep(0.5)
+        await receiver.wait_accepted(30, timeout=60)
+        assert hung.hung >= 1  # A's receiver was being called meanwhile
+        ended = {v["task_id"]: datetime.fromisoformat(v["ended_at"]).timestamp()
+                 for v in await gateway.wait_finished(b, ids)}
+        late = sorted(r["wall"] - ended[r["body"]["task_id"]] for r in receiver.requests)
+        hung_calls = hung.hung
+    p99 = late[math.ceil(0.99 * len(late)) - 1]  # nearest rank: the slowest of 30
+    print(f"B's webhooks under A's 256 hung ones: p50 {late[len(late) // 2]:.2f} s, "
+          f"p99 {p99:.2f} s; A's receiver was called {hung_calls} times")
+    assert p99 <= 2.0, late
+    assert hung_calls <= 8 + 15  # its share, then a probe a rest (the old sender: 261)
+    assert receiver.counts()["signature_failures"] == 0

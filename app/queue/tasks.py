@@ -171,6 +171,11 @@ class TaskQueue:
             return
         if endpoint.fairness == "per_user":  # its turn, not the whole band, is ahead of it
             ahead = await fair_ahead(self.redis, k, e, priority, user_id)
+        if endpoint.paused:
+            raise ApiError(409, "endpoint_paused",
+                           f"{e!r} is paused by its operator: when it starts again is unknown, "
+                           "so no wait can be promised (submit without max_wait_s to queue)",
+                           wait_num=ahead)
         now = int(secs) * 1000 + int(micros) // 1000
         estimate = estimate_wait(endpoint, ahead, [m[0], m[1], in_flight, m[2], m[3], now, *m[4:]])
         if estimate > max_wait_s:
@@ -351,10 +356,14 @@ def _maybe_queued(task_id: str, e: str, idem_key: str | None, exc: Exception) ->
                     f"{task_id}: {how}", {"Retry-After": "1"}, task_id=task_id)
 
 
-def wait_seconds(endpoint: EndpointConfig | None, ahead: int, measured: Any) -> int:
+def wait_seconds(endpoint: EndpointConfig | None, ahead: int, measured: Any) -> int | None:
     """`estimate_wait` as the answers carry it: whole seconds, rounded up. The go-zero
     service's clients decode `wait_time` as an int64, and Go refuses `1.75` (even `2.0`)
-    for one, failing the whole answer."""
+    for one, failing the whole answer. None while an operator has paused the endpoint: it
+    starts nothing until someone resumes it, which no figure can foretell (a null reads as
+    0 to those clients, without an error)."""
+    if endpoint is not None and endpoint.paused:
+        return None
     return math.ceil(estimate_wait(endpoint, ahead, measured))
 
 

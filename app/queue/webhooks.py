@@ -32,15 +32,20 @@ from app.core.scripts import Scripts
 from app.lifecycle import Ttls
 from app.models import TaskStatus, TaskView
 from app.queue.http1 import UpstreamClient
+from app.queue.receivers import Receivers, receiver_of
 from app.settings import Settings
 from app.store import ApiKey
 from app.webhooks import allowed, signature
 
 log = logging.getLogger(__name__)
 #: How often due deliveries are looked for (one round trip for every endpoint).
-INTERVAL_S = 0.5
+INTERVAL_S = 0.25
 #: Deliveries one process has in flight at most (over all endpoints).
 MAX_IN_FLIGHT = 64
+#: Of which one receiver holds at most this many while it answers (app/queue/receivers.py).
+RECEIVER_SHARE = MAX_IN_FLIGHT // 8
+#: Claims a tick may make back to back while deliveries go back to wait for their receivers.
+MAX_ROUNDS = 8
 ANSWER_BYTES = 64 * 1024  # a receiver's answer is not kept: only its status counts
 FIRST_DELAY_S, MAX_DELAY_S = 1.0, 300.0
 #: A webhook is retried for at least this long after its task ended (docs/api.md: an hour).
@@ -73,6 +78,7 @@ class WebhookSender:
     _sending: set[asyncio.Task[None]] = field(default_factory=set)
     _by_id: tuple[str | None, dict[str, ApiKey]] = (None, {})
     _turn: int = 0
+    receivers: Receivers = field(default_factory=lambda: Receivers(RECEIVER_SHARE))
 
     @property
     def lease_ms(self) -> int:
@@ -94,51 +100,94 @@ class WebhookSender:
             await self.http.close()
 
     async def tick(self) -> None:
-        """Take due deliveries of every endpoint (one round trip) and start sending them."""
+        """Take due deliveries of every endpoint and start sending them; again at once while
+        claims come back full and some went back to wait for their receivers (the ones
+        behind them may be for receivers that answer)."""
+        for _ in range(MAX_ROUNDS):
+            if not await self._round():
+                return
+
+    async def _round(self) -> bool:
+        """One claim (one round trip for every endpoint); True if worth another at once."""
         free = MAX_IN_FLIGHT - len(self._sending)
         endpoints = [e.id for e in self.registry.all()]
         if free <= 0 or not endpoints:
-            return
+            return False
         # Never more than `free` in all: with more endpoints than that, a window of them a
         # tick, turning, so each gets its turn.
         self._turn = (self._turn + 1) % len(endpoints)
         endpoints = (endpoints[self._turn:] + endpoints[:self._turn])[:free]
+        each = free // len(endpoints)
         async with self.redis.pipeline(transaction=False) as pipe:
             for e in endpoints:
                 await self.scripts.hookclaim(keys=[self.keys.hooks(e)],
-                                             args=[self.lease_ms, free // len(endpoints)],
-                                             client=pipe)
+                                             args=[self.lease_ms, each], client=pipe)
             claimed = await pipe.execute()
-        for deadline, *ids in claimed:
-            for task_id in ids:
-                task = asyncio.create_task(self._deliver(task_id, int(deadline)))
-                self._sending.add(task)
-                task.add_done_callback(self._sending.discard)
+        batch = [(int(deadline), tid) for deadline, *ids in claimed for tid in ids]
+        if not batch:
+            return False
+        waiting = await self._start(batch)
+        return bool(waiting) and any(len(c) - 1 >= each for c in claimed)
 
-    async def _deliver(self, task_id: str, deadline: int) -> None:
+    async def _start(self, batch: list[tuple[int, str]]) -> int:
+        """Send each claimed delivery whose receiver has room; put the others back until it
+        may (not a try). How many were put back."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for _, task_id in batch:
+                pipe.hmget(self.keys.task(task_id), "callback_url", "hook")
+            found = await pipe.execute()
+        back = []
+        for (deadline, task_id), (url, hook) in zip(batch, found, strict=True):
+            name = receiver_of(url) if url and hook else None
+            if name is not None and time.time() - int(hook) / 1000 < GIVE_UP_S:
+                wait_s = self.receivers.admit(name)
+                if wait_s:
+                    back.append((task_id, hook, deadline, wait_s))
+                    continue
+            else:
+                name = None  # nothing to send, or its last try: not held back
+            task = asyncio.create_task(self._deliver(task_id, deadline, name))
+            self._sending.add(task)
+            task.add_done_callback(self._sending.discard)
+        if back:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for task_id, hook, deadline, wait_s in back:
+                    await self.scripts.hookretry(
+                        keys=[self.keys.task(task_id), self.keys.hooks(endpoint_of(task_id))],
+                        args=[task_id, hook, deadline, int(wait_s * 1000), "0"], client=pipe)
+                await pipe.execute()
+        return len(back)
+
+    async def _deliver(self, task_id: str, deadline: int, receiver: str | None) -> None:
         extra = {"task_id": task_id, "endpoint": endpoint_of(task_id)}
+        unreachable = False
         try:
-            await self._try(task_id, deadline, extra)
+            unreachable = await self._try(task_id, deadline, extra)
         except STORE_ERRORS as exc:  # Redis went away: the lease runs out, it is tried again
             log.warning("webhook: %s", exc, extra=extra)
         except Exception:  # a bug must not stay silent; the lease brings the delivery back
             log.exception("webhook failed", extra=extra)
+        finally:
+            if receiver is not None:
+                self.receivers.done(receiver, unreachable)
 
-    async def _try(self, task_id: str, deadline: int, extra: dict[str, Any]) -> None:
+    async def _try(self, task_id: str, deadline: int, extra: dict[str, Any]) -> bool:
+        """Deliver, or put back for a retry; True when the receiver timed out or refused the
+        connection (it rests then, Receivers)."""
         fields: dict[str, str] = await self.redis.hgetall(  # type: ignore[assignment]
             self.keys.task(task_id))
         hook, url = fields.get("hook"), fields.get("callback_url")
         if not hook or not url or not TaskStatus(fields.get("status", "pending")).finished:
             # Gone, or running again after an operator's retry: its next end brings a webhook.
             await self._done(task_id, hook or "")
-            return
+            return False
         key = self._key(fields.get("key_id", ""))
         if key is None or not allowed(url, key.callback_urls):
             log.warning("webhook given up: the key that asked for it was revoked", extra=extra)
             await self._done(task_id, hook, "given_up")
-            return
-        outcome = await self._post(url, f"{task_id}:{hook}", key.webhook_secret,
-                                   render(self.view(task_id, fields)))
+            return False
+        outcome, unreachable = await self._post(url, f"{task_id}:{hook}", key.webhook_secret,
+                                                  render(self.view(task_id, fields)))
         if outcome is None:
             await self._done(task_id, hook, "delivered")
         elif time.time() - int(hook) / 1000 >= GIVE_UP_S:
@@ -154,9 +203,12 @@ class WebhookSender:
                                              args=[task_id, hook, deadline, delay], client=pipe)
                 self._count(pipe, e, "retried")
                 await pipe.execute()
+        return unreachable
 
-    async def _post(self, url: str, delivery: str, secret: str, body: bytes) -> str | None:
-        """None once the receiver answered 2xx, else what went wrong."""
+    async def _post(self, url: str, delivery: str, secret: str, body: bytes
+                    ) -> tuple[str | None, bool]:
+        """(None once the receiver answered 2xx, else what went wrong; whether it timed out
+        or could not be reached)."""
         assert self.http is not None
         headers = [("Content-Type", "application/json"), ("X-Queue-Delivery", delivery),
                    ("X-Queue-Signature", signature(secret, int(time.time()), delivery, body))]
@@ -165,8 +217,9 @@ class WebhookSender:
             async with asyncio.timeout(self.settings.webhook_timeout_s):
                 answer = await self.http.request("POST", url, (), headers, body, ANSWER_BYTES)
         except (TimeoutError, OSError, ValueError) as exc:  # BadAnswer is an OSError
-            return f"{type(exc).__name__}: {exc}"[:200]
-        return None if 200 <= answer.status < 300 else f"HTTP {answer.status}"
+            return f"{type(exc).__name__}: {exc}"[:200], isinstance(exc, (TimeoutError,
+                                                                          ConnectionError))
+        return None if 200 <= answer.status < 300 else f"HTTP {answer.status}", False
 
     async def _done(self, task_id: str, hook: str, outcome: str | None = None) -> None:
         """No more deliveries of this one; the outcome counted for /metrics in the same round

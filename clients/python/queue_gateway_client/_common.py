@@ -65,7 +65,7 @@ class Status:
     task_type: str = "offline"
     task_result: str | None = None
     wait_num: int = 0
-    wait_time: float = 0
+    wait_time: float | None = 0  # None: unknown (its endpoint is paused by an operator)
     created_at: str | None = None
     started_at: str | None = None
     ended_at: str | None = None
