@@ -54,8 +54,9 @@ $(SYSDEPS): scripts/system-deps
 fuzz: $(STAMP)
 	$(BIN)/python tests/fuzz_api.py
 
-## Lint and type-check; the Dockerfile (hadolint), compose.yaml (the compose spec) and the
-## Prometheus alert rules (promtool, from scripts/system-deps) too.
+## Lint and type-check; the Dockerfile (hadolint), compose.yaml (the compose spec), the
+## Prometheus alert rules and their unit tests (promtool, from scripts/system-deps), and the
+## Kubernetes manifests (scripts/check-kubernetes: Kubernetes and KEDA schemas, strict) too.
 lint: $(STAMP) $(SYSDEPS)
 	$(BIN)/ruff check app tests bench clients
 	$(BIN)/mypy
@@ -63,6 +64,7 @@ lint: $(STAMP) $(SYSDEPS)
 	$(BIN)/check-jsonschema -q --builtin-schema vendor.compose-spec compose.yaml
 	promtool check rules deploy/prometheus/alerts.yml
 	promtool test rules deploy/prometheus/alerts.test.yml
+	$(BIN)/python scripts/check-kubernetes
 
 ## Benchmarks: bounded, loopback only, ratios against a baseline measured in the same run.
 bench: $(STAMP)
