@@ -55,8 +55,9 @@ fuzz: $(STAMP)
 	$(BIN)/python tests/fuzz_api.py
 
 ## Lint and type-check; the Dockerfile (hadolint), compose.yaml (the compose spec), the
-## Prometheus alert rules (promtool, from scripts/system-deps), and the documentation site:
-## its generated reference current, and `mkdocs build --strict` (into a temporary directory).
+## Prometheus alert rules and their unit tests (promtool, from scripts/system-deps), the
+## Kubernetes manifests (scripts/check-kubernetes: Kubernetes and KEDA schemas, strict), and the
+## documentation site: its generated reference current, and `mkdocs build --strict`.
 lint: $(STAMP) $(SYSDEPS)
 	$(BIN)/ruff check app tests bench clients scripts
 	$(BIN)/mypy
@@ -64,6 +65,7 @@ lint: $(STAMP) $(SYSDEPS)
 	$(BIN)/check-jsonschema -q --builtin-schema vendor.compose-spec compose.yaml
 	promtool check rules deploy/prometheus/alerts.yml
 	promtool test rules deploy/prometheus/alerts.test.yml
+	$(BIN)/python scripts/check-kubernetes
 	$(BIN)/python -m scripts.gen_reference --check
 	site=$$(mktemp -d) && NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict -q -d "$$site"; \
 	  status=$$?; rm -rf "$$site"; exit $$status

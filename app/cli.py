@@ -16,7 +16,7 @@ import sys
 from collections.abc import Callable
 from typing import Any, NoReturn
 
-from app import __version__, admin_cli, healthcheck, logs
+from app import __version__, admin_cli, healthcheck, logs, tracing
 from app.embedded import EmbeddedRedisError
 from app.settings import Settings, SettingsError, load_settings
 from app.startup import Refused, bind, hide_password, migrate_db, prepare_db, start_runtime
@@ -129,6 +129,7 @@ def command(sub: Any, name: str, run: Run, doc: str) -> argparse.ArgumentParser:
 def _serve(settings: Settings, args: argparse.Namespace, dispatcher: bool = True) -> None:
     sock = bind(settings.host, settings.port)  # first: a port in use is all there is to say
     prepare_db(settings)
+    tracing.setup("serve" if dispatcher else "api")  # OTEL_* set: spans (app/tracing.py)
     with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
         runner.run(_serve_until_stopped(settings, sock, dispatcher))
 
@@ -176,6 +177,7 @@ async def _serve_until_stopped(settings: Settings, sock: Any, dispatcher: bool) 
         await uvicorn.Server(config).serve(sockets=[sock])
     finally:
         await rt.stop()
+        tracing.shutdown()
 
 
 def _api(settings: Settings, args: argparse.Namespace) -> None:
@@ -212,8 +214,10 @@ def _dispatcher(settings: Settings, args: argparse.Namespace) -> None:
         await stop.wait()
         log.info("dispatcher stopping", extra={"grace_s": settings.shutdown_grace_s})
         await rt.stop(settings.shutdown_grace_s)
+        tracing.shutdown()
 
     prepare_db(settings)
+    tracing.setup("dispatcher")
     with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
         runner.run(run())
 

@@ -32,12 +32,13 @@ import socket
 import time
 from collections import Counter
 from collections.abc import Coroutine
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
+from app import tracing
 from app.core.blocking import HeldPop
 from app.core.keys import Keys
 from app.core.loop import backoff, persist
@@ -375,19 +376,23 @@ class Dispatcher:
             if claim.attempts > ep.max_retries + 1:  # max_retries lowered since queued
                 await self._finish(claim, Outcome(None, "no attempts left"), -1)
                 return
+            traced = (tracing.TaskTrace(tid, ep.id, claim.request.headers, claim.attempts)
+                      if tracing.ENABLED else None)
             started = time.monotonic()
-            outcome = await call(self.http, tid, claim.request, ep.timeout_ms / 1000,
-                                 self.settings.max_result_bytes, claim.on_sent(self.send_times),
-                                 self.keeper)
+            outcome = await self._call(claim, traced)
             exec_ms = (time.monotonic() - started) * 1000
             average = self._call_ms.get(ep.id, exec_ms)
             self._call_ms[ep.id] = average + (exec_ms - average) / 8
-            if given_back(claim, outcome):  # back in line, its attempt not spent
-                await self._retry_later(claim, outcome, exec_ms)
-            elif outcome.ok or not outcome.retryable or claim.attempts > ep.max_retries:
-                await self._finish(claim, outcome, exec_ms)
+            # A refusal given back goes back in line, its attempt not spent (claims.given_back).
+            final = not given_back(claim, outcome) and (
+                outcome.ok or not outcome.retryable or claim.attempts > ep.max_retries)
+            end = (self._finish(claim, outcome, exec_ms) if final
+                   else self._retry_later(claim, outcome, exec_ms))
+            if traced is None:
+                await end
             else:
-                await self._retry_later(claim, outcome, exec_ms)
+                with traced.ack("ack" if final else "retry"):
+                    await end
         except asyncio.CancelledError:
             if tid not in self._aborted:
                 raise
@@ -399,6 +404,19 @@ class Dispatcher:
         finally:
             self._aborted.discard(tid)
             self._done(claim)
+
+    async def _call(self, claim: Claim, traced: tracing.TaskTrace | None) -> Outcome:
+        """The upstream call; traced, in a `call` span whose context the upstream gets."""
+        args = (claim.endpoint.timeout_ms / 1000, self.settings.max_result_bytes,
+                claim.on_sent(self.send_times), self.keeper)
+        if traced is None:
+            return await call(self.http, claim.task_id, claim.request, *args)
+        req = claim.request
+        with traced.call(req.method, req.url) as (span, headers):
+            req = replace(req, headers=tracing.with_headers(req.headers, headers))
+            outcome = await call(self.http, claim.task_id, req, *args)
+            traced.answered(span, outcome.status_code, outcome.text)
+        return outcome
 
     async def _retry_later(self, claim: Claim, outcome: Outcome, exec_ms: float) -> None:
         """Set the task aside in Redis for its back-off (retry-8.lua): its slot serves others

@@ -10,6 +10,7 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse
 
+from app import tracing
 from app.auth import api_key, runtime, runtime_of
 from app.core.keys import TASK_ID, endpoint_of
 from app.errors import ApiError
@@ -84,7 +85,14 @@ async def _submit(request: Request) -> JSONResponse:
     if idempotency_key is not None and not IDEM_KEY.match(idempotency_key):
         raise ApiError(400, "invalid_idempotency_key",
                        "Idempotency-Key must be 1-128 visible ASCII characters")
-    result = await rt.queue.submit(caller, endpoint, req, idempotency_key)
+    if tracing.ENABLED:  # the caller's trace context in, the submit span's stored
+        with tracing.submit_span(request.headers, req.headers, "/api/v1/tasks") as span:
+            result = await rt.queue.submit(caller, endpoint, req, idempotency_key)
+            span.set_attribute("qgw.endpoint", endpoint.id)
+            if not isinstance(result, str):
+                span.set_attribute("qgw.task_id", result.task_id)
+    else:
+        result = await rt.queue.submit(caller, endpoint, req, idempotency_key)
     if isinstance(result, str):  # a repeat: answer with the first task
         view = await _first_task(rt, caller.user_id, result)
         result = SubmitResponse(task_id=view.task_id, task_status=view.task_status,
