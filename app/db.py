@@ -89,11 +89,13 @@ ResultText = Text().with_variant(mysql.MEDIUMTEXT(), "mysql", "mariadb")
 class TaskResultRow(Base):
     """A finished task, written from the Redis outbox; status falls back to it once Redis has
     let the task go. `created_at` is indexed: the janitor deletes by it in batches; so is
-    (endpoint, status, ended_at): an operator lists an endpoint's failures newest first."""
+    (endpoint, status, ended_at): an operator lists an endpoint's failures newest first; and
+    (status, ended_at): an operator searches every endpoint's (GET /admin/v1/tasks)."""
 
     __tablename__ = "task_results"
     __table_args__ = (Index("ix_task_results_endpoint_status_ended", "endpoint", "status",
-                            "ended_at"),)
+                            "ended_at"),
+                      Index("ix_task_results_status_ended", "status", "ended_at"))
 
     task_id: Mapped[str] = mapped_column(String(100), primary_key=True)
     user_id: Mapped[int] = mapped_column(BigInteger)
@@ -106,6 +108,9 @@ class TaskResultRow(Base):
     created_at: Mapped[datetime] = mapped_column(TaskTime, index=True)
     started_at: Mapped[datetime | None] = mapped_column(TaskTime, nullable=True)
     ended_at: Mapped[datetime | None] = mapped_column(TaskTime, nullable=True)
+    # A dead letter's (failed, expired) request, JSON, for an operator's retry (migration 0013).
+    priority: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    request: Mapped[str | None] = mapped_column(ResultText, nullable=True)
 
 
 #: A dead database must not hold a request (status fallback) or a loop for long. The driver's
