@@ -127,6 +127,7 @@ async def test_search_every_endpoint_and_retry_or_cancel_in_bulk(
     assert {t["task_id"] for t in await search()} == set(all_failed)
     one = failed["dl-a"][1]
     assert one in [t["task_id"] for t in await search(id=one[:8])]
+    assert [t["task_id"] for t in await search(id=one[:34])] == [one]
     assert [t["task_id"] for t in await search(id=one)] == [one]
     assert await search(status="failed", since="2999-01-01T00:00:00Z") == []
     assert len(await search(status="failed", until="2999-01-01T00:00:00+02:00")) == 6
