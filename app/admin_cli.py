@@ -12,8 +12,10 @@ import argparse
 import asyncio
 import contextlib
 import json
+import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any, Protocol
 
 from app.cli_options import add_options, given, validate
@@ -26,6 +28,7 @@ from app.startup import Refused, hide_password, one_line, require_db
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine
 
+    from app.queue.search import TaskFilter
     from app.runtime import Runtime
     from app.store import EndpointStore, KeyStore
 
@@ -75,20 +78,37 @@ def add_parsers(sub: Any) -> None:
             _secrets_rotate, needs_runtime=True)
 
     tasks = _group(sub, "tasks", "any user's task, for operators")
-    listed = _with_id(_action(tasks, "list", "a page of an endpoint's tasks of one status, as "
-                              "JSON (pending in dispatch order)", _task_list,
-                              needs_runtime=True), "endpoint id")
-    listed.add_argument("--status", default="pending", choices=_STATUSES,
-                        help="which tasks (default: pending)")
+    listed = _action(tasks, "list", "a page of tasks as JSON: an endpoint's pending or "
+                     "processing ones in dispatch order, or finished ones of every endpoint "
+                     "(newest first; --endpoint, --since, --until, --id narrow them)",
+                     _task_list, needs_runtime=True)
+    listed.add_argument("id", nargs="?", metavar="endpoint", help="endpoint id (as --endpoint)")
+    _filters(listed, "which tasks (default: pending with an endpoint, else any finished)")
     listed.add_argument("--limit", type=int, default=50,
                         help="tasks a page, 1 to 200 (default: 50)")
     listed.add_argument("--cursor", help="the next_cursor of the previous page")
     _with_id(_action(tasks, "show", "status, owner, endpoint and request of a task",
                      _task_show, needs_runtime=True), "task id", "task_id")
-    _with_id(_action(tasks, "retry", "run a failed or expired task again", _task_retry,
-                     needs_runtime=True), "task id", "task_id")
-    _with_id(_action(tasks, "cancel", "cancel a pending task, or an admitted online one",
-                     _task_cancel, needs_runtime=True), "task id", "task_id")
+    retry = _action(tasks, "retry", "run a failed or expired task again, or every one a filter "
+                    "matches (--status failed|expired [--endpoint E] [--since T])", _task_retry,
+                    needs_runtime=True)
+    retry.add_argument("task_id", nargs="?", help="task id (or a filter instead)")
+    _filters(retry, "failed or expired (with a filter)")
+    cancel = _action(tasks, "cancel", "cancel a pending or running task, or every one a filter "
+                     "matches (--endpoint E [--status pending|processing])", _task_cancel,
+                     needs_runtime=True)
+    cancel.add_argument("task_id", nargs="?", help="task id (or a filter instead)")
+    _filters(cancel, "pending or processing (with a filter; default both)")
+
+
+def _filters(parser: argparse.ArgumentParser, status_doc: str) -> None:
+    parser.add_argument("--status", choices=_STATUSES, help=status_doc)
+    parser.add_argument("--endpoint", help="only this endpoint's tasks")
+    for name, edge in (("since", "from"), ("until", "before")):
+        parser.add_argument(f"--{name}", help=f"only tasks that ended (live ones: were "
+                            f"submitted) {edge} T: an ISO 8601 time, or an age such as 30m, "
+                            "2h, 7d")
+    parser.add_argument("--id", dest="id_prefix", help="only task ids that begin so")
 
 
 def _group(sub: Any, name: str, doc: str) -> Any:
@@ -324,14 +344,49 @@ _STATUSES = ("pending", "processing", "completed", "failed", "cancelled", "expir
 def _task_list(args: argparse.Namespace) -> Job:
     if not 1 <= args.limit <= 200:
         raise Refused("--limit must be from 1 to 200", exit_code=2)
+    f = _filter(args, args.id)
 
     async def job(rt: Runtime) -> Any:
-        from app.queue import listing
+        from app.queue import listing, search
 
-        await rt.endpoints.get(args.id)
-        return await listing.list_tasks(rt.queue, args.id, args.status, args.limit, args.cursor)
+        if f.endpoint and not (f.since or f.until or f.id_prefix) and (
+                f.status is None or f.status in listing.LIVE):
+            await rt.endpoints.get(f.endpoint)
+            return await listing.list_tasks(rt.queue, f.endpoint, f.status or "pending",
+                                            args.limit, args.cursor)
+        return await search.search(rt.queue, rt.registry, f, args.limit, args.cursor)
 
     return job
+
+
+def _filter(args: argparse.Namespace, endpoint: str | None = None) -> TaskFilter:
+    """The filter options as the search takes them; bad ones refused (exit code 2)."""
+    from app.queue.search import TaskFilter
+
+    if endpoint and args.endpoint and endpoint != args.endpoint:
+        raise Refused("two different endpoints given", exit_code=2)
+    return TaskFilter(args.status, endpoint or args.endpoint, _when(args.since, "--since"),
+                      _when(args.until, "--until"), args.id_prefix)
+
+
+_AGES = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def _when(text: str | None, option: str) -> datetime | None:
+    """An ISO 8601 time or an age (`30m`: half an hour ago), as naive UTC."""
+    from app.queue.search import utc
+
+    if text is None:
+        return None
+    age = re.fullmatch(r"(\d{1,7})([smhd])", text.strip())
+    if age:
+        ago = timedelta(seconds=int(age[1]) * _AGES[age[2]])
+        return datetime.now(UTC).replace(tzinfo=None) - ago
+    try:
+        return utc(datetime.fromisoformat(text.strip().replace("Z", "+00:00")))
+    except ValueError:
+        raise Refused(f"{option} takes an ISO 8601 time or an age such as 30m, 2h, 7d",
+                      exit_code=2) from None
 
 
 def _task_show(args: argparse.Namespace) -> Job:
@@ -352,19 +407,40 @@ def _readable(shown: dict[str, Any]) -> dict[str, Any]:
     return shown
 
 
-def _task_retry(args: argparse.Namespace) -> Job:
-    async def job(rt: Runtime) -> Any:
-        from app.queue import operator
+def _one_or_filter(args: argparse.Namespace) -> TaskFilter | None:
+    """None for one task named by id, else the filter (which must say something)."""
+    f = _filter(args)
+    if args.task_id is not None:
+        if not f.empty:
+            raise Refused("give a task id or a filter, not both", exit_code=2)
+        return None
+    if f.empty:
+        raise Refused("give a task id, or a filter (--status, --endpoint, --since, --until, "
+                      "--id)", exit_code=2)
+    return f
 
+
+def _task_retry(args: argparse.Namespace) -> Job:
+    f = _one_or_filter(args)
+
+    async def job(rt: Runtime) -> Any:
+        from app.queue import bulk, operator
+
+        if f is not None:
+            return await bulk.retry(rt.queue, rt.registry, f)
         return await operator.retry(rt.queue, args.task_id)
 
     return job
 
 
 def _task_cancel(args: argparse.Namespace) -> Job:
-    async def job(rt: Runtime) -> Any:
-        from app.queue import operator
+    f = _one_or_filter(args)
 
+    async def job(rt: Runtime) -> Any:
+        from app.queue import bulk, operator
+
+        if f is not None:
+            return await bulk.cancel(rt.queue, rt.registry, f)
         status = await operator.cancel(rt.queue, args.task_id)
         return {"task_id": args.task_id, "task_status": status.value}
 

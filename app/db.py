@@ -92,11 +92,13 @@ ResultText = Text().with_variant(mysql.MEDIUMTEXT(), "mysql", "mariadb")
 class TaskResultRow(Base):
     """A finished task, written from the Redis outbox; status falls back to it once Redis has
     let the task go. `created_at` is indexed: the janitor deletes by it in batches; so is
-    (endpoint, status, ended_at): an operator lists an endpoint's failures newest first."""
+    (endpoint, status, ended_at): an operator lists an endpoint's failures newest first; and
+    (status, ended_at): an operator searches every endpoint's (GET /admin/v1/tasks)."""
 
     __tablename__ = "task_results"
     __table_args__ = (Index("ix_task_results_endpoint_status_ended", "endpoint", "status",
-                            "ended_at"),)
+                            "ended_at"),
+                      Index("ix_task_results_status_ended", "status", "ended_at"))
 
     task_id: Mapped[str] = mapped_column(String(100), primary_key=True)
     user_id: Mapped[int] = mapped_column(BigInteger)
@@ -106,14 +108,15 @@ class TaskResultRow(Base):
     result: Mapped[str | None] = mapped_column(ResultText, nullable=True)
     result_status_code: Mapped[int | None] = mapped_column(SmallInteger, nullable=True)
     attempts: Mapped[int] = mapped_column(Integer, default=0)
-    # So a listing of failed tasks shows the priority they ran at (NULL: a row written before
-    # the column existed).
-    priority: Mapped[int | None] = mapped_column(SmallInteger, nullable=True)
     created_at: Mapped[datetime] = mapped_column(TaskTime, index=True)
     started_at: Mapped[datetime | None] = mapped_column(TaskTime, nullable=True)
     ended_at: Mapped[datetime | None] = mapped_column(TaskTime, nullable=True)
     #: The answer's type, size, encoding and store key (app/queue/answers.py), as JSON.
     result_meta: Mapped[str | None] = mapped_column(Text, nullable=True)
+    # The priority it ran at, so listings of failed tasks show it (NULL: written before 0013),
+    # and a dead letter's (failed, expired) request, JSON, for an operator's retry.
+    priority: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    request: Mapped[str | None] = mapped_column(ResultText, nullable=True)
 
 
 #: A dead database must not hold a request (status fallback) or a loop for long. The driver's

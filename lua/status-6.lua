@@ -1,7 +1,9 @@
 --[[ A task as its owner sees it, with its place in line. A finished task read by its owner
 has been delivered: it keeps only a short TTL, it leaves the outbox (no need to write a row
 now), and its id is scheduled for deletion from SQL once that TTL has run out; not while its
-webhook is due (field `hook`): the webhook sender needs it, and sets its TTL after.
+webhook is due (field `hook`): the webhook sender needs it, and sets its TTL after. A dead
+letter (`failed`, `expired`) is never delivered: it stays for operators, in SQL for the
+retention, read or not.
 KEYS[1] task    KEYS[2] queue    KEYS[3] stats of the endpoint    KEYS[4] outbox (ZSet)
 KEYS[5] delivered (ZSet of ids whose SQL row may go; score = from when)    KEYS[6] active
 ARGV[1] task id    ARGV[2] user id    ARGV[3] read TTL (ms); 0 = a peek that delivers nothing
@@ -22,7 +24,7 @@ if owner ~= ARGV[2] then return {} end
 local rank = redis.call('ZRANK', KEYS[2], ARGV[1])
 if not rank then
   local status = redis.call('HGET', KEYS[1], 'status')
-  if status ~= 'pending' and status ~= 'processing' and not hook then
+  if (status == 'completed' or status == 'cancelled') and not hook then
     local ttl = tonumber(ARGV[3])
     local left = redis.call('PTTL', KEYS[1])  -- -1: no TTL, still waiting for SQL
     if ttl > 0 and (left > ttl or left == -1) then

@@ -289,7 +289,7 @@ async def test_operator_acts_from_the_dashboard(
     await asyncio.sleep(0.5)
     await expect(pending).to_have_text("5")
     await purge.click()
-    await expect(page.locator("#notice")).to_have_text("act: 5 pending tasks cancelled")
+    await expect(page.locator("#notice")).to_have_text("act: 5 tasks cancelled")
     await expect(pending).to_have_text("0")
     for t in waiting:
         assert (await gateway.status(auth, t["task_id"]))["task_status"] == "cancelled"
@@ -400,3 +400,73 @@ async def test_ten_endpoints_fit_a_1280_pixel_screen_with_a_favicon(
     r = httpx.get(icon)
     assert r.status_code == 200 and r.headers["content-type"].startswith("image/"), r
     assert httpx.get(f"{served}/favicon.ico").status_code == 200  # what browsers ask for
+
+
+async def test_dead_letters_searched_and_retried_from_the_dashboard(
+    gateway: Gateway, served: str, fresh_upstream: str, browser: object
+) -> None:
+    """The search panel: failed tasks of every endpoint in one tab, any task found by its id
+    or the id's beginning, and "retry all shown" after a confirm runs each again."""
+    from playwright.async_api import Browser, Dialog, expect
+
+    assert isinstance(browser, Browser)
+    for e in ("dl-x", "dl-y"):
+        await gateway.add_endpoint(e, f"{fresh_upstream}/{e}", max_retries=0)
+    auth = await gateway.new_key(user_id=5)
+    ids = [(await gateway.submit(auth, f"{fresh_upstream}/{e}", body=f"{e}{i}",
+                                 headers={"X-Mock-Status": ["500"]}))["task_id"]
+           for e in ("dl-x", "dl-y") for i in range(2)]
+    for tid in ids:
+        for _ in range(100):
+            if (await _admin(served, "GET", f"/admin/v1/tasks/{tid}"))["task_status"] == \
+                    "failed":
+                break
+            await asyncio.sleep(0.1)
+    page = await browser.new_page(viewport={"width": 1400, "height": 1000})
+    errors: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    await page.goto(f"{served}/dashboard#token={ADMIN}")
+    rows = page.locator("#search-rows tr")
+    await expect(rows).to_have_count(4, timeout=10_000)  # the failed tab, every endpoint
+    await expect(page.locator('#search-tabs button[data-status="failed"]')).to_have_attribute(
+        "aria-selected", "true")
+    assert sorted(await rows.evaluate_all("rs => rs.map(r => r.dataset.task)")) == sorted(ids)
+    await expect(page.locator("#search-rows")).to_contain_text("dl-y")
+
+    # Any task by its id's beginning, or whole.
+    await page.locator("#search-id").fill(ids[2][:34])  # through the dot: one endpoint's
+    await page.locator("#search-form button").click()
+    await expect(rows).to_have_count(1)
+    await expect(rows.first).to_have_attribute("data-task", ids[2])
+    await page.locator("#search-id").fill(ids[0])
+    await page.locator("#search-id").press("Enter")
+    await expect(page.locator("#search-info")).to_have_text("failed task of dl-x")
+    await page.locator("#search-id").fill("NOT AN ID")
+    await page.locator("#search-form button").click()
+    await expect(page.locator("#search-info")).to_contain_text("cannot search")
+
+    # Retry all shown: dismissed, nothing runs; accepted, each runs again.
+    answers = iter([False, True])
+
+    async def answer(dialog: Dialog) -> None:
+        assert "Run the 4 failed tasks shown again" in dialog.message
+        await (dialog.accept() if next(answers) else dialog.dismiss())
+
+    page.on("dialog", answer)
+    await page.locator('#search-tabs button[data-status="failed"]').click()
+    await expect(rows).to_have_count(4)
+    retry = page.locator("#retry-shown")
+    await retry.click()
+    await asyncio.sleep(0.5)
+    assert len(mock_log(fresh_upstream)) == 4
+    ARTIFACTS.mkdir(exist_ok=True)
+    await page.screenshot(path=str(ARTIFACTS / "dashboard-dead-letters.png"), full_page=True)
+    await retry.click()
+    await expect(page.locator("#notice")).to_have_text("4 of 4 tasks run again")
+    for _ in range(100):
+        if len(mock_log(fresh_upstream)) == 8:
+            break
+        await asyncio.sleep(0.1)
+    assert sorted(c["body"] for c in mock_log(fresh_upstream)) == sorted(
+        [f"{e}{i}" for e in ("dl-x", "dl-y") for i in range(2)] * 2)
+    assert errors == []

@@ -184,6 +184,7 @@ class Scripts:
     sent: Lua
     retry: Lua
     requeue: Lua
+    revive: Lua
     purge: Lua
     hookclaim: Lua
     hookretry: Lua

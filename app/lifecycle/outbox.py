@@ -20,7 +20,7 @@ from redis.asyncio import Redis
 
 from app.core.keys import Keys
 from app.core.scripts import Lua, source
-from app.lifecycle.records import ROW_FIELDS
+from app.lifecycle.records import REQUEST_FIELDS, ROW_FIELDS
 
 T = TypeVar("T")
 
@@ -94,6 +94,13 @@ class Outbox:
             for (tid, _), reply in zip(group, replies, strict=True):
                 out[tid] = _record(reply, waiting.legacy)
         return out
+
+    async def requests(self, endpoint: str, task_ids: list[str]) -> dict[str, dict[str, Any]]:
+        """The request fields of these tasks (dead letters: few), one reply."""
+        k = self.keys
+        replies = await self._rows(keys=[k.task(t) for t in task_ids], args=REQUEST_FIELDS)
+        return {t: dict(zip(REQUEST_FIELDS, r, strict=True))
+                for t, r in zip(task_ids, replies, strict=True)}
 
     async def saved(self, waiting: Waiting, task_ids: list[str], done_ms: int) -> None:
         """These tasks' rows committed (or they can never have one): out of the outbox."""

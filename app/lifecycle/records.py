@@ -14,6 +14,12 @@ EPOCH = datetime(1970, 1, 1)
 #: The fields of a task hash a task_results row is made of.
 ROW_FIELDS = ("user_id", "type", "status", "result", "result_status_code", "attempts",
               "created_at", "started_at", "ended_at", "priority", "result_meta")
+#: Endings kept for operators, with their request, whether or not their owner read them.
+DEAD_LETTERS = frozenset({"failed", "expired"})
+#: The fields of a dead letter's hash its `request` keeps, enough to run it again.
+REQUEST_FIELDS = ("method", "url", "headers", "query", "body", "score", "cost", "client_ts",
+                  "callback_url", "key_id")
+MAX_KEPT_BODY = 64 * 1024  # characters of a dead letter's body kept (the rest: cut, marked)
 
 
 def from_ms(ms: Any) -> datetime | None:
@@ -55,9 +61,29 @@ def row_from(task_id: str, rec: dict[str, Any]) -> dict[str, Any]:
         "result_status_code": _opt_int(rec.get("result_status_code")),
         "attempts": _opt_int(rec.get("attempts")) or 0, "created_at": created,
         "started_at": from_ms(rec.get("started_at")), "ended_at": from_ms(rec.get("ended_at")),
-        "priority": _opt_int(rec.get("priority")),
+        "priority": _opt_int(rec.get("priority")), "request": _opt_str(rec.get("request")),
         "result_meta": rec.get("result_meta") or None,
     }
+
+
+def request_of(fields: dict[str, Any], forwarded: frozenset[str] | None) -> str | None:
+    """A dead letter's request (REQUEST_FIELDS of its hash) as its row keeps it: JSON, only
+    the headers its endpoint forwards (`forwarded`, lower case; None: endpoint gone, none),
+    the body cut at MAX_KEPT_BODY (`body_truncated`: it cannot be replayed from SQL)."""
+    if fields.get("method") is None:
+        return None
+    headers = json.loads(fields.get("headers") or "{}")
+    kept = {name: values for name, values in headers.items()
+            if forwarded is not None and name.lower() in forwarded}
+    body = str(fields.get("body") or "")
+    out: dict[str, Any] = {
+        "method": fields["method"], "url": fields.get("url"), "headers": kept,
+        "query": json.loads(fields.get("query") or "{}"), "body": body[:MAX_KEPT_BODY],
+        "body_truncated": len(body) > MAX_KEPT_BODY}
+    for name in ("score", "cost", "client_ts", "callback_url", "key_id"):
+        if fields.get(name) not in (None, ""):
+            out[name] = fields[name]
+    return json.dumps(out)
 
 
 def fields_of(row: Any) -> dict[str, str]:

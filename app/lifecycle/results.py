@@ -33,7 +33,7 @@ from app.core.loop import STORE_ERRORS
 from app.core.registry import EndpointRegistry
 from app.db import SQL_JOB_TIMEOUT_S, TaskResultRow, bounded
 from app.lifecycle.outbox import ROW_OVERHEAD, Outbox, Waiting, by_bytes, by_weight
-from app.lifecycle.records import row_from
+from app.lifecycle.records import DEAD_LETTERS, request_of, row_from
 
 log = logging.getLogger(__name__)
 
@@ -167,6 +167,7 @@ class OutboxWriter:
                 continue
             if row["status"] in ("completed", "failed", "cancelled", "expired"):
                 rows.append(row)  # else it runs again: it comes back here when it ends
+        await self._keep_requests(waiting.endpoint, rows)
         for i in range(0, len(rows), self.batch):
             chunk = rows[i:i + self.batch]
             try:
@@ -186,6 +187,18 @@ class OutboxWriter:
         # Only now, after the commit: a crash before this line only repeats the upserts.
         await self.outbox.saved(waiting, list(records), self.done_ms)
         return len(rows)
+
+    async def _keep_requests(self, endpoint_id: str, rows: list[dict[str, Any]]) -> None:
+        """Dead letters keep their request in their row, so an operator can run them again
+        once Redis let them go (docs/guides/dead-letters.md)."""
+        dead = [row for row in rows if row["status"] in DEAD_LETTERS]
+        if not dead:
+            return
+        endpoint = self.registry.get(endpoint_id)
+        forwarded = endpoint.forwarded if endpoint is not None else None
+        fields = await self.outbox.requests(endpoint_id, [row["task_id"] for row in dead])
+        for row in dead:
+            row["request"] = request_of(fields[row["task_id"]], forwarded)
 
     async def _write_alone(self, row: dict[str, Any]) -> bool:
         """Write one row, without its result if it must; False unless it went in whole."""

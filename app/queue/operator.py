@@ -7,18 +7,21 @@ on their behalf, so an operator's cancel is exactly a user's cancel.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from typing import Any
 
 from sqlalchemy import select
 
 from app.core.keys import TASK_ID, endpoint_of
+from app.core.loop import STORE_ERRORS
 from app.core.registry import EndpointRegistry
 from app.db import bounded
 from app.errors import ApiError
-from app.lifecycle.records import fields_of
+from app.lifecycle.records import DEAD_LETTERS, fields_of
 from app.lifecycle.results import T
 from app.models import TaskStatus
+from app.queue.fairness import PRIORITY_STEP
 from app.queue.tasks import TaskQueue
 
 #: Tasks one purge script run cancels (it blocks Redis meanwhile: about a millisecond), and
@@ -31,11 +34,11 @@ async def show(queue: TaskQueue, registry: EndpointRegistry, task_id: str) -> di
     """The status fields, plus `user_id`, `endpoint` and the request (while Redis holds it)."""
     e = endpoint_of(task_id)
     raw = await queue.redis.hmget(queue.keys.task(task_id), ["user_id", *_REQUEST])
-    if raw[0] is None:  # Redis let it go: SQL keeps the ending, not the request
+    if raw[0] is None:  # Redis let it go: SQL keeps the ending (a dead letter's request too)
         row = await _row(queue, task_id)
         view = queue._view(task_id, fields_of(row), None, None, registry.get(e))
         return {**view.model_dump(mode="json"), "user_id": int(row.user_id), "endpoint": e,
-                "request": None}
+                "request": _kept_request(row)}
     user_id = int(raw[0])
     view = await queue.status(user_id, task_id, registry.get(e), deliver=False)
     req = dict(zip(_REQUEST, raw[1:], strict=True))
@@ -63,6 +66,7 @@ async def retry(queue: TaskQueue, task_id: str) -> dict[str, Any]:
         args=[task_id, e, queue.ttls.pending_ms, queue.ttls.done_ms],
     )
     if res[0] == "retried":
+        await _forget_row(queue, task_id)
         return {"task_id": task_id, "task_status": TaskStatus.PENDING.value,
                 "wait_num": int(res[1])}
     if res[0] == "gone":
@@ -72,10 +76,59 @@ async def retry(queue: TaskQueue, task_id: str) -> dict[str, Any]:
         raise ApiError(409, "task_not_retryable",
                        f"task {task_id!r} is {res[1]}; only a failed or expired task can be "
                        "retried", task_status=res[1])
-    row = await _row(queue, task_id)  # 404 if unknown
-    raise ApiError(409, "task_not_retryable",
-                   f"task {task_id!r} ({row.status}) is no longer held in Redis and its request "
-                   "is gone; submit it again", task_status=row.status)
+    return await _revive(queue, await _row(queue, task_id))  # 404 if unknown
+
+
+def _kept_request(row: Any) -> dict[str, Any] | None:
+    """A dead letter's request as its row keeps it (None for other endings)."""
+    if not row.request:
+        return None
+    req = json.loads(row.request)
+    return {"method": req["method"], "url": req["url"], "body": req["body"],
+            "body_truncated": req["body_truncated"], "headers": req["headers"],
+            "query_params": req["query"], "priority": int(row.priority or 0),
+            "timestamp": int(req["client_ts"]) if req.get("client_ts") else None}
+
+
+async def _revive(queue: TaskQueue, row: Any) -> dict[str, Any]:
+    """Run again a dead letter only SQL holds, with its original request and priority."""
+    task_id, e = str(row.task_id), str(row.endpoint)
+    if row.status not in DEAD_LETTERS:
+        raise ApiError(409, "task_not_retryable",
+                       f"task {task_id!r} is {row.status}; only a failed or expired task can "
+                       "be retried", task_status=row.status)
+    req = json.loads(row.request) if row.request else None
+    if req is None or req["body_truncated"]:
+        raise ApiError(409, "request_not_kept",
+                       f"task {task_id!r} ({row.status}) is no longer held in Redis and its "
+                       "request was not kept whole; submit it again", task_status=row.status)
+    k, priority = queue.keys, int(row.priority or 0)
+    fields: list[Any] = [
+        "user_id", row.user_id, "type", row.type, "priority", priority, "method", req["method"],
+        "url", req["url"], "body", req["body"], "headers", json.dumps(req["headers"]),
+        "query", json.dumps(req["query"]), "client_ts", req.get("client_ts", "")]
+    for name in ("cost", "callback_url", "key_id"):
+        if name in req:
+            fields += [name, req[name]]
+    score = req.get("score") or -priority * PRIORITY_STEP
+    res = await queue.scripts.revive(
+        keys=[k.task(task_id), k.queue(e), k.wake(e), k.live(e)],
+        args=[task_id, e, queue.ttls.pending_ms, queue.ttls.done_ms, score, *fields])
+    if res[0] == "exists":  # retried meanwhile (or now in Redis again): Redis's copy decides
+        return await retry(queue, task_id)
+    if res[0] == "gone":
+        raise ApiError(409, "endpoint_not_registered",
+                       f"the endpoint of task {task_id!r} is deleted; nothing would run it")
+    await _forget_row(queue, task_id)
+    return {"task_id": task_id, "task_status": TaskStatus.PENDING.value, "wait_num": int(res[1])}
+
+
+async def _forget_row(queue: TaskQueue, task_id: str) -> None:
+    """The old ending of a task running again: it is no dead letter any more (its next ending
+    writes the row anew). Best effort: a row left says `failed` until then."""
+    if queue.results is not None:
+        with contextlib.suppress(*STORE_ERRORS):
+            await bounded(queue.results.delete([task_id]))
 
 
 async def purge(queue: TaskQueue, endpoint_id: str) -> int:

@@ -25,7 +25,7 @@ from app.core.scripts import Scripts
 from app.endpoints import EndpointConfig
 from app.errors import ApiError
 from app.lifecycle import Ttls
-from app.lifecycle.records import fields_of
+from app.lifecycle.records import DEAD_LETTERS, fields_of
 from app.lifecycle.results import ResultStore
 from app.models import Permit, SubmitRequest, SubmitResponse, TaskStatus, TaskType, TaskView
 from app.queue.answers import EXTERNAL, ResultMeta
@@ -334,7 +334,7 @@ class TaskQueue:
         """A task's fields from SQL. Read by its owner, the row is delivered like a Redis
         copy: it goes once the read TTL has passed (NX: reading again does not postpone it)."""
         row = await self._finished_row(user_id, task_id)
-        if deliver:
+        if deliver and row.status not in DEAD_LETTERS:  # those stay for operators
             due = int(time.time() * 1000) + self.ttls.read_ms  # seconds of skew do not matter
             await self.redis.zadd(self.keys.delivered(endpoint_of(task_id)), {task_id: due},
                                   nx=True)

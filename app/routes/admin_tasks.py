@@ -3,14 +3,17 @@ endpoint's by status, retry, cancel, and purge an endpoint's pending tasks (admi
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Query
+from pydantic import BaseModel, ConfigDict, Field
 
 from app.auth import admin, runtime
 from app.errors import ApiError, expects
 from app.models import TaskStatus
-from app.queue import listing, operator
+from app.queue import bulk, listing, operator, search
+from app.queue.search import TaskFilter, utc
 from app.routes.admin import ERRORS
 from app.routes.tasks import _checked
 from app.runtime import Runtime
@@ -24,6 +27,60 @@ Status = Literal["pending", "processing", "completed", "failed", "cancelled", "e
 def _known(rt: Runtime, endpoint_id: str) -> None:
     if rt.registry.get(endpoint_id) is None:
         raise ApiError(404, "endpoint_not_found", f"no endpoint {endpoint_id!r}")
+
+
+#: An id prefix: what a task id is made of (hex, then a dot and the endpoint id).
+ID_PREFIX = r"^[0-9a-z._-]{1,97}$"
+
+
+class TaskFilterIn(BaseModel):
+    """The filter of a bulk retry or cancel (the search's query parameters, as JSON)."""
+
+    model_config = ConfigDict(extra="forbid")
+    status: Status | None = None
+    endpoint: str | None = Field(None, min_length=1, max_length=64)
+    since: datetime | None = None
+    until: datetime | None = None
+    id: str | None = Field(None, pattern=ID_PREFIX)
+
+    def filter(self) -> TaskFilter:
+        since, until = utc(self.since), utc(self.until)
+        if since is not None and until is not None and since >= until:
+            raise ApiError(422, "bad_filter", "since must come before until")
+        return TaskFilter(self.status, self.endpoint, since, until, self.id)
+
+
+@router.get("/tasks", operation_id="search_tasks")
+async def search_tasks(
+    rt: Rt, status: Status | None = None,
+    endpoint: Annotated[str | None, Query(min_length=1, max_length=64)] = None,
+    since: datetime | None = None, until: datetime | None = None,
+    id: Annotated[str | None, Query(pattern=ID_PREFIX)] = None,
+    limit: Annotated[int, Query(ge=1, le=listing.MAX_LIMIT)] = 50,
+    cursor: Annotated[str | None, Query(max_length=200, pattern=r"^-?\d{1,19}:\S+$")] = None,
+) -> dict[str, Any]:
+    """Every endpoint's tasks: finished ones (any status, or the one named) newest ending
+    first, filtered by endpoint, end time (`since` inclusive, `until` exclusive) and id
+    prefix; pending or processing ones of one endpoint in dispatch order. Dead letters
+    (`failed`, `expired`) carry their `last_error`. Pass `next_cursor` back as `cursor`."""
+    f = TaskFilterIn(status=status, endpoint=endpoint, since=since, until=until, id=id)
+    return await search.search(rt.queue, rt.registry, f.filter(), limit, cursor)
+
+
+@router.post("/tasks/retry", operation_id="retry_tasks")
+async def retry_tasks(body: TaskFilterIn, rt: Rt) -> dict[str, Any]:
+    """Run again every dead letter the filter matches (`status` "failed" or "expired"), each
+    with its original request and priority; answers how many matched and were retried (404
+    when none matched)."""
+    return await bulk.retry(rt.queue, rt.registry, body.filter())
+
+
+@router.post("/tasks/cancel", operation_id="cancel_tasks")
+async def cancel_tasks(body: TaskFilterIn, rt: Rt) -> dict[str, Any]:
+    """Cancel every pending and running task the filter matches (`status` "pending",
+    "processing" or none; times are when they were submitted); a running call is aborted.
+    Answers how many matched and were cancelled (404 when none matched)."""
+    return await bulk.cancel(rt.queue, rt.registry, body.filter())
 
 
 @router.get("/tasks/{task_id}", operation_id="show_task")

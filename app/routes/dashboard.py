@@ -50,6 +50,7 @@ _ASSETS = {
     "chart.js": ("chart.js", "text/javascript"),
     "app.js": ("dashboard.js", "text/javascript"),
     "actions.js": ("actions.js", "text/javascript"),
+    "search.js": ("search.js", "text/javascript"),
     "style.css": ("dashboard.css", "text/css"),
     "favicon.svg": ("favicon.svg", "image/svg+xml"),
 }

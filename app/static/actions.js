@@ -55,6 +55,7 @@ const enc = encodeURIComponent;
 
 function afterUpdate(queues) {
   if (polls++ % OVERVIEW_EVERY === 0) loadOverview();
+  if (typeof searchAfterPoll === "function") searchAfterPoll(); // search.js
   if (!historyLoaded) {
     historyLoaded = true;
     loadHistory(queues.slice().sort(busiestFirst).slice(0, 200).map((q) => q.id));
@@ -122,11 +123,12 @@ async function endpointAction(ev) {
       : `${id}: not changed: ${why(a)}`, !a.ok);
   } else {
     const pending = q ? fmt(q.pending, 0) : "all";
-    if (!confirm(`Cancel ${pending} pending tasks of ${id}? Their owners will see them cancelled.`)) {
+    if (!confirm(`Cancel ${pending} pending tasks of ${id}, and the running ones (their calls ` +
+      "are aborted)? Their owners will see them cancelled.")) {
       return;
     }
     const a = await admin("POST", `/admin/v1/endpoints/${enc(id)}/purge`);
-    notice(a.ok ? `${id}: ${fmt(a.body.cancelled, 0)} pending tasks cancelled`
+    notice(a.ok ? `${id}: ${fmt(a.body.cancelled, 0)} tasks cancelled`
       : `${id}: not purged: ${why(a)}`, !a.ok);
     if (tasksOf === id) loadTasks(false);
   }
@@ -231,10 +233,8 @@ async function showTask(id) {
     : "no longer held (only the ending is kept once Redis lets a task go)");
   setText($("detail-result"), t.task_result ?? "–");
   $("detail-retry").hidden = !["failed", "expired"].includes(t.task_status);
-  // An offline call in flight cannot be taken back (its cancel answers 409); an admitted
-  // online task can (it loses its permit).
-  $("detail-cancel").hidden = !(t.task_status === "pending"
-    || (t.task_status === "processing" && t.task_type === "online"));
+  // A running task too: an offline call is aborted, an online task loses its permit.
+  $("detail-cancel").hidden = !["pending", "processing"].includes(t.task_status);
 }
 
 $("task-rows").addEventListener("click", (ev) => {
