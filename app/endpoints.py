@@ -103,6 +103,9 @@ class EndpointSettings(StrictInput):
     fairness: Literal["fifo", "per_user"] = Field(
         "fifo", description="per_user: users with tasks waiting at the same priority take "
                             "turns, one task each a round; fifo: arrival order")
+    max_starvation_s: int | None = Field(
+        None, ge=1, le=86_400, description="a task waiting longer than this is served before "
+                                           "higher priorities; none: strict priority")
     limits: list[LimitSpec] = Field(
         default_factory=list, max_length=MAX_LIMITS,
         description="further limits enforced together with the main one (e.g. 3/s and 100/min "

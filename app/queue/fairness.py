@@ -8,10 +8,17 @@ from __future__ import annotations
 from redis.asyncio import Redis
 
 from app.core.keys import Keys
+from app.endpoints import EndpointConfig
 
 PRIORITY_STEP = 8_796_093_022_208  # 2^43: one priority band of a queue score (submit-11.lua)
 TURN_STEP = 8192  # 2^13: one turn inside a band (fairness.lua FAIR_TURN)
 MAX_TURN = 2**30 - 1  # fairness.lua FAIR_MAX_TURN: a band never reaches the next one
+
+
+def starvation_keys(endpoint: EndpointConfig) -> tuple[str, ...]:
+    """The arrival index's name (Keys.arrivals) for an endpoint that bounds starvation: submit
+    and claim take it after their other keys; nothing for the others."""
+    return ("arrivals",) if endpoint.max_starvation_s else ()
 
 
 async def fair_ahead(redis: Redis, keys: Keys, endpoint: str, priority: int,

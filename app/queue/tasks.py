@@ -28,7 +28,7 @@ from app.lifecycle import Ttls
 from app.lifecycle.records import fields_of
 from app.lifecycle.results import ResultStore
 from app.models import Permit, SubmitRequest, SubmitResponse, TaskStatus, TaskType, TaskView
-from app.queue.fairness import PRIORITY_STEP, fair_ahead
+from app.queue.fairness import PRIORITY_STEP, fair_ahead, starvation_keys
 from app.queue.ids import new_task_id
 from app.queue.reservations import Reservation, Reservations
 from app.settings import Settings
@@ -134,7 +134,8 @@ class TaskQueue:
         honour, idem_ttl, quota = user_args
         return (
             [k.queue(e), k.task(task_id), k.seq(e), k.wake(e), *user_keys, k.live(e),
-             *k.of(e, "deadlines", "stats", "active"), k.turns(e, req.priority)],
+             *k.of(e, "deadlines", "stats", "active"), k.turns(e, req.priority),
+             *k.of(e, *starvation_keys(endpoint))],
             [task_id, e, req.priority, endpoint.max_queue_len, pending_ms, honour, idem_ttl,
              quota, self.ttls.done_ms, "1" if own_deadline else "0",
              str(user_id) if endpoint.fairness == "per_user" else "",

@@ -1,0 +1,27 @@
+"""Admission that learns: endpoints.max_starvation_s
+
+Revision ID: 0014
+Revises: 0010
+Create Date: 2026-11-25
+
+`max_starvation_s` (docs/api.md): a task waiting longer is served before higher priorities
+(lua/includes/starvation.lua); none (the default) keeps strict priority.
+"""
+
+import sqlalchemy as sa
+
+from alembic import op
+
+revision = "0014"
+down_revision = "0010"
+branch_labels = None
+depends_on = None
+
+
+def upgrade() -> None:
+    op.add_column("endpoints", sa.Column("max_starvation_s", sa.Integer, nullable=True))
+
+
+def downgrade() -> None:
+    with op.batch_alter_table("endpoints") as batch:
+        batch.drop_column("max_starvation_s")
