@@ -21,6 +21,7 @@ from app.endpoints import EndpointConfig, EndpointPatch
 from app.models import ApiKeyCreate
 from app.settings import Settings
 from app.startup import Refused, hide_password, one_line, require_db
+from app.tiers import TierSettings
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine
@@ -67,6 +68,12 @@ def add_parsers(sub: Any) -> None:
     _action(keys, "list", "every key (never the key itself), as JSON", _key_list)
     _with_id(_action(keys, "revoke", "revoke a key at once, on every replica", _key_revoke,
                      needs_runtime=True), "key id (from `qgw keys list`)")
+
+    tiers = _group(sub, "tiers", "tiers of API keys: their weight on weighted endpoints")
+    put = _with_id(_action(tiers, "set", "set a tier's weight (default 1)", _tier_set,
+                           needs_runtime=True), "tier name, as the keys' tier")
+    add_options(put, TierSettings)
+    _action(tiers, "list", "every tier with a weight, as JSON", _tier_list, needs_runtime=True)
 
     tasks = _group(sub, "tasks", "any user's task, for operators")
     listed = _with_id(_action(tasks, "list", "a page of an endpoint's tasks of one status, as "
@@ -278,6 +285,24 @@ def _key_list(args: argparse.Namespace) -> Job:
 def _key_revoke(args: argparse.Namespace) -> Job:
     async def job(rt: Runtime) -> None:
         await rt.key_store.revoke(args.id)
+
+    return job
+
+
+# -- tiers -----------------------------------------------------------------------------------
+
+def _tier_set(args: argparse.Namespace) -> Job:
+    body = validate(TierSettings, given(args, TierSettings))
+
+    async def job(rt: Runtime) -> Any:
+        return (await rt.tiers.set(args.id, body.weight)).model_dump()
+
+    return job
+
+
+def _tier_list(args: argparse.Namespace) -> Job:
+    async def job(rt: Runtime) -> Any:
+        return [t.model_dump() for t in await rt.tiers.list()]
 
     return job
 

@@ -64,6 +64,16 @@ class EndpointRow(Base):
     updated_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow, onupdate=utcnow)
 
 
+class TierRow(Base):
+    """A tier of API keys and its weight in `fairness: weighted` shares (default 1)."""
+
+    __tablename__ = "tiers"
+
+    tier: Mapped[str] = mapped_column(String(32), primary_key=True)
+    weight: Mapped[int] = mapped_column(Integer)
+    updated_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow, onupdate=utcnow)
+
+
 class ApiKeyRow(Base):
     __tablename__ = "api_keys"
 

@@ -100,9 +100,11 @@ class EndpointSettings(StrictInput):
                     "Accept-Language, Content-Type, Content-Language, User-Agent and trace "
                     "context (traceparent, tracestate, baggage); names, case-insensitive")
     paused: bool = Field(False, description="stop dispatching; submits are still accepted")
-    fairness: Literal["fifo", "per_user"] = Field(
+    fairness: Literal["fifo", "per_user", "weighted"] = Field(
         "fifo", description="per_user: users with tasks waiting at the same priority take "
-                            "turns, one task each a round; fifo: arrival order")
+                            "turns, one task each a round; weighted: as many a round as "
+                            "their key's tier weighs (PUT /admin/v1/tiers/{tier}); fifo: "
+                            "arrival order")
     max_starvation_s: int | None = Field(
         None, ge=1, le=86_400, description="a task waiting longer than this is served before "
                                            "higher priorities; none: strict priority")

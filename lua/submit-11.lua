@@ -20,7 +20,8 @@ ARGV[8] daily quota (0 = none)    ARGV[9] done TTL (ms)
 ARGV[10] '1' when the pending TTL is the caller's deadline (max_wait_s), which may come before
          that of tasks ahead: the deadline set (KEYS[8]) holds it for the sweep
 ARGV[11] '' (fairness fifo) or the submitting user's id (fairness per_user: the score is by
-         turns, lua/includes/fairness.lua, and the deadline set holds every task)
+         turns, lua/includes/fairness.lua, and the deadline set holds every task), or
+         "<user id>/<weight>" (fairness weighted: turns of 1/weight)
 ARGV[12] the task's cost, for the average the wait estimate counts tasks ahead at ('' = the
          endpoint has no per-cost limit: nothing kept)
 ARGV[13..] field, value pairs

@@ -1,11 +1,12 @@
-"""Admission that learns: endpoints.max_starvation_s
+"""Admission that learns: endpoints.max_starvation_s, the tiers table
 
 Revision ID: 0014
 Revises: 0010
 Create Date: 2026-11-25
 
 `max_starvation_s` (docs/api.md): a task waiting longer is served before higher priorities
-(lua/includes/starvation.lua); none (the default) keeps strict priority.
+(lua/includes/starvation.lua); none (the default) keeps strict priority. `tiers`: each tier's
+weight on `fairness: "weighted"` endpoints (app/tiers.py); a tier not listed weighs 1.
 """
 
 import sqlalchemy as sa
@@ -20,8 +21,15 @@ depends_on = None
 
 def upgrade() -> None:
     op.add_column("endpoints", sa.Column("max_starvation_s", sa.Integer, nullable=True))
+    op.create_table(
+        "tiers",
+        sa.Column("tier", sa.String(32), primary_key=True),
+        sa.Column("weight", sa.Integer, nullable=False),
+        sa.Column("updated_at", sa.DateTime, nullable=False),
+    )
 
 
 def downgrade() -> None:
+    op.drop_table("tiers")
     with op.batch_alter_table("endpoints") as batch:
         batch.drop_column("max_starvation_s")

@@ -236,6 +236,11 @@ class Keys:
     def api_keys(self) -> str:
         return f"{self._registry}:apikeys"
 
+    @property
+    def tiers(self) -> str:
+        """The tier table's mirror (tier -> its weight, app/tiers.py)."""
+        return f"{self._registry}:tiers"
+
     def withdrawn(self, table: str) -> str:
         """Prefix of the markers of rows withdrawn ahead of their SQL delete."""
         return f"{self._registry}:lock:withdrawn:{table}:"
