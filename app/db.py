@@ -60,6 +60,8 @@ class EndpointRow(Base):
     cost_from: Mapped[str | None] = mapped_column(String(200), nullable=True)
     fairness: Mapped[str] = mapped_column(String(16), default="fifo")
     max_starvation_s: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    concurrency: Mapped[str] = mapped_column(String(16), default="fixed")
+    min_concurrency: Mapped[int] = mapped_column(Integer, default=1)
     created_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow, onupdate=utcnow)
 

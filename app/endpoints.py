@@ -7,7 +7,7 @@ from functools import cached_property
 from typing import Annotated, Literal
 from urllib.parse import urlsplit
 
-from pydantic import ConfigDict, Field, StringConstraints, field_validator
+from pydantic import ConfigDict, Field, StringConstraints, field_validator, model_validator
 
 from app.models import ENDPOINT_ID, HTTP_URL, Method, StrictInput
 
@@ -80,7 +80,13 @@ class EndpointSettings(StrictInput):
     limiter: Limiter = "sliding_window"
     rate: int = Field(0, ge=0, le=1_000_000, description="admissions per interval; 0 = unlimited")
     interval_ms: int = Field(1000, ge=1, le=86_400_000)
-    max_concurrency: int = Field(0, ge=0, le=100_000, description="0 = unlimited")
+    max_concurrency: int = Field(0, ge=0, le=100_000, description="0 = unlimited; adaptive: "
+                                                                  "the most it may learn")
+    concurrency: Literal["fixed", "adaptive"] = Field(
+        "fixed", description="adaptive: the cap follows the upstream's latency and refusals, "
+                             "between min_concurrency and max_concurrency, learnt in Redis by "
+                             "every dispatcher")
+    min_concurrency: int = Field(1, ge=1, le=100_000, description="adaptive: the least cap")
     avg_exec_ms: int = Field(1000, ge=1, le=86_400_000)
     timeout_ms: int = Field(30_000, ge=1, le=3_600_000)
     max_retries: int = Field(3, ge=0, le=100)
@@ -160,6 +166,15 @@ class EndpointSettings(StrictInput):
 
 class EndpointConfig(EndpointSettings):
     id: Annotated[str, StringConstraints(pattern=ENDPOINT_ID)]
+
+    @model_validator(mode="after")
+    def _adaptive_bounds(self) -> EndpointConfig:
+        # Checked on the whole endpoint (a PATCH may set one bound and keep the other).
+        if self.concurrency == "adaptive" and not (
+                0 < self.min_concurrency <= self.max_concurrency):
+            raise ValueError("concurrency adaptive needs max_concurrency of at least "
+                             "min_concurrency")
+        return self
 
     @property
     def key(self) -> tuple[str, str, int, str]:

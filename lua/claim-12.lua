@@ -16,7 +16,9 @@ none admitting (limits.lua); their state and pace keys are KEYS[13..]. A per-cos
 the task's `cost` field.
 After the further limits (ARGV[12] then, 0 when there are none): the starvation bound (ms; 0 or
 absent = none: strict priority), and with one, the arrival index (Keys.arrivals) after the
-limits' keys: a task that has waited longer is claimed first (starvation.lua).
+limits' keys: a task that has waited longer is claimed first (starvation.lua); then the minimum
+concurrency of an adaptive endpoint (0 or absent = fixed: ARGV[3] is the cap), whose cap is
+then the learnt one (adaptive.lua), ARGV[3] its maximum.
 An endpoint its upstream paused (upstream.lua) is 'limited' until then, then claims one probe;
 one whose upstream said how many calls remain before its reset (budget-2.lua) claims no more
 than that until then.
@@ -37,6 +39,7 @@ Task hashes of ids read here are built from ARGV[8] (prefix), same hash tag.
 --@include events.lua
 --@include limits.lua
 --@include starvation.lua
+--@include adaptive.lua
 
 redis.call('ZREM', KEYS[5], ARGV[1])  -- this attempt consumes any scheduled retry
 
@@ -47,6 +50,7 @@ local guard = tonumber(ARGV[11])
 local nlim = tonumber(ARGV[12]) or 0
 local bound = tonumber(ARGV[13 + 5 * nlim]) or 0  -- starvation.lua
 local arrivals = KEYS[13 + 2 * nlim]
+local min_cap = tonumber(ARGV[14 + 5 * nlim]) or 0  -- adaptive.lua
 -- With further limits, the main one is checked among them (undone if another refuses).
 local limits = lim_parse(ARGV, 12, KEYS, 13)
 if #limits > 0 and rate > 0 then
@@ -85,6 +89,7 @@ if budget and n > 0 then
   else n = math.min(n, budget) end
 end
 
+if min_cap > 0 then cap = adaptive_cap(stats, min_cap, cap) end
 -- Its active count, read once and kept as this run adds to it (no ZCARD per task).
 local active = cap > 0 and redis.call('ZCARD', KEYS[2]) or 0
 local waits = {}  -- queue_wait_ms observations (stats_tally), written once at the end

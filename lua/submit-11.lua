@@ -30,7 +30,7 @@ it), and its hash lives a done TTL longer, so its status can still say `expired`
 Returns {'ok', task id, rank, created_at} | {'dup', first task id} | {'full'} |
 {'quota', ms until the quota resets} | {'gone'} (the endpoint is deleted)
 measured = {exec ms, slot ms, in flight, last admission, upstream pause until, now, limited
-until, average cost} (app/queue/tasks.py MEASURED_FIELDS)
+until, average cost, adaptive limit} (app/queue/tasks.py MEASURED_FIELDS)
 ]]
 --@include now.lua
 --@include fairness.lua
@@ -88,6 +88,6 @@ if quota > 0 and redis.call('INCR', KEYS[6]) == 1 then
 end
 -- What the wait estimate needs (app/queue/tasks.py estimate_wait), in the same round trip.
 local m = redis.call('HMGET', KEYS[9], 'exec_ms', 'slot_ms', 'last_admit', 'upause',
-  'limited_until', 'cost_avg')
-local measured = {m[1], m[2], redis.call('ZCARD', KEYS[10]), m[3], m[4], now, m[5], m[6]}
+  'limited_until', 'cost_avg', 'alimit')
+local measured = {m[1], m[2], redis.call('ZCARD', KEYS[10]), m[3], m[4], now, m[5], m[6], m[7]}
 return {'ok', ARGV[1], redis.call('ZRANK', KEYS[1], ARGV[1]), now, measured}

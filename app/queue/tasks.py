@@ -359,8 +359,9 @@ def wait_seconds(endpoint: EndpointConfig | None, ahead: int, measured: Any) -> 
 
 # The stats fields the wait estimate reads (status-6.lua and submit-11.lua read the same, in
 # this order, into `measured`: {exec, slot, in flight, last admission, upstream pause, now,
-# limited until, average cost}).
-MEASURED_FIELDS = ("exec_ms", "slot_ms", "last_admit", "upause", "limited_until", "cost_avg")
+# limited until, average cost, adaptive limit}).
+MEASURED_FIELDS = ("exec_ms", "slot_ms", "last_admit", "upause", "limited_until", "cost_avg",
+                   "alimit")
 PACED_COST_MS = 60_000  # per-cost sliding limits up to this long pace units (limits.lua)
 
 
@@ -387,11 +388,12 @@ def estimate_wait(endpoint: EndpointConfig | None, ahead: int, measured: Any) ->
     """
     if endpoint is None:
         return 0.0
-    m = [*measured, *[None] * 8][:8] if isinstance(measured, (list, tuple)) else [measured]
-    exec_ms, slot_ms, flight, last_admit, paused_until, now, limited, cost = [*m, *[None] * 8][:8]
+    m = [*measured, *[None] * 9][:9] if isinstance(measured, (list, tuple)) else [measured]
+    exec_ms, slot_ms, flight, last_admit, paused_until, now, limited, cost, learnt = \
+        [*m, *[None] * 9][:9]
     in_flight = int(flight) if flight is not None else None
     wait = 0.0
-    cap = endpoint.max_concurrency
+    cap = current_cap(endpoint, learnt)
     if cap == 0 and endpoint.rate == 0 and in_flight:
         # No limit of its own: with tasks in line, what runs now is all the dispatchers give
         # it (their capacity), and that observed parallelism sets the pace.
@@ -409,6 +411,15 @@ def estimate_wait(endpoint: EndpointConfig | None, ahead: int, measured: Any) ->
     if paused_until and now_ms and int(paused_until) > now_ms:
         wait += (int(paused_until) - now_ms) / 1000  # its upstream admits nothing till then
     return round(wait, 3)
+
+
+def current_cap(endpoint: EndpointConfig, learnt: Any) -> int:
+    """The cap the claim admits to now: the configured one, or an adaptive endpoint's learnt
+    limit (lua/includes/adaptive.lua `alimit`; its minimum until one is learnt)."""
+    if endpoint.concurrency != "adaptive":
+        return endpoint.max_concurrency
+    limit = math.floor(float(learnt)) if learnt else endpoint.min_concurrency
+    return min(endpoint.max_concurrency, max(endpoint.min_concurrency, limit))
 
 
 def _limits_wait(endpoint: EndpointConfig, ahead: int, head: float, last_admit: Any,
