@@ -24,6 +24,7 @@ from app.models import ApiKeyCreate
 from app.secrets import AS_IS, MASK
 from app.settings import Settings
 from app.startup import Refused, hide_password, one_line, require_db
+from app.tiers import TierSettings
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine
@@ -76,6 +77,12 @@ def add_parsers(sub: Any) -> None:
     _action(secrets, "rotate", "encrypt every endpoint's upstream_headers again with "
             "QGW_SECRETS_KEY (run with the old key as QGW_SECRETS_KEY_PREVIOUS)",
             _secrets_rotate, needs_runtime=True)
+
+    tiers = _group(sub, "tiers", "tiers of API keys: their weight on weighted endpoints")
+    put = _with_id(_action(tiers, "set", "set a tier's weight (default 1)", _tier_set,
+                           needs_runtime=True), "tier name, as the keys' tier")
+    add_options(put, TierSettings)
+    _action(tiers, "list", "every tier with a weight, as JSON", _tier_list, needs_runtime=True)
 
     tasks = _group(sub, "tasks", "any user's task, for operators")
     listed = _action(tasks, "list", "a page of tasks as JSON: an endpoint's pending or "
@@ -332,6 +339,24 @@ def _key_revoke(args: argparse.Namespace) -> Job:
 def _secrets_rotate(args: argparse.Namespace) -> Job:
     async def job(rt: Runtime) -> Any:
         return {"key_id": rt.settings.keyring.current_id, **await rt.endpoints.reseal()}
+
+    return job
+
+
+# -- tiers -----------------------------------------------------------------------------------
+
+def _tier_set(args: argparse.Namespace) -> Job:
+    body = validate(TierSettings, given(args, TierSettings))
+
+    async def job(rt: Runtime) -> Any:
+        return (await rt.tiers.set(args.id, body.weight)).model_dump()
+
+    return job
+
+
+def _tier_list(args: argparse.Namespace) -> Job:
+    async def job(rt: Runtime) -> Any:
+        return [t.model_dump() for t in await rt.tiers.list()]
 
     return job
 

@@ -44,6 +44,7 @@ HELP = {
     "tier": "a label for the key's user",
     "max_priority": "the highest priority the key may submit",
     "daily_quota": "tasks a day",
+    "weight": "tasks a round its users take on a weighted endpoint",
 }
 _FALSY, _TRUTHY = ("no", "false", "off", "0"), ("yes", "true", "on", "1")
 _LIMITS_FORMAT = ("comma-separated N/s, N/min, N/h, N/day, N/10s or N/500ms, each "

@@ -62,7 +62,20 @@ class EndpointRow(Base):
     #: name -> value sealed with AES-GCM (app/secrets.py); never a plain value.
     upstream_headers: Mapped[dict[str, str] | None] = mapped_column(JSON, nullable=True,
                                                                      default=dict)
+    max_starvation_s: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    concurrency: Mapped[str] = mapped_column(String(16), default="fixed")
+    min_concurrency: Mapped[int] = mapped_column(Integer, default=1)
     created_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow, onupdate=utcnow)
+
+
+class TierRow(Base):
+    """A tier of API keys and its weight in `fairness: weighted` shares (default 1)."""
+
+    __tablename__ = "tiers"
+
+    tier: Mapped[str] = mapped_column(String(32), primary_key=True)
+    weight: Mapped[int] = mapped_column(Integer)
     updated_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow, onupdate=utcnow)
 
 

@@ -14,6 +14,7 @@ from pydantic import (
     StringConstraints,
     field_serializer,
     field_validator,
+    model_validator,
 )
 
 from app.errors import expects
@@ -101,7 +102,13 @@ class EndpointSettings(StrictInput):
     limiter: Limiter = "sliding_window"
     rate: int = Field(0, ge=0, le=1_000_000, description="admissions per interval; 0 = unlimited")
     interval_ms: int = Field(1000, ge=1, le=86_400_000)
-    max_concurrency: int = Field(0, ge=0, le=100_000, description="0 = unlimited")
+    max_concurrency: int = Field(0, ge=0, le=100_000, description="0 = unlimited; adaptive: "
+                                                                  "the most it may learn")
+    concurrency: Literal["fixed", "adaptive"] = Field(
+        "fixed", description="adaptive: the cap follows the upstream's latency and refusals, "
+                             "between min_concurrency and max_concurrency, learnt in Redis by "
+                             "every dispatcher")
+    min_concurrency: int = Field(1, ge=1, le=100_000, description="adaptive: the least cap")
     avg_exec_ms: int = Field(1000, ge=1, le=86_400_000)
     timeout_ms: int = Field(30_000, ge=1, le=3_600_000)
     max_retries: int = Field(3, ge=0, le=100)
@@ -121,9 +128,14 @@ class EndpointSettings(StrictInput):
                     "Accept-Language, Content-Type, Content-Language, User-Agent and trace "
                     "context (traceparent, tracestate, baggage); names, case-insensitive")
     paused: bool = Field(False, description="stop dispatching; submits are still accepted")
-    fairness: Literal["fifo", "per_user"] = Field(
+    fairness: Literal["fifo", "per_user", "weighted"] = Field(
         "fifo", description="per_user: users with tasks waiting at the same priority take "
-                            "turns, one task each a round; fifo: arrival order")
+                            "turns, one task each a round; weighted: as many a round as "
+                            "their key's tier weighs (PUT /admin/v1/tiers/{tier}); fifo: "
+                            "arrival order")
+    max_starvation_s: int | None = Field(
+        None, ge=1, le=86_400, description="a task waiting longer than this is served before "
+                                           "higher priorities; none: strict priority")
     limits: list[LimitSpec] = Field(
         default_factory=list, max_length=MAX_LIMITS,
         description="further limits enforced together with the main one (e.g. 3/s and 100/min "
@@ -208,6 +220,15 @@ class EndpointSettings(StrictInput):
 
 class EndpointConfig(EndpointSettings):
     id: Annotated[str, StringConstraints(pattern=ENDPOINT_ID)]
+
+    @model_validator(mode="after")
+    def _adaptive_bounds(self) -> EndpointConfig:
+        # Checked on the whole endpoint (a PATCH may set one bound and keep the other).
+        if self.concurrency == "adaptive" and not (
+                0 < self.min_concurrency <= self.max_concurrency):
+            raise ValueError("concurrency adaptive needs max_concurrency of at least "
+                             "min_concurrency")
+        return self
 
     @property
     def key(self) -> tuple[str, str, int, str]:

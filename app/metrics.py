@@ -82,6 +82,8 @@ def _endpoint_gauges(now_ms: int) -> tuple[tuple[str, str, Callable[[EndpointSta
          lambda s: None if s.slot_ms is None else s.slot_ms / 1000),
         ("qgw_endpoint_max_concurrency", "Configured cap on tasks in flight",
          lambda s: s.endpoint.max_concurrency),
+        ("qgw_endpoint_adaptive_limit", "The cap an adaptive endpoint has learnt (absent when "
+         "its cap is fixed)", lambda s: s.adaptive_limit),
         ("qgw_endpoint_rate_limit_per_second", "Configured admissions a second (rate over "
          "interval; absent when unlimited)",
          lambda s: s.endpoint.rate * 1000 / s.endpoint.interval_ms if s.endpoint.rate else None),

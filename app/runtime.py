@@ -35,6 +35,7 @@ from app.queue.upstream import upstream_client
 from app.queue.webhooks import WebhookSender
 from app.settings import Settings
 from app.store import ApiKey, EndpointStore, KeyStore
+from app.tiers import Tier, TierStore
 
 log = logging.getLogger(__name__)
 #: A delete under way keeps its endpoint out of the registry for this long at most: well past
@@ -65,6 +66,7 @@ class Runtime:
     api_keys: Mirror[ApiKey] = field(init=False)
     endpoints: EndpointStore = field(init=False)
     key_store: KeyStore = field(init=False)
+    tiers: TierStore = field(init=False)
     queue: TaskQueue = field(init=False)
     events: TaskEvents = field(init=False)  # waiters' status changes (?wait=, the SSE stream)
     dispatcher: Dispatcher | None = field(default=None, init=False)
@@ -99,11 +101,15 @@ class Runtime:
         self.api_keys = Mirror(self.redis, self.keys, "api_keys", lambda d: ApiKey(**d),
                                lambda: self.key_store.load_all())
         self.endpoints = EndpointStore(self.engine, ep_mirror, s.keyring)
+        tiers: Mirror[Tier] = Mirror(self.redis, self.keys, "tiers", lambda d: Tier(**d),
+                                     lambda: self.tiers.load_all())
+        self.tiers = TierStore(self.engine, tiers)
         self.key_store = KeyStore(self.engine, self.api_keys)
         self.registry = EndpointRegistry(ep_mirror)
-        self.queue = TaskQueue(self.redis, self.keys, scripts, s, ResultStore(self.engine))
+        self.queue = TaskQueue(self.redis, self.keys, scripts, s, ResultStore(self.engine),
+                               tiers)
         self.events = TaskEvents(self.redis, self.keys)
-        for mirror in (ep_mirror, self.api_keys):
+        for mirror in (ep_mirror, self.api_keys, tiers):
             await mirror.refresh()
             self._watchers.append(asyncio.create_task(mirror.watch()))
             self._watchers.append(asyncio.create_task(mirror.keep_reconciled()))

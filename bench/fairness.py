@@ -9,8 +9,12 @@ against the bound users x its task count, and that call's time since the first c
 is 1 / rate s; a call ends 5 ms later); and Jain's fairness index (sum x)^2 / (n sum x^2) of
 the calls each user got while every user still had tasks waiting (from the first call to the
 first user's last one), which is 1.0 when they share equally and 1/n when one user takes all.
+Then `weighted`: users of tiers weighing 3, 2 and 1 (PUT /admin/v1/tiers) submit 3, 2 and 1 x
+--weighted tasks to a paused endpoint, unpaused at once: each user's share of the calls while
+all still waited, against its weight's share (50/33/17%), and the worst of every window of 200
+consecutive calls (the largest deviation from a share, relative to it).
 Loopback only; with the defaults (5,000 + 4 x 20 tasks at 200/s) about a minute a mode.
-Usage: python bench/fairness.py [--big N] [--small N] [--rate R]
+Usage: python bench/fairness.py [--big N] [--small N] [--rate R] [--weighted N]
 """
 
 from __future__ import annotations
@@ -76,6 +80,48 @@ async def run_mode(http: httpx.AsyncClient, keys: dict[str, dict[str, str]], ups
           f"{index:.3f}")
 
 
+WEIGHTS = {"gold": 3, "silver": 2, "bronze": 1}
+WINDOW = 200
+
+
+async def run_weighted(http: httpx.AsyncClient, upstream: str, args: argparse.Namespace) -> None:
+    admin, ep = {"Authorization": f"Bearer {ADMIN}"}, "fair-weighted"
+    url = f"{upstream}/{ep}"
+    r = await http.post("/admin/v1/endpoints", headers=admin, json={
+        "id": ep, "target_url": url, "rate": args.rate, "interval_ms": 1000,
+        "fairness": "weighted", "paused": True, "max_queue_len": 0})
+    r.raise_for_status()
+    sem, owner = asyncio.Semaphore(SUBMITTERS), {}
+
+    async def submit(tier: str, key: dict[str, str]) -> None:
+        async with sem:
+            r = await http.post("/api/v1/tasks", headers=key, json={"target_url": url})
+            r.raise_for_status()
+            owner[r.json()["task_id"]] = tier
+
+    for n, (tier, weight) in enumerate(WEIGHTS.items(), 100):
+        (await http.put(f"/admin/v1/tiers/{tier}", headers=admin,
+                        json={"weight": weight})).raise_for_status()
+        r = await http.post("/admin/v1/api-keys", headers=admin,
+                            json={"user_id": n, "tier": tier})
+        key = {"Authorization": f"Bearer {r.json()['key']}"}
+        await asyncio.gather(*(submit(tier, key) for _ in range(weight * args.weighted)))
+    (await http.patch(f"/admin/v1/endpoints/{ep}", headers=admin,
+                      json={"paused": False})).raise_for_status()
+    order = [owner[tid] for _, tid in await _calls(upstream, ep, len(owner))]
+    last = min(max(i for i, o in enumerate(order) if o == t) for t in WEIGHTS) + 1
+    total = sum(WEIGHTS.values())
+    worst = max(abs(order[s:s + WINDOW].count(t) - WINDOW * w / total) / (WINDOW * w / total)
+                for s in range(max(1, last - WINDOW + 1)) for t, w in WEIGHTS.items())
+    sizes = " + ".join(f"{w * args.weighted} ({t}, weight {w})" for t, w in WEIGHTS.items())
+    print(f"[weighted] {sizes} tasks at {args.rate}/s")
+    for tier, weight in WEIGHTS.items():
+        got = order[:last].count(tier) / last
+        print(f"  {tier:<7} share of the first {last} calls {got:6.1%}"
+              f"  (weight's share {weight / total:6.1%})")
+    print(f"  worst deviation from a share over any {WINDOW} consecutive calls: {worst:.1%}")
+
+
 async def _calls(upstream: str, ep: str, total: int) -> list[tuple[float, str]]:
     """(time ms, task id) of the endpoint's calls in the order the upstream got them."""
     async with httpx.AsyncClient(base_url=upstream, timeout=60) as mock:
@@ -110,6 +156,7 @@ async def main(args: argparse.Namespace) -> None:
                 keys[user] = {"Authorization": f"Bearer {r.json()['key']}"}
             for mode in ("fifo", "per_user"):
                 await run_mode(http, keys, f"http://127.0.0.1:{mock_port}", mode, args)
+            await run_weighted(http, f"http://127.0.0.1:{mock_port}", args)
     finally:
         for proc in procs:
             stop(proc)
@@ -121,4 +168,6 @@ if __name__ == "__main__":
     parser.add_argument("--big", type=int, default=5000)
     parser.add_argument("--small", type=int, default=20)
     parser.add_argument("--rate", type=int, default=200)
+    parser.add_argument("--weighted", type=int, default=300,
+                        help="tasks per unit of weight in the weighted case")
     asyncio.run(main(parser.parse_args()))

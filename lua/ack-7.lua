@@ -25,6 +25,7 @@ Finished tasks go to the endpoint's outbox (see lua/includes/lifecycle.lua).
 --@include events.lua
 --@include ratelimit.lua
 --@include limits.lua
+--@include adaptive.lua
 
 local active, queue, stats, probe = KEYS[1], KEYS[2], KEYS[4], KEYS[7]
 local n, nlim = tonumber(ARGV[3]), tonumber(ARGV[4])
@@ -37,6 +38,7 @@ local count = {completed = 0, failed = 0}
 local exec_ms, slot_ms = {}, {}  -- for the moving averages, in order
 local tally = {}  -- histogram and failure-class fields (stats_tally), written once at the end
 local failures = {}
+local samples = {}  -- adaptive.lua
 
 for i = 0, n - 1 do
   local a, task = first_arg + 9 * i, KEYS[first_task + i]
@@ -77,6 +79,7 @@ for i = 0, n - 1 do
     ended[#ended + 1] = id
     count[status] = count[status] + 1
     local exec = tonumber(ARGV[a + 5])
+    adaptive_note(samples, status, ARGV[a + 4], exec)
     if status == 'completed' and exec >= 0 then
       exec_ms[#exec_ms + 1] = exec
       stats_tally(tally, 'upstream_ms', exec)
@@ -102,6 +105,7 @@ if #ended > 0 then
   stats_ema_many(stats, 'exec_ms', exec_ms)
   stats_ema_many(stats, 'slot_ms', slot_ms)
   stats_tick(stats, 'done', now, #ended)
+  adaptive_update(stats, now, samples)
 end
 if redis.call('ZCARD', queue) == 0 then return out end
 out[1] = 1

@@ -14,6 +14,11 @@ ARGV[12] how many further limits (docs/api.md `limits`; 0 or absent = none), the
 interval (ms), guard (ms), per ('request' | 'cost') each: checked with the main one, all or
 none admitting (limits.lua); their state and pace keys are KEYS[13..]. A per-cost limit spends
 the task's `cost` field.
+After the further limits (ARGV[12] then, 0 when there are none): the starvation bound (ms; 0 or
+absent = none: strict priority), and with one, the arrival index (Keys.arrivals) after the
+limits' keys: a task that has waited longer is claimed first (starvation.lua); then the minimum
+concurrency of an adaptive endpoint (0 or absent = fixed: ARGV[3] is the cap), whose cap is
+then the learnt one (adaptive.lua), ARGV[3] its maximum.
 An endpoint its upstream paused (upstream.lua) is 'limited' until then, then claims one probe;
 one whose upstream said how many calls remain before its reset (budget-2.lua) claims no more
 than that until then.
@@ -33,6 +38,8 @@ Task hashes of ids read here are built from ARGV[8] (prefix), same hash tag.
 --@include upstream.lua
 --@include events.lua
 --@include limits.lua
+--@include starvation.lua
+--@include adaptive.lua
 
 redis.call('ZREM', KEYS[5], ARGV[1])  -- this attempt consumes any scheduled retry
 
@@ -40,6 +47,10 @@ local endpoint, n, cap = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
 local lease, kind, rate, interval = tonumber(ARGV[4]), ARGV[5], tonumber(ARGV[6]), tonumber(ARGV[7])
 local prefix, token_prefix, permit_ttl = ARGV[8], ARGV[9], tonumber(ARGV[10])
 local guard = tonumber(ARGV[11])
+local nlim = tonumber(ARGV[12]) or 0
+local bound = tonumber(ARGV[13 + 5 * nlim]) or 0  -- starvation.lua
+local arrivals = KEYS[13 + 2 * nlim]
+local min_cap = tonumber(ARGV[14 + 5 * nlim]) or 0  -- adaptive.lua
 -- With further limits, the main one is checked among them (undone if another refuses).
 local limits = lim_parse(ARGV, 12, KEYS, 13)
 if #limits > 0 and rate > 0 then
@@ -78,6 +89,7 @@ if budget and n > 0 then
   else n = math.min(n, budget) end
 end
 
+if min_cap > 0 then cap = adaptive_cap(stats, min_cap, cap) end
 -- Its active count, read once and kept as this run adds to it (no ZCARD per task).
 local active = cap > 0 and redis.call('ZCARD', KEYS[2]) or 0
 local waits = {}  -- queue_wait_ms observations (stats_tally), written once at the end
@@ -85,19 +97,27 @@ local waits = {}  -- queue_wait_ms observations (stats_tally), written once at t
 -- the queue as it is claimed (a claim failing half-way leaves every task either claimed or
 -- queued as it was), so the next batch is read from the front again.
 local heads, h = {}, 1
+-- Tasks past the starvation bound go first, oldest first (starvation.lua): each leaves the
+-- queue before the heads are read, so it is not met again among them.
+local overdue, o = {}, 1
+if bound > 0 and n > 0 then overdue = starving(arrivals, KEYS[1], now - bound, n) end
 while true do
   if claimed >= n then break end
   if cap > 0 and active >= cap then out[1] = 'full'; break end
-  if h > #heads then
-    local want = n - claimed
-    if cap > 0 then want = math.min(want, cap - active) end
-    -- Read, not popped: a limiter that fails (a script error keeps what was written) must
-    -- not lose the task.
-    heads, h = redis.call('ZRANGE', KEYS[1], 0, want - 1), 1
-    if #heads == 0 then out[1] = 'empty'; break end
+  local id
+  if o <= #overdue then
+    id, o = overdue[o], o + 1
+  else
+    if h > #heads then
+      local want = n - claimed
+      if cap > 0 then want = math.min(want, cap - active) end
+      -- Read, not popped: a limiter that fails (a script error keeps what was written) must
+      -- not lose the task.
+      heads, h = redis.call('ZRANGE', KEYS[1], 0, want - 1), 1
+      if #heads == 0 then out[1] = 'empty'; break end
+    end
+    id, h = heads[h], h + 1
   end
-  local id = heads[h]
-  h = h + 1
   local task = prefix .. id
   local tf = redis.call('HMGET', task, 'type', 'pexp', 'cost', 'dl', 'attempts', 'created_at')
   local ttype = tf[1]
@@ -114,6 +134,7 @@ while true do
     else wait, binding = lim_acquire(limits, now, token, tonumber(tf[3]) or 1) end
     if wait > 0 then out[1] = 'limited'; out[2] = wait; limited_by = lim_name(binding); break end
     redis.call('ZREM', KEYS[1], id)
+    if arrivals then redis.call('ZREM', arrivals, id) end
     -- Started, it has no pending deadline left (expire-5.lua): a per_user endpoint lists
     -- every task there, which must not hold each one for a whole pending TTL. Only tasks
     -- submit-11.lua put there (marked `dl`): no extra command per task for the others.

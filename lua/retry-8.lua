@@ -26,6 +26,7 @@ given back), or 0 when the lease was lost.  The retry is counted in the endpoint
 --@include events.lua
 --@include ratelimit.lua
 --@include limits.lua
+--@include adaptive.lua
 
 if redis.call('HGET', KEYS[2], 'lease') ~= ARGV[2] then return 0 end
 local now = now_ms()
@@ -42,6 +43,9 @@ redis.call('HDEL', KEYS[2], 'lease', 'deadline')
 local stats = KEYS[7]
 redis.call('HINCRBY', stats, 'retried', 1)
 stats_call_failed(stats, ARGV[6], tonumber(ARGV[7]))
+local samples = {}
+adaptive_note(samples, 'failed', ARGV[6], tonumber(ARGV[7]))
+adaptive_update(stats, now, samples)
 local free = tonumber(ARGV[8]) or 0
 if free > 0 and redis.call('HINCRBY', KEYS[2], 'refusals', 1) <= free then
   redis.call('HINCRBY', KEYS[2], 'attempts', -1)

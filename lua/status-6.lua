@@ -9,7 +9,7 @@ KEYS[5] delivered (ZSet of ids whose SQL row may go; score = from when)    KEYS[
 ARGV[1] task id    ARGV[2] user id    ARGV[3] read TTL (ms); 0 = a peek that delivers nothing
 Returns {rank or false, measured, field, value, ...}, or {} when missing or not this user's;
 measured = {exec ms, slot ms, tasks in flight, last admission, upstream pause until, now, limited
-until, average cost} of the endpoint while the task waits in line (else {}), for the wait
+until, average cost, adaptive limit} of the endpoint while the task waits in line (else {}), for the wait
 estimate (app/queue/tasks.py estimate_wait; in flight from the active set, KEYS[6]).
 ]]
 --@include now.lua
@@ -39,8 +39,8 @@ end
 local measured = {}
 if rank then
   local m = redis.call('HMGET', KEYS[3], 'exec_ms', 'slot_ms', 'last_admit', 'upause',
-    'limited_until', 'cost_avg')
-  measured = {m[1], m[2], redis.call('ZCARD', KEYS[6]), m[3], m[4], now_ms(), m[5], m[6]}
+    'limited_until', 'cost_avg', 'alimit')
+  measured = {m[1], m[2], redis.call('ZCARD', KEYS[6]), m[3], m[4], now_ms(), m[5], m[6], m[7]}
 end
 table.insert(fields, 1, measured)
 table.insert(fields, 1, rank)

@@ -12,13 +12,16 @@ KEYS[7] endpoints  Hash of the endpoint registry (app/core/registry.py): a proce
 KEYS[8] deadlines  ZSet of tasks whose deadline may come before that of tasks ahead (expire-5.lua)
 KEYS[9] stats      KEYS[10] active
 KEYS[11] turns     the fairness turns of the task's priority band (Keys.turns; per_user only)
+KEYS[12] arrivals  (only for an endpoint with max_starvation_s) ZSet id -> arrival (ms), for the
+                   claim's starvation bound (lua/includes/starvation.lua)
 ARGV[1] task id    ARGV[2] endpoint id    ARGV[3] priority    ARGV[4] max queue length
 ARGV[5] pending TTL (ms)    ARGV[6] '1' to honour KEYS[5]    ARGV[7] idempotency TTL (ms)
 ARGV[8] daily quota (0 = none)    ARGV[9] done TTL (ms)
 ARGV[10] '1' when the pending TTL is the caller's deadline (max_wait_s), which may come before
          that of tasks ahead: the deadline set (KEYS[8]) holds it for the sweep
 ARGV[11] '' (fairness fifo) or the submitting user's id (fairness per_user: the score is by
-         turns, lua/includes/fairness.lua, and the deadline set holds every task)
+         turns, lua/includes/fairness.lua, and the deadline set holds every task), or
+         "<user id>/<weight>" (fairness weighted: turns of 1/weight)
 ARGV[12] the task's cost, for the average the wait estimate counts tasks ahead at ('' = the
          endpoint has no per-cost limit: nothing kept)
 ARGV[13..] field, value pairs
@@ -27,7 +30,7 @@ it), and its hash lives a done TTL longer, so its status can still say `expired`
 Returns {'ok', task id, rank, created_at} | {'dup', first task id} | {'full'} |
 {'quota', ms until the quota resets} | {'gone'} (the endpoint is deleted)
 measured = {exec ms, slot ms, in flight, last admission, upstream pause until, now, limited
-until, average cost} (app/queue/tasks.py MEASURED_FIELDS)
+until, average cost, adaptive limit} (app/queue/tasks.py MEASURED_FIELDS)
 ]]
 --@include now.lua
 --@include fairness.lua
@@ -64,6 +67,10 @@ redis.call('HSET', KEYS[2], 'status', 'pending', 'created_at', now, 'score', sco
   'attempts', 0, 'pexp', now + pending_ttl, unpack(ARGV, 13))
 redis.call('PEXPIRE', KEYS[2], pending_ttl + tonumber(ARGV[9]))
 redis.call('ZADD', KEYS[1], score, ARGV[1])
+if KEYS[12] then  -- arrival order across priorities; nothing waits longer than a pending TTL
+  redis.call('ZADD', KEYS[12], now, ARGV[1])
+  if redis.call('PTTL', KEYS[12]) < pending_ttl then redis.call('PEXPIRE', KEYS[12], pending_ttl) end
+end
 -- The caller's own deadline (max_wait_s), or turns (a band of a per_user endpoint is not in
 -- deadline order): tasks ahead may not be due before it, so expire-5.lua finds it there.
 if ARGV[10] == '1' or ARGV[11] ~= '' then
@@ -81,6 +88,6 @@ if quota > 0 and redis.call('INCR', KEYS[6]) == 1 then
 end
 -- What the wait estimate needs (app/queue/tasks.py estimate_wait), in the same round trip.
 local m = redis.call('HMGET', KEYS[9], 'exec_ms', 'slot_ms', 'last_admit', 'upause',
-  'limited_until', 'cost_avg')
-local measured = {m[1], m[2], redis.call('ZCARD', KEYS[10]), m[3], m[4], now, m[5], m[6]}
+  'limited_until', 'cost_avg', 'alimit')
+local measured = {m[1], m[2], redis.call('ZCARD', KEYS[10]), m[3], m[4], now, m[5], m[6], m[7]}
 return {'ok', ARGV[1], redis.call('ZRANK', KEYS[1], ARGV[1]), now, measured}

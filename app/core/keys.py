@@ -125,6 +125,11 @@ class Keys:
         """Per-endpoint arrival counter: breaks ties inside a priority exactly."""
         return f"{self.prefix}:{self.tag(endpoint)}:seq"
 
+    def arrivals(self, endpoint: str) -> str:
+        """ZSet of the pending task ids of an endpoint with `max_starvation_s`, by arrival (ms):
+        the claim serves one waiting past the bound first (lua/includes/starvation.lua)."""
+        return f"{self.prefix}:{self.tag(endpoint)}:arrivals"
+
     def turns(self, endpoint: str, priority: int) -> str:
         """Hash user id -> the last turn given to that user in one priority band of a
         `fairness: per_user` endpoint (lua/includes/fairness.lua; submit-11.lua's KEYS[11])."""
@@ -241,6 +246,11 @@ class Keys:
     @property
     def api_keys(self) -> str:
         return f"{self._registry}:apikeys"
+
+    @property
+    def tiers(self) -> str:
+        """The tier table's mirror (tier -> its weight, app/tiers.py)."""
+        return f"{self._registry}:tiers"
 
     def withdrawn(self, table: str) -> str:
         """Prefix of the markers of rows withdrawn ahead of their SQL delete."""

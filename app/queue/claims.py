@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from app.core.keys import Keys
 from app.endpoints import EndpointConfig
+from app.queue.fairness import starvation_keys
 from app.queue.upstream import Outcome, Request
 from app.ratelimit import further_limits
 from app.ratelimit.sent import SendTimes, sliding_logs
@@ -60,7 +61,16 @@ def claim_keys(keys: Keys, endpoint: EndpointConfig) -> list[str]:
     return [*keys.of(e, "queue", "active"), keys.ratelimit(e, kind),
             *keys.of(e, "wake", "delayed", "retry", "stats", "deadlines", "probe", "outbox",
                      "hooks"),
-            keys.pace(e, kind, endpoint.rate, endpoint.interval_ms), *limit_keys(keys, endpoint)]
+            keys.pace(e, kind, endpoint.rate, endpoint.interval_ms), *limit_keys(keys, endpoint),
+            *keys.of(e, *starvation_keys(endpoint))]
+
+
+def admission_args(endpoint: EndpointConfig, guard_ms: int) -> list[str | int]:
+    """claim-12.lua's ARGV[12..]: the further limits (a count of 0 when none), then the
+    starvation bound (ms, 0 = none), then the adaptive endpoint's least cap (0 = fixed)."""
+    return [*(further_limits(endpoint, guard_ms) or [0]),
+            (endpoint.max_starvation_s or 0) * 1000,
+            endpoint.min_concurrency if endpoint.concurrency == "adaptive" else 0]
 
 
 def settle_limits(endpoint: EndpointConfig, keys: Keys, guard_ms: int

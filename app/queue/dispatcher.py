@@ -48,12 +48,19 @@ from app.endpoints import EndpointConfig
 from app.lifecycle import Ttls
 from app.queue import cancels
 from app.queue.acks import AckBatch
-from app.queue.claims import Claim, claim_keys, given_back, pause_ms, settle_args
+from app.queue.claims import (
+    Claim,
+    admission_args,
+    claim_keys,
+    given_back,
+    pause_ms,
+    settle_args,
+)
 from app.queue.http1 import UpstreamClient
 from app.queue.objects import ObjectStore
 from app.queue.reaper import Reaper
 from app.queue.upstream import Keeper, Outcome, Request, backoff_s, call
-from app.ratelimit import Limit, Limiter, further_limits
+from app.ratelimit import Limit, Limiter
 from app.ratelimit.sent import SendTimes
 from app.settings import Settings
 
@@ -266,7 +273,7 @@ class Dispatcher:
             endpoint.rate, endpoint.interval_ms, k.task_prefix(e),
             f"{self._ident}.{secrets.token_hex(8)}", endpoint.permit_ttl_s * 1000,
             self._limiter(endpoint).limit.guard_ms,
-            *further_limits(endpoint, self.settings.rate_guard_ms)]
+            *admission_args(endpoint, self.settings.rate_guard_ms)]
 
     def claimed(self, endpoint: EndpointConfig, res: list[Any], asked: float) -> None:
         """Start what a claim-12.lua answer holds."""

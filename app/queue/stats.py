@@ -22,7 +22,7 @@ from app.core.keys import Keys
 from app.core.scripts import LUA_DIR, Scripts
 from app.endpoints import EndpointConfig
 from app.queue.presence import Dispatchers, tally
-from app.queue.tasks import MEASURED_FIELDS, estimate_wait
+from app.queue.tasks import MEASURED_FIELDS, current_cap, estimate_wait
 from app.timefmt import rfc3339
 
 COUNTERS = ("submitted", "admitted", "completed", "failed", "retried", "expired", "cancelled",
@@ -76,6 +76,14 @@ class EndpointStats:
     @property
     def id(self) -> str:
         return self.endpoint.id
+
+    @property
+    def adaptive_limit(self) -> int | None:
+        """The cap an adaptive endpoint admits to now (lua/includes/adaptive.lua); None when
+        its cap is fixed."""
+        if self.endpoint.concurrency != "adaptive":
+            return None
+        return current_cap(self.endpoint, self.raw.get("alimit"))
 
     @property
     def failed_calls(self) -> dict[str, int]:
@@ -211,6 +219,7 @@ def _view(s: EndpointStats, now: int, oldest: int | None, admitted: int | None
     return {
         "id": ep.id, "pending": s.pending, "in_flight": s.in_flight,
         "max_concurrency": ep.max_concurrency, "rate": ep.rate, "interval_ms": ep.interval_ms,
+        "adaptive_limit": s.adaptive_limit,
         "admitted_last_window": admitted,
         **{c: s.counters[c] for c in COUNTERS},
         "admitted_per_s": _rate(s.raw, "admitted", now),
@@ -253,7 +262,7 @@ def binding_limit(s: EndpointStats, now: int) -> tuple[str | None, int | None]:
         # The claim names the limit that refused longest (limits.lua lim_name): the endpoint's
         # own rate, or one of `limits` as rate/interval/per.
         return _limit_named(raw.get("limited_by") or "main"), limited_until
-    if ep.max_concurrency and s.in_flight >= ep.max_concurrency:
+    if ep.max_concurrency and s.in_flight >= current_cap(ep, raw.get("alimit")):
         return "concurrency", None
     return None, None
 

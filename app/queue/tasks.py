@@ -21,6 +21,7 @@ from app import permits
 from app.core.clock import queue_time
 from app.core.keys import Keys, endpoint_of
 from app.core.loop import STORE_ERRORS
+from app.core.registry import Mirror
 from app.core.scripts import Scripts
 from app.endpoints import EndpointConfig
 from app.errors import ApiError
@@ -29,11 +30,12 @@ from app.lifecycle.records import DEAD_LETTERS, fields_of
 from app.lifecycle.results import ResultStore
 from app.models import Permit, SubmitRequest, SubmitResponse, TaskStatus, TaskType, TaskView
 from app.queue.answers import EXTERNAL, ResultMeta
-from app.queue.fairness import PRIORITY_STEP, fair_ahead
+from app.queue.fairness import PRIORITY_STEP, fair_ahead, fair_arg, starvation_keys
 from app.queue.ids import new_task_id
 from app.queue.reservations import Reservation, Reservations
 from app.settings import Settings
 from app.store import ApiKey
+from app.tiers import Tier, weight_of
 from app.timefmt import rfc3339
 
 IDEMPOTENCY_TTL_MS = 24 * 3600 * 1000
@@ -47,6 +49,7 @@ class TaskQueue:
     scripts: Scripts
     settings: Settings
     results: ResultStore | None = None
+    tiers: Mirror[Tier] | None = None  # weights of `fairness: weighted` (app/tiers.py)
 
     @cached_property
     def ttls(self) -> Ttls:
@@ -81,7 +84,8 @@ class TaskQueue:
         idem = k.idempotency(user_id, idem_key) if idem_key else k.idempotency(user_id, "-")
         pending_ms, own_deadline = self.ttls.pending_ms, False
         if req.max_wait_s is not None:
-            await self._check_deadline(endpoint, req, user_id, idem if idem_key else None)
+            await self._check_deadline(endpoint, req, user_id, idem if idem_key else None,
+                                       self._weight(key))
             own_deadline = req.max_wait_s * 1000 < pending_ms
             pending_ms = min(pending_ms, req.max_wait_s * 1000)
         user_keys = [idem, k.quota(user_id)]
@@ -98,7 +102,8 @@ class TaskQueue:
             res = await self.reservations.take(held, user_id) if held else ["ok"]
             if res[0] == "ok":
                 res = await self._enqueue(task_id, *self._submit_call(
-                    task_id, endpoint, req, own_keys, own_args, pending_ms, own_deadline, fields))
+                    task_id, endpoint, req, own_keys, own_args, pending_ms, own_deadline, fields,
+                    fair_arg(endpoint, user_id, self._weight(key))))
                 if held and res[0] in ("gone", "full"):
                     await self._unreserve(held)
                 elif held and res[0] == "ok":
@@ -126,21 +131,25 @@ class TaskQueue:
     def _submit_call(
         self, task_id: str, endpoint: EndpointConfig, req: SubmitRequest, user_keys: list[str],
         user_args: list[Any], pending_ms: int, own_deadline: bool, fields: list[str | int],
+        fair: str,
     ) -> tuple[list[str], list[Any]]:
         """submit-11.lua's KEYS and ARGV; `user_keys`/`user_args`: the Idempotency-Key and
         quota (keys, then honour flag, TTL, quota), or on a Cluster stand-ins that turn them
         off (reserve-2.lua took them)."""
-        user_id = fields[1]  # fields begin with the caller's user_id (submit)
         k, e = self.keys, endpoint.id
         honour, idem_ttl, quota = user_args
         return (
             [k.queue(e), k.task(task_id), k.seq(e), k.wake(e), *user_keys, k.live(e),
-             *k.of(e, "deadlines", "stats", "active"), k.turns(e, req.priority)],
+             *k.of(e, "deadlines", "stats", "active"), k.turns(e, req.priority),
+             *k.of(e, *starvation_keys(endpoint))],
             [task_id, e, req.priority, endpoint.max_queue_len, pending_ms, honour, idem_ttl,
              quota, self.ttls.done_ms, "1" if own_deadline else "0",
-             str(user_id) if endpoint.fairness == "per_user" else "",
+             fair,
              req.cost if endpoint.max_cost is not None else "", *fields],
         )
+
+    def _weight(self, key: ApiKey) -> int:
+        return weight_of(self.tiers, key.tier)
 
     async def _unreserve(self, held: Reservation) -> None:
         try:
@@ -152,7 +161,7 @@ class TaskQueue:
                         extra={"task_id": held.args[0]})
 
     async def _check_deadline(self, endpoint: EndpointConfig, req: SubmitRequest,
-                              user_id: int, idem: str | None) -> None:
+                              user_id: int, idem: str | None, weight: int) -> None:
         """409 when a task submitted now would not start within `max_wait_s` by the estimate.
         A read before the submit, only for callers who set a deadline: a task queued and then
         withdrawn would already hold its Idempotency-Key. A resend whose key already names a
@@ -169,8 +178,9 @@ class TaskQueue:
             ahead, in_flight, m, (secs, micros), *known = await pipe.execute()
         if known and known[0]:
             return
-        if endpoint.fairness == "per_user":  # its turn, not the whole band, is ahead of it
-            ahead = await fair_ahead(self.redis, k, e, priority, user_id)
+        if endpoint.fairness != "fifo":  # its turn, not the whole band, is ahead of it
+            ahead = await fair_ahead(self.redis, k, e, priority, user_id,
+                                     weight if endpoint.fairness == "weighted" else 0)
         if endpoint.paused:
             raise ApiError(409, "endpoint_paused",
                            f"{e!r} is paused by its operator: when it starts again is unknown, "
@@ -369,8 +379,9 @@ def wait_seconds(endpoint: EndpointConfig | None, ahead: int, measured: Any) -> 
 
 # The stats fields the wait estimate reads (status-6.lua and submit-11.lua read the same, in
 # this order, into `measured`: {exec, slot, in flight, last admission, upstream pause, now,
-# limited until, average cost}).
-MEASURED_FIELDS = ("exec_ms", "slot_ms", "last_admit", "upause", "limited_until", "cost_avg")
+# limited until, average cost, adaptive limit}).
+MEASURED_FIELDS = ("exec_ms", "slot_ms", "last_admit", "upause", "limited_until", "cost_avg",
+                   "alimit")
 PACED_COST_MS = 60_000  # per-cost sliding limits up to this long pace units (limits.lua)
 
 
@@ -397,11 +408,12 @@ def estimate_wait(endpoint: EndpointConfig | None, ahead: int, measured: Any) ->
     """
     if endpoint is None:
         return 0.0
-    m = [*measured, *[None] * 8][:8] if isinstance(measured, (list, tuple)) else [measured]
-    exec_ms, slot_ms, flight, last_admit, paused_until, now, limited, cost = [*m, *[None] * 8][:8]
+    m = [*measured, *[None] * 9][:9] if isinstance(measured, (list, tuple)) else [measured]
+    exec_ms, slot_ms, flight, last_admit, paused_until, now, limited, cost, learnt = \
+        [*m, *[None] * 9][:9]
     in_flight = int(flight) if flight is not None else None
     wait = 0.0
-    cap = endpoint.max_concurrency
+    cap = current_cap(endpoint, learnt)
     if cap == 0 and endpoint.rate == 0 and in_flight:
         # No limit of its own: with tasks in line, what runs now is all the dispatchers give
         # it (their capacity), and that observed parallelism sets the pace.
@@ -419,6 +431,15 @@ def estimate_wait(endpoint: EndpointConfig | None, ahead: int, measured: Any) ->
     if paused_until and now_ms and int(paused_until) > now_ms:
         wait += (int(paused_until) - now_ms) / 1000  # its upstream admits nothing till then
     return round(wait, 3)
+
+
+def current_cap(endpoint: EndpointConfig, learnt: Any) -> int:
+    """The cap the claim admits to now: the configured one, or an adaptive endpoint's learnt
+    limit (lua/includes/adaptive.lua `alimit`; its minimum until one is learnt)."""
+    if endpoint.concurrency != "adaptive":
+        return endpoint.max_concurrency
+    limit = math.floor(float(learnt)) if learnt else endpoint.min_concurrency
+    return min(endpoint.max_concurrency, max(endpoint.min_concurrency, limit))
 
 
 def _limits_wait(endpoint: EndpointConfig, ahead: int, head: float, last_admit: Any,

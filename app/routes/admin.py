@@ -17,6 +17,7 @@ from app.ratelimit import LIMIT_FIELDS, reset_pacing
 from app.routes.body import body_schema, parse, read_limited
 from app.runtime import Runtime
 from app.secrets import AS_IS
+from app.tiers import TierSettings, TierView
 
 ERRORS: dict[int | str, dict[str, Any]] = {
     c: {"model": ErrorResponse} for c in (400, 401, 404, 409, 413, 422)
@@ -114,6 +115,19 @@ async def list_api_keys(rt: Rt) -> list[ApiKeyView]:
 async def revoke_api_key(key_id: str, rt: Rt) -> Response:
     await rt.key_store.revoke(key_id)
     return Response(status_code=204)
+
+
+@router.put("/tiers/{tier}", response_model=TierView, openapi_extra=body_schema(TierSettings))
+async def set_tier(tier: str, request: Request, rt: Rt) -> TierView:
+    """A tier's weight on `fairness: weighted` endpoints: its users take that many tasks a
+    round (default 1)."""
+    body = parse(TierSettings, await read_limited(request, ADMIN_BODY_LIMIT))
+    return await rt.tiers.set(tier, body.weight)
+
+
+@router.get("/tiers", response_model=list[TierView])
+async def list_tiers(rt: Rt) -> list[TierView]:
+    return await rt.tiers.list()
 
 
 @router.get("/queues", operation_id="list_queues")

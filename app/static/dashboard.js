@@ -307,8 +307,10 @@ function fillRow(c, q, t, span) {
   const next = q.admits_next_at ? `, admits next at ${new Date(q.admits_next_at).toLocaleTimeString()}` : "";
   c.id.title = q.binding_limit ? `${q.id}: held by ${q.binding_limit}${next}` : q.id;
   setText(c.pending, fmt(q.pending, 0));
-  const cap = q.max_concurrency;
-  bar(c.in_flight, cap ? `${q.in_flight} / ${cap}` : `${q.in_flight}`,
+  // An adaptive endpoint's cap is the one it has learnt (of its max_concurrency).
+  const cap = q.adaptive_limit ?? q.max_concurrency;
+  const learnt = q.adaptive_limit != null ? ` (learnt, max ${q.max_concurrency})` : "";
+  bar(c.in_flight, cap ? `${q.in_flight} / ${cap}${learnt}` : `${q.in_flight}`,
     cap ? q.in_flight / cap : null);
   const limit = q.rate_limit_per_s;
   bar(c.admitted, limit ? `${fmt(q.admitted_per_s, 2)} / ${fmt(limit, 2)}`

@@ -1,0 +1,96 @@
+"""Adaptive concurrency (endpoint `concurrency: "adaptive"`, lua/includes/adaptive.lua): the cap
+follows the upstream, shared in Redis by every dispatcher."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.conftest import Gateway
+from tests.servers import mock_upstream
+
+Spawn = Callable[..., subprocess.Popen[bytes]]
+pytestmark = pytest.mark.backends("single", "cluster")
+
+
+async def _row(gateway: Gateway, endpoint: str) -> dict[str, Any]:
+    r = await gateway.http.get("/admin/v1/queues", headers=gateway.admin)
+    (row,) = [q for q in r.json()["endpoints"] if q["id"] == endpoint]
+    return row
+
+
+@pytest.mark.parametrize("concurrency", ["adaptive", "fixed"])
+async def test_the_cap_learns_what_the_upstream_takes(
+    gateway: Gateway, dispatcher_process: Spawn, concurrency: str,
+) -> None:
+    """An upstream that takes 4 calls at once (429 past that) behind a cap of at most 30, two
+    dispatchers: adaptive, few calls are refused and the learnt limit shows in the admin view
+    and /metrics; fixed at 30, most are."""
+    with mock_upstream("--concurrency", "4", "--latency-ms", "100") as base:
+        url = f"{base}/learn"
+        await gateway.add_endpoint("learn", url, concurrency=concurrency, max_concurrency=30,
+                                   max_retries=100, retry_backoff_ms=10)
+        auth = await gateway.new_key()
+        ids = [(await gateway.submit(auth, url))["task_id"] for _ in range(150)]
+        dispatcher_process()
+        dispatcher_process()
+        done = await gateway.wait_finished(auth, ids, timeout=120)
+        assert all(d["task_status"] == "completed" for d in done)
+        async with httpx.AsyncClient(base_url=base) as mock:
+            statuses = (await mock.get("/_mock/stats")).json()["statuses"]
+    refused = statuses.get("429", 0) / (statuses.get("429", 0) + statuses["200"])
+    row = await _row(gateway, "learn")
+    metrics = (await gateway.http.get("/metrics")).text
+    if concurrency == "adaptive":
+        assert refused < 0.2, statuses
+        assert 1 <= row["adaptive_limit"] <= 8, row
+        assert f'qgw_endpoint_adaptive_limit{{endpoint="learn"}} {row["adaptive_limit"]}' \
+            in metrics
+    else:
+        assert refused > 0.5, statuses
+        assert row["adaptive_limit"] is None
+        assert "qgw_endpoint_adaptive_limit{" not in metrics
+
+
+async def test_the_cap_recovers_after_a_burst_of_failures(
+    gateway: Gateway, fresh_upstream: str, dispatcher_process: Spawn,
+) -> None:
+    """503s and timeouts drive the cap to its minimum; once the upstream answers again it
+    climbs back (within seconds, well inside 30 s), rather than staying at the minimum."""
+    url = f"{fresh_upstream}/heal"
+    await gateway.add_endpoint("heal", url, concurrency="adaptive", min_concurrency=1,
+                               max_concurrency=20, max_retries=0, timeout_ms=1000)
+    auth = await gateway.new_key()
+    broken = [(await gateway.submit(auth, url, headers={"X-Mock-Status": ["503"]}))["task_id"]
+              for _ in range(20)]
+    broken += [(await gateway.submit(auth, url, headers={
+        "X-Mock-Latency-Ms": ["3000"]}))["task_id"] for _ in range(5)]
+    dispatcher_process()
+    await gateway.wait_finished(auth, broken, timeout=60)
+    assert (await _row(gateway, "heal"))["adaptive_limit"] == 1
+    healed = asyncio.get_running_loop().time()
+    ids = [(await gateway.submit(auth, url, headers={"X-Mock-Latency-Ms": ["100"]}))["task_id"]
+           for _ in range(400)]
+    while (await _row(gateway, "heal"))["adaptive_limit"] < 10:
+        assert asyncio.get_running_loop().time() - healed < 30, "the cap stayed low"
+        await asyncio.sleep(0.2)
+    # The wait estimate counts with the learnt cap: 10 at least, not the minimum of 1.
+    status = await gateway.status(auth, ids[-1])
+    assert status["wait_time"] < status["wait_num"] * 0.1 / 5 + 2
+    await gateway.wait_finished(auth, ids, timeout=60)
+
+
+async def test_adaptive_needs_a_maximum(gateway: Gateway) -> None:
+    for fields in ({"concurrency": "adaptive"},
+                   {"concurrency": "adaptive", "max_concurrency": 4, "min_concurrency": 5},
+                   {"concurrency": "auto", "max_concurrency": 4}):
+        r = await gateway.http.post("/admin/v1/endpoints", headers=gateway.admin, json={
+            "id": "adaptive-bad", "target_url": "http://127.0.0.1:9/x", **fields})
+        assert r.status_code == 422, r.text
+        assert json.loads(r.text)["error"]["code"]

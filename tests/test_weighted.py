@@ -1,0 +1,86 @@
+"""Weighted shares (endpoint `fairness: "weighted"`, lua/includes/fairness.lua): a user takes as
+many tasks a round as its key's tier weighs (`PUT /admin/v1/tiers/{tier}`)."""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Callable
+
+import pytest
+
+from tests.conftest import Gateway
+from tests.test_fairness import _calls
+
+pytestmark = pytest.mark.backends("single", "cluster")
+WEIGHTS = {"gold": 3, "silver": 2, "bronze": 1}
+WINDOW = 200
+
+
+async def _key(gateway: Gateway, user_id: int, tier: str) -> dict[str, str]:
+    r = await gateway.http.post("/admin/v1/api-keys", headers=gateway.admin,
+                                json={"user_id": user_id, "tier": tier})
+    assert r.status_code == 201, r.text
+    return {"Authorization": f"Bearer {r.json()['key']}"}
+
+
+async def test_three_users_weighted_3_2_1_share_every_window_by_weight(
+    gateway: Gateway, fresh_upstream: str,
+    dispatcher_process: Callable[..., subprocess.Popen[bytes]],
+) -> None:
+    """Deep backlogs (300, 200, 100: all last to the end), one slot: over any 200
+    consecutive calls each user gets its share (50/33/17%) within 10% of it; wait_num at
+    submit is the exact place in the order they run."""
+    for tier, weight in WEIGHTS.items():
+        r = await gateway.http.put(f"/admin/v1/tiers/{tier}", headers=gateway.admin,
+                                   json={"weight": weight})
+        assert r.status_code == 200 and r.json() == {"tier": tier, "weight": weight}, r.text
+    url = f"{fresh_upstream}/weighted"
+    await gateway.add_endpoint("weighted", url, max_concurrency=1, fairness="weighted")
+    owner: dict[str, str] = {}
+    answers = []
+    for user, (tier, weight) in enumerate(WEIGHTS.items(), 1):
+        auth = await _key(gateway, user, tier)
+        for _ in range(100 * weight):
+            r = await gateway.submit(auth, url)
+            owner[r["task_id"]] = tier
+            answers.append(r)
+    dispatcher_process()
+    order = await _calls(fresh_upstream, len(owner))
+    total = sum(WEIGHTS.values())
+    for start in range(len(order) - WINDOW + 1):
+        window = [owner[t] for t in order[start:start + WINDOW]]
+        for tier, weight in WEIGHTS.items():
+            share = WINDOW * weight / total
+            assert abs(window.count(tier) - share) <= share * 0.1, (start, tier)
+    # The last user's tasks were submitted last, into turns the others had already filled:
+    # its rank then was its place in the order.
+    last = answers[-1]
+    assert last["wait_num"] == order.index(last["task_id"])
+
+
+async def test_a_user_alone_gets_everything(
+    gateway: Gateway, fresh_upstream: str,
+    dispatcher_process: Callable[..., subprocess.Popen[bytes]],
+) -> None:
+    """Idle shares go to whoever waits: a weight-1 user alone runs at the full concurrency,
+    in its own order, and its wait_num counts every task of its own ahead."""
+    url = f"{fresh_upstream}/alone"
+    await gateway.add_endpoint("alone", url, max_concurrency=4, fairness="weighted")
+    auth = await _key(gateway, 7, "bronze")
+    answers = [await gateway.submit(auth, url) for _ in range(40)]
+    assert [a["wait_num"] for a in answers] == list(range(40))
+    dispatcher_process()
+    order = await _calls(fresh_upstream, 40)
+    assert order == [a["task_id"] for a in answers]
+
+
+async def test_a_weight_is_checked(gateway: Gateway) -> None:
+    for bad in ({"weight": 0}, {"weight": 101}, {"weight": "3"}, {}, {"weight": 2, "x": 1}):
+        r = await gateway.http.put("/admin/v1/tiers/gold", headers=gateway.admin, json=bad)
+        assert r.status_code == 422, r.text
+        assert r.json()["error"]["code"]
+    r = await gateway.http.put("/admin/v1/tiers/" + "t" * 33, headers=gateway.admin,
+                               json={"weight": 2})
+    assert r.status_code == 422
+    r = await gateway.http.get("/admin/v1/tiers", headers=gateway.admin)
+    assert r.status_code == 200 and r.json() == []
