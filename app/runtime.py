@@ -115,7 +115,7 @@ class Runtime:
             self.dispatcher.start()
             # Outbox writer, pending expiry and janitor run where dispatchers run.
             self.lifecycle = LifecycleJobs.build(s, self.redis, self.keys, scripts,
-                                                 self.registry, self.engine)
+                                                 self.registry, self.engine, self.objects)
             self.lifecycle.start()
             self.webhooks = WebhookSender(self.redis, self.keys, scripts, self.registry,
                                           self.api_keys, s, self.queue.finished_view)

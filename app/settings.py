@@ -56,6 +56,10 @@ class Settings(BaseSettings):
     #: Where large answers go: `file://<dir>` or `s3://<bucket>[/<prefix>]` (credentials and
     #: endpoint from AWS_* variables); unset: `file://<QGW_DATA_DIR>/results`.
     result_store: str | None = Field(None, pattern=r"^(file://|s3://[a-z0-9][a-z0-9.-]{1,62})")
+    #: The result store's sweep deletes objects no task refers to once they are this old (an
+    #: answer stored just now is referenced by its ack a moment later), every
+    #: QGW_JANITOR_INTERVAL_S (app/lifecycle/orphans.py).
+    result_sweep_grace_s: float = Field(3600.0, ge=0)
     #: Upstream calls one dispatcher process keeps in flight, over all endpoints.
     dispatch_concurrency: int = Field(256, ge=1, le=100_000)
     #: How long a claim stays valid without a heartbeat; the executor renews it every third.

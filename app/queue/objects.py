@@ -8,7 +8,7 @@ never sits whole in memory), reads ranges back as a stream, and signs URLs for a
 Its wheels are self-contained (no C toolchain, no boto stack); aiobotocore would have brought
 botocore's ~80 MB and its per-request overhead for the same three calls. What it lacks is
 listing and aborting multipart uploads a killed process left behind: app/queue/uploads.py
-does those two S3 calls itself.
+makes those two S3 requests itself.
 
 An object's key is `<task id>/<random>`: each attempt writes its own, so an attempt that lost
 its lease never overwrites the answer of the one that won, and the sweep
@@ -56,6 +56,7 @@ class ObjectStore:
         self.bucket = parts.netloc
         self.prefix = parts.path.strip("/")
         self.store: Any
+        self.root: Path | None = None  # the directory of a file:// store
         if self.s3:
             endpoint = os.environ.get("AWS_ENDPOINT_URL") or os.environ.get("AWS_ENDPOINT")
             options: dict[str, Any] = {"timeout": "24h", "connect_timeout": "5s"}
