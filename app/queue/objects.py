@@ -17,6 +17,7 @@ its lease never overwrites the answer of the one that won, and the sweep
 
 from __future__ import annotations
 
+import asyncio
 import os
 import secrets
 from collections.abc import AsyncIterable, AsyncIterator
@@ -86,9 +87,9 @@ class ObjectStore:
             await obstore.put_async(self.store, key, chunks, attributes=attrs,
                                     use_multipart=True, chunk_size=PART_BYTES,
                                     max_concurrency=PARTS_IN_FLIGHT)
-        except Exception as exc:
-            await self.discard(key)
-            if _ours(exc):
+        except BaseException as exc:  # a timeout's cancellation too: nothing half-written
+            await asyncio.shield(self.discard(key))
+            if isinstance(exc, Exception) and _ours(exc):
                 raise StoreUnavailable(f"{type(exc).__name__}: {exc}"[:500]) from exc
             raise
 
