@@ -33,7 +33,7 @@ from obstore.store import LocalStore, S3Store
 
 PART_BYTES = 8 << 20  # an S3 part (5 MiB at least); two in flight bound an upload's memory
 PARTS_IN_FLIGHT = 2
-READ_CHUNK = 1 << 20  # what a read hands on at a time
+READ_CHUNK = 64 << 10  # what a read hands on at a time: about what a stalled reader pins
 
 
 class StoreUnavailable(Exception):
