@@ -33,6 +33,7 @@ from app.queue.objects import ObjectStore
 from app.queue.tasks import TaskQueue
 from app.queue.upstream import upstream_client
 from app.queue.webhooks import WebhookSender
+from app.sending import ReadSlots
 from app.settings import Settings
 from app.store import ApiKey, EndpointStore, KeyStore
 from app.tiers import Tier, TierStore
@@ -74,6 +75,7 @@ class Runtime:
     webhooks: WebhookSender | None = field(default=None, init=False)
     http: UpstreamClient | None = field(default=None, init=False)
     objects: ObjectStore = field(init=False)  # the result store (app/queue/objects.py)
+    read_slots: ReadSlots = field(init=False)  # large reads per API key (app/sending.py)
     scrapes: SharedScrape = field(default_factory=SharedScrape, init=False)  # GET /metrics
     _blocking: Redis | None = field(default=None, init=False)
     _embedded: EmbeddedRedis | None = field(default=None, init=False)
@@ -93,6 +95,7 @@ class Runtime:
         await redis_url.connect(self.redis)
         self.engine = make_engine(s.db_url)
         self.objects = ObjectStore(s.result_store_url)
+        self.read_slots = ReadSlots(s.max_large_reads_per_key)
         self.keys = Keys(s.key_prefix, cluster=redis_url.is_cluster(self.redis_url))
         scripts = Scripts.register(self.redis)
         ep_mirror: Mirror[EndpointConfig] = Mirror(
@@ -122,7 +125,7 @@ class Runtime:
             self.dispatcher.start()
             # Outbox writer, pending expiry and janitor run where dispatchers run.
             self.lifecycle = LifecycleJobs.build(s, self.redis, self.keys, scripts,
-                                                 self.registry, self.engine)
+                                                 self.registry, self.engine, self.objects)
             self.lifecycle.start()
             self.webhooks = WebhookSender(self.redis, self.keys, scripts, self.registry,
                                           self.api_keys, s, self.queue.finished_view)

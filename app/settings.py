@@ -82,6 +82,16 @@ class Settings(BaseSettings):
     #: Where large answers go: `file://<dir>` or `s3://<bucket>[/<prefix>]` (credentials and
     #: endpoint from AWS_* variables); unset: `file://<QGW_DATA_DIR>/results`.
     result_store: str | None = Field(None, pattern=r"^(file://|s3://[a-z0-9][a-z0-9.-]{1,62})")
+    #: The result store's sweep deletes objects no task refers to once they are this old (an
+    #: answer stored just now is referenced by its ack a moment later), every
+    #: QGW_JANITOR_INTERVAL_S (app/lifecycle/orphans.py).
+    result_sweep_grace_s: float = Field(3600.0, ge=0)
+    #: An answer's every write must complete within this many seconds, else the request ends
+    #: and its connection closes (a client that stops reading pins nothing longer); 0: none.
+    send_timeout_s: float = Field(30.0, ge=0, le=3600)
+    #: Large results (from the result store) one API key may read at once from one API
+    #: process; more are answered 429 with Retry-After.
+    max_large_reads_per_key: int = Field(8, ge=1, le=10_000)
     #: Upstream calls one dispatcher process keeps in flight, over all endpoints.
     dispatch_concurrency: int = Field(256, ge=1, le=100_000)
     #: How long a claim stays valid without a heartbeat; the executor renews it every third.

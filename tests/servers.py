@@ -259,8 +259,6 @@ class SeaweedFS:
             return False
 
     def create_bucket(self, name: str) -> None:
-        import asyncio
-
         import obstore
         from obstore.store import S3Store
 
@@ -272,12 +270,8 @@ class SeaweedFS:
         r = httpx.put(f"{self.endpoint}/{name}", timeout=5)
         if r.status_code not in (200, 409):
             raise RuntimeError(f"bucket {name}: {r.status_code} {r.text[:200]}")
-
-        async def probe() -> None:
-            await obstore.put_async(store, "probe", b"x")
-            await obstore.delete_async(store, "probe")
-
-        asyncio.run(probe())
+        obstore.put(store, "probe", b"x")  # sync: a fixture may start it inside a loop
+        obstore.delete(store, "probe")
 
     def stop(self) -> None:
         if self.proc:

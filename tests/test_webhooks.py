@@ -161,6 +161,10 @@ async def test_finished_tasks_delivered_once_signed(
         assert rec["body"]["task_status"] == want
         assert rec["delivery"].startswith(task_id + ":")
         assert rec["body"] == await gateway.status(auth, task_id)  # the status JSON itself
+    # ... with what the answer was: its type and size (app/queue/answers.py)
+    kept = by_task[done["task_id"]]["body"]
+    assert kept["result_content_type"] == "application/json"
+    assert kept["result_bytes"] == len(kept["task_result"].encode())
 
 
 async def test_signature_covers_the_delivery_id(

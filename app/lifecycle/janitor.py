@@ -25,6 +25,8 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app.core.keys import Keys
 from app.db import SQL_JOB_TIMEOUT_S, TaskResultRow, utcnow
+from app.lifecycle.orphans import delete_objects_of
+from app.queue.objects import ObjectStore
 
 log = logging.getLogger(__name__)
 T: Table = TaskResultRow.__table__  # type: ignore[assignment]  # declared as a FromClause
@@ -47,6 +49,7 @@ class Janitor:
     batch: int = 1000
     redis: Redis | None = None
     keys: Keys | None = None
+    objects: ObjectStore | None = None  # the rows' result objects go with them
 
     async def run_once(self) -> PurgeStats | None:
         """Purge under the replicas' lock; None when another replica holds it."""
@@ -82,6 +85,7 @@ class Janitor:
                 if not ids:
                     break
                 t0 = time.monotonic()
+                await delete_objects_of(conn, self.objects, list(ids))
                 await conn.execute(delete(T).where(T.c.task_id.in_(ids)))
                 stats.statements += 1
             # Its row locks last until the commit that just ended the block.

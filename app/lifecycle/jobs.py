@@ -21,7 +21,9 @@ from app.lifecycle import Ttls
 from app.lifecycle.expiry import ExpirySweep
 from app.lifecycle.history import TICK_S, HistorySampler
 from app.lifecycle.janitor import Janitor
+from app.lifecycle.orphans import OrphanSweep
 from app.lifecycle.results import OutboxWriter, ResultStore
+from app.queue.objects import ObjectStore
 from app.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -35,18 +37,24 @@ class LifecycleJobs:
     sweep: ExpirySweep
     janitor: Janitor
     history: HistorySampler
+    orphans: OrphanSweep | None = None
     _loops: list[asyncio.Task[Any]] = field(default_factory=list)
 
     @classmethod
     def build(cls, settings: Settings, redis: Redis, keys: Keys, scripts: Scripts,
-              registry: EndpointRegistry, engine: AsyncEngine) -> LifecycleJobs:
+              registry: EndpointRegistry, engine: AsyncEngine,
+              objects: ObjectStore | None = None) -> LifecycleJobs:
         return cls(
             settings,
             OutboxWriter(redis, keys, registry, ResultStore(engine), settings.outbox_batch,
-                         settings.outbox_batch_bytes, Ttls.of(settings).done_ms),
+                         settings.outbox_batch_bytes, Ttls.of(settings).done_ms,
+                         objects=objects),
             ExpirySweep(redis, scripts, keys, registry, Ttls.of(settings)),
-            Janitor(engine, settings.db_retention_s, settings.janitor_batch, redis, keys),
+            Janitor(engine, settings.db_retention_s, settings.janitor_batch, redis, keys,
+                    objects),
             HistorySampler(redis, keys, registry),
+            OrphanSweep(objects, redis, keys, engine, settings.result_sweep_grace_s)
+            if objects is not None else None,
         )
 
     def start(self) -> None:
@@ -56,6 +64,8 @@ class LifecycleJobs:
             ("pending expiry", s.expiry_interval_ms / 1000, self.sweep.sweep),
             ("janitor", s.janitor_interval_s, self.janitor.run_once),
             ("history", TICK_S, self.history.tick),
+            *([("result store sweep", s.janitor_interval_s, self.orphans.run_once)]
+              if self.orphans is not None else []),
         ):
             self._loops.append(asyncio.create_task(every(name, interval_s, step), name=name))
 

@@ -32,8 +32,10 @@ from app.core.keys import Keys
 from app.core.loop import STORE_ERRORS
 from app.core.registry import EndpointRegistry
 from app.db import SQL_JOB_TIMEOUT_S, TaskResultRow, bounded
+from app.lifecycle.orphans import delete_objects_of
 from app.lifecycle.outbox import ROW_OVERHEAD, Outbox, Waiting, by_bytes, by_weight
 from app.lifecycle.records import DEAD_LETTERS, request_of, row_from
+from app.queue.objects import ObjectStore
 
 log = logging.getLogger(__name__)
 
@@ -72,10 +74,12 @@ class ResultStore:
             for chunk in _chunks(rows):
                 await conn.execute(stmt, chunk)
 
-    async def delete(self, task_ids: list[str]) -> int:
+    async def delete(self, task_ids: list[str], objects: ObjectStore | None = None) -> int:
+        """Delete rows, and their objects in the result store with them."""
         if not task_ids:
             return 0
         async with asyncio.timeout(SQL_JOB_TIMEOUT_S), self.engine.begin() as conn:
+            await delete_objects_of(conn, objects, task_ids)
             res = await conn.execute(delete(T).where(T.c.task_id.in_(task_ids)))
         return int(getattr(res, "rowcount", 0) or 0)
 
@@ -119,6 +123,7 @@ class OutboxWriter:
     #: large results moves in steps that each commit well within SQL_JOB_TIMEOUT_S.
     batch_bytes: int = 16 << 20
     done_ms: int = 3_600_000  # the done TTL a task gets once its row is written
+    objects: ObjectStore | None = None  # delivered rows' result objects go with them
     outbox: Outbox = field(init=False)
 
     def __post_init__(self) -> None:
@@ -235,7 +240,7 @@ class OutboxWriter:
                 key, "-inf", now, start=0, num=self.batch)
             if not ids:
                 return
-            await self.store.delete(ids)
+            await self.store.delete(ids, self.objects)
             await self.redis.zrem(key, *ids)
             if len(ids) < self.batch:
                 return

@@ -8,7 +8,7 @@ never sits whole in memory), reads ranges back as a stream, and signs URLs for a
 Its wheels are self-contained (no C toolchain, no boto stack); aiobotocore would have brought
 botocore's ~80 MB and its per-request overhead for the same three calls. What it lacks is
 listing and aborting multipart uploads a killed process left behind: app/queue/uploads.py
-does those two S3 calls itself.
+makes those two S3 requests itself.
 
 An object's key is `<task id>/<random>`: each attempt writes its own, so an attempt that lost
 its lease never overwrites the answer of the one that won, and the sweep
@@ -17,6 +17,7 @@ its lease never overwrites the answer of the one that won, and the sweep
 
 from __future__ import annotations
 
+import asyncio
 import os
 import secrets
 from collections.abc import AsyncIterable, AsyncIterator
@@ -32,7 +33,7 @@ from obstore.store import LocalStore, S3Store
 
 PART_BYTES = 8 << 20  # an S3 part (5 MiB at least); two in flight bound an upload's memory
 PARTS_IN_FLIGHT = 2
-READ_CHUNK = 1 << 20  # what a read hands on at a time
+READ_CHUNK = 64 << 10  # what a read hands on at a time: about what a stalled reader pins
 
 
 class StoreUnavailable(Exception):
@@ -56,6 +57,7 @@ class ObjectStore:
         self.bucket = parts.netloc
         self.prefix = parts.path.strip("/")
         self.store: Any
+        self.root: Path | None = None  # the directory of a file:// store
         if self.s3:
             endpoint = os.environ.get("AWS_ENDPOINT_URL") or os.environ.get("AWS_ENDPOINT")
             options: dict[str, Any] = {"timeout": "24h", "connect_timeout": "5s"}
@@ -85,9 +87,9 @@ class ObjectStore:
             await obstore.put_async(self.store, key, chunks, attributes=attrs,
                                     use_multipart=True, chunk_size=PART_BYTES,
                                     max_concurrency=PARTS_IN_FLIGHT)
-        except Exception as exc:
-            await self.discard(key)
-            if _ours(exc):
+        except BaseException as exc:  # a timeout's cancellation too: nothing half-written
+            await asyncio.shield(self.discard(key))
+            if isinstance(exc, Exception) and _ours(exc):
                 raise StoreUnavailable(f"{type(exc).__name__}: {exc}"[:500]) from exc
             raise
 

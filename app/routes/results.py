@@ -12,13 +12,14 @@ from collections.abc import AsyncIterator
 from typing import Annotated
 
 from fastapi import APIRouter, Query, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 
 from app.auth import api_key, runtime_of
 from app.errors import ApiError
 from app.queue.answers import EXTERNAL, ResultMeta, body_of
-from app.queue.objects import StoreUnavailable
+from app.queue.objects import ObjectStore, StoreUnavailable
 from app.routes.tasks import ERRORS, _checked
+from app.sending import HeldStream
 
 router = APIRouter(prefix="/api/v1", tags=["tasks"])
 RANGE = re.compile(r"^bytes=(\d*)-(\d*)$")
@@ -70,16 +71,27 @@ async def task_result(
         url = await objects.sign(meta.ref, SIGNED_S)
         return Response(status_code=302, headers={"Location": url or "",
                                                   "Cache-Control": "no-store"})
+    rt.read_slots.take(caller.id)  # given back once the answer has ended (HeldStream)
     try:
-        chunks = await objects.read(meta.ref, start, end) if end > start else _empty()
+        chunks = await _read(objects, tid, status, meta.ref, start, end)
+    except BaseException:
+        rt.read_slots.give(caller.id)
+        raise
+    headers["Content-Length"] = str(end - start)
+    return HeldStream(rt.read_slots, caller.id, chunks, code, headers=headers, media_type=ctype)
+
+
+async def _read(objects: ObjectStore, tid: str, status: str, ref: str, start: int, end: int
+                ) -> AsyncIterator[bytes]:
+    """The object's range as a stream; the store's failures as the API's errors."""
+    try:
+        return await objects.read(ref, start, end) if end > start else _empty()
     except FileNotFoundError:
         raise ApiError(404, "result_gone", f"the result of task {tid!r} is no longer kept",
                        task_status=status) from None
     except StoreUnavailable as exc:
         raise ApiError(503, "result_store_unavailable", f"the result store did not answer: "
                        f"{exc}", {"Retry-After": "5"}) from None
-    headers["Content-Length"] = str(end - start)
-    return StreamingResponse(chunks, code, headers=headers, media_type=ctype)
 
 
 async def _empty() -> AsyncIterator[bytes]:

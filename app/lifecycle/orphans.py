@@ -1,0 +1,117 @@
+"""The result store's sweep: objects no task refers to any more are deleted.
+
+An object lives as long as its task refers to it: in Redis (the hash's `result_meta`) or in SQL
+(the row's). Deleting rows and letting hashes expire therefore ends their objects too, and one
+sweep finds every way a task goes (read and delivered, retention, purge, an endpoint deleted, a
+retry that replaced the answer) without each of those paths having to reach the store. It also
+finds what no task ever referred to: the answer of an attempt that lost its lease, an upload a
+process killed with -9 finished or left half-way (a `file://` staging file, an S3 multipart
+upload: app/queue/uploads.py). Only objects older than QGW_RESULT_SWEEP_GRACE_S are looked at,
+so an answer just stored, whose ack is on its way, is never taken for an orphan.
+
+The row deletions of the outbox writer and the janitor delete their objects at once as well
+(`delete_objects_of`), so a delivered result does not wait for the next sweep.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from redis.asyncio import Redis
+from sqlalchemy import Table, select
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+
+from app.core.keys import Keys
+from app.db import TaskResultRow
+from app.queue.answers import EXTERNAL, ResultMeta
+from app.queue.objects import ObjectStore, StoreUnavailable
+from app.queue.uploads import abort_stale_uploads
+
+log = logging.getLogger(__name__)
+T: Table = TaskResultRow.__table__  # type: ignore[assignment]  # declared as a FromClause
+BATCH = 200  # tasks looked up per round trip
+
+
+def refs(metas: Iterable[str | None]) -> list[str]:
+    """The store keys these `result_meta` values refer to."""
+    out = []
+    for raw in metas:
+        meta = ResultMeta.loads(raw)
+        if meta is not None and meta.encoding == EXTERNAL and meta.ref:
+            out.append(meta.ref)
+    return out
+
+
+async def delete_objects_of(conn: AsyncConnection, objects: ObjectStore | None,
+                            task_ids: list[str]) -> None:
+    """Delete the objects of rows about to be deleted (in `conn`'s transaction). A store
+    that does not answer leaves them to the sweep rather than holding the rows back."""
+    if objects is None or not task_ids:
+        return
+    metas = (await conn.scalars(select(T.c.result_meta).where(
+        T.c.task_id.in_(task_ids), T.c.result_meta.is_not(None)))).all()
+    try:
+        await objects.delete(refs(metas))
+    except StoreUnavailable as exc:
+        log.warning("result objects not deleted now (%s); the sweep will", exc)
+
+
+@dataclass
+class OrphanSweep:
+    objects: ObjectStore
+    redis: Redis
+    keys: Keys
+    engine: AsyncEngine
+    grace_s: float
+
+    async def run_once(self, grace_s: float | None = None) -> int:
+        """Delete every object older than the grace no task refers to; how many went."""
+        grace = self.grace_s if grace_s is None else grace_s
+        by_task: dict[str, list[str]] = {}
+        async for obj in self.objects.listing(grace):
+            by_task.setdefault(obj.key.split("/", 1)[0], []).append(obj.key)
+        deleted = 0
+        ids = list(by_task)
+        for i in range(0, len(ids), BATCH):
+            chunk = ids[i:i + BATCH]
+            kept = set(await self._referenced(chunk))
+            gone = [k for t in chunk for k in by_task[t] if k not in kept]
+            await self.objects.delete(gone)
+            deleted += len(gone)
+        deleted += self._stale_staging(grace) + await abort_stale_uploads(self.objects, grace)
+        if deleted:
+            log.info("result store: %d orphaned objects deleted", deleted)
+        return deleted
+
+    async def _referenced(self, task_ids: list[str]) -> list[str]:
+        """The keys these tasks refer to, in Redis or in SQL (either failing raises: nothing
+        is deleted on half an answer)."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for tid in task_ids:
+                pipe.hget(self.keys.task(tid), "result_meta")
+            in_redis: list[Any] = await pipe.execute()
+        async with self.engine.connect() as conn:
+            in_sql = (await conn.scalars(select(T.c.result_meta).where(
+                T.c.task_id.in_(task_ids), T.c.result_meta.is_not(None)))).all()
+        return refs([*in_redis, *in_sql])
+
+    def _stale_staging(self, grace_s: float) -> int:
+        """`file://`: the staging files (`<key>#<n>`) of uploads a killed process left."""
+        root: Path | None = getattr(self.objects, "root", None)
+        if root is None or not root.exists():
+            return 0
+        cutoff, n = time.time() - grace_s, 0
+        for path in root.rglob("*#*"):
+            try:
+                if path.is_file() and path.stat().st_mtime < cutoff:
+                    os.unlink(path)
+                    n += 1
+            except OSError:
+                continue
+        return n

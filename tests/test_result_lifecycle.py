@@ -1,0 +1,161 @@
+"""Result objects follow their tasks (app/lifecycle/orphans.py): deleted with the row, swept
+once their task has gone, nothing left by a dispatcher killed mid-upload, and a store that
+goes down fails the call's task clearly instead of losing its answer."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from app.db import utcnow
+from app.lifecycle.janitor import Janitor
+from app.lifecycle.orphans import OrphanSweep
+from app.queue.uploads import list_uploads
+from app.settings import Settings
+from tests.conftest import Gateway
+from tests.servers import SeaweedFS
+from tests.test_result_store import _objects
+
+pytestmark = pytest.mark.backends("single", "cluster")
+MB = 1_000_000
+
+
+def _sweep(gateway: Gateway) -> OrphanSweep:
+    rt = gateway.rt
+    return OrphanSweep(rt.objects, rt.redis, rt.keys, rt.engine, 3600)
+
+
+def _staging(settings: Settings) -> list[Path]:
+    root = settings.data_dir / "results"
+    return [p for p in root.rglob("*#*")] if root.exists() else []
+
+
+@pytest.fixture
+def settings(settings: Settings) -> Settings:
+    return settings.model_copy(update={"max_result_bytes": 1 << 30, "read_ttl_s": 1})
+
+
+async def _finished(gateway: Gateway, upstream: str, name: str, size: int,
+                    dispatcher_process: Any, **env: str) -> tuple[dict[str, str], str]:
+    url = f"{upstream}/{name}"
+    await gateway.add_endpoint(name, url, timeout_ms=120_000, max_retries=0)
+    auth = await gateway.new_key()
+    dispatcher_process(**env)
+    task = await gateway.submit(auth, url, headers={"X-Mock-Binary": [f"{size};seed=2"]})
+    return auth, task["task_id"]
+
+
+async def test_a_read_result_goes_with_its_task_and_a_kept_one_with_its_row(
+    gateway: Gateway, upstream: str, dispatcher_process: Any
+) -> None:
+    """Read: the task is delivered, Redis lets it go after the read TTL, and the sweep finds
+    its object unreferenced. Unread: its row reaches SQL; the janitor's purge deletes the row
+    and the object together. The sweep never takes an object a task still refers to."""
+    auth, read = await _finished(gateway, upstream, "life", 2 * MB, dispatcher_process)
+    (done,) = await gateway.wait_finished(auth, [read], timeout=60)
+    assert done["result_encoding"] == "external" and len(await _objects(gateway)) == 1
+    assert await _sweep(gateway).run_once(grace_s=0) == 0  # still its task's
+    unread = (await gateway.submit(auth, f"{upstream}/life",
+                                   headers={"X-Mock-Binary": [f"{2 * MB};seed=3"]}))["task_id"]
+    for _ in range(300):  # finished and moved to SQL, never read by its owner
+        row = await gateway.rt.queue.results.get(unread, 1)  # type: ignore[union-attr]
+        if row is not None:
+            break
+        await asyncio.sleep(0.1)
+    assert row is not None and len(await _objects(gateway)) == 2
+    await asyncio.sleep(1.5)  # the read TTL of the first: Redis and SQL let it go
+    await gateway.rt.redis.delete(gateway.rt.keys.task(read))  # as its TTL would, sooner
+    assert await _sweep(gateway).run_once(grace_s=0) == 1
+    (left,) = await _objects(gateway)
+    assert left.startswith(unread)
+    janitor = Janitor(gateway.rt.engine, 1, objects=gateway.rt.objects)
+    stats = await janitor.purge(cutoff=utcnow().replace(year=2100))
+    assert stats.rows >= 1 and await _objects(gateway) == []
+
+
+@pytest.mark.parametrize("store_kind", ["file", "s3"])
+async def test_a_dispatcher_killed_mid_upload_leaves_nothing_after_the_sweep(
+    gateway: Gateway, fresh_upstream: str, dispatcher_process: Any, store_kind: str,
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, settings: Settings,
+) -> None:
+    env: dict[str, str] = {}
+    if store_kind == "s3":
+        server: SeaweedFS = request.getfixturevalue("seaweedfs")
+        env = server.env()
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        prefix = uuid.uuid4().hex[:12]
+        env["QGW_RESULT_STORE"] = f"s3://{SeaweedFS.BUCKET}/{prefix}"
+        from app.queue.objects import ObjectStore
+
+        gateway.rt.objects = ObjectStore(env["QGW_RESULT_STORE"])
+    # An upstream of its own: it goes on sending to the dead connection a while.
+    await _finished(gateway, fresh_upstream, "killed", 400 * MB, dispatcher_process, **env)
+    deadline = time.monotonic() + 120
+    while True:  # the upload is under way: a staging file, or an S3 multipart upload
+        if store_kind == "file" and any(p.stat().st_size > 0 for p in _staging(settings)):
+            break
+        if store_kind == "s3" and await asyncio.to_thread(
+                list_uploads, SeaweedFS.BUCKET, env["QGW_RESULT_STORE"].split("/")[-1] + "/"):
+            break
+        assert time.monotonic() < deadline, "no upload began"
+        await asyncio.sleep(0.05)
+    _kill_dispatchers(gateway)
+    assert await _sweep(gateway).run_once(grace_s=0) >= 1
+    assert await _objects(gateway) == [] and _staging(settings) == []
+    if store_kind == "s3":
+        assert await asyncio.to_thread(
+            list_uploads, SeaweedFS.BUCKET, env["QGW_RESULT_STORE"].split("/")[-1] + "/") == []
+
+
+def _kill_dispatchers(gateway: Gateway) -> None:
+    """kill -9 every `qgw dispatcher` this test started (children of this process)."""
+    import psutil
+
+    for child in psutil.Process().children(recursive=True):
+        if "dispatcher" in " ".join(child.cmdline()):
+            os.kill(child.pid, signal.SIGKILL)
+            child.wait(10)
+
+
+async def test_the_store_stopped_mid_run_fails_the_task_clearly(
+    gateway: Gateway, fresh_upstream: str, dispatcher_process: Any, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An S3 server of its own, stopped while a large answer is being stored: the call is
+    tried again (its answer was not kept), and once out of attempts the task fails with
+    `result_store_unavailable`; /readyz reports the store meanwhile, and stays ready."""
+    server = SeaweedFS(tmp_path / "s3")
+    server.start()
+    try:
+        for k, v in server.env().items():
+            monkeypatch.setenv(k, v)
+        store = f"s3://{SeaweedFS.BUCKET}/down"
+        from app.queue.objects import ObjectStore
+
+        gateway.rt.objects = ObjectStore(store)
+        url = f"{fresh_upstream}/down"
+        await gateway.add_endpoint("down", url, timeout_ms=120_000, max_retries=1,
+                                   retry_backoff_ms=100)
+        auth = await gateway.new_key()
+        dispatcher_process(**server.env(), QGW_RESULT_STORE=store)
+        task = await gateway.submit(auth, url, headers={"X-Mock-Binary": [f"{400 * MB};seed=1"]})
+        deadline = time.monotonic() + 120
+        while not await asyncio.to_thread(list_uploads, SeaweedFS.BUCKET, "down/"):
+            assert time.monotonic() < deadline, "no upload began"
+            await asyncio.sleep(0.05)
+        server.stop()
+        (done,) = await gateway.wait_finished(auth, [task["task_id"]], timeout=180)
+        assert done["task_status"] == "failed" and done["attempts"] == 2, done
+        assert done["task_result"].startswith("result_store_unavailable"), done["task_result"]
+        r = await gateway.http.get("/readyz")
+        assert r.status_code == 200 and r.json()["checks"]["result_store"].startswith("error")
+    finally:
+        server.stop()
