@@ -14,6 +14,11 @@ ARGV[12] how many further limits (docs/api.md `limits`; 0 or absent = none), the
 interval (ms), guard (ms), per ('request' | 'cost') each: checked with the main one, all or
 none admitting (limits.lua); their state and pace keys are KEYS[13..]. A per-cost limit spends
 the task's `cost` field.
+ARGV[13 + 5 * count] '1' when the endpoint reads real costs (cost_from): a per-cost admission
+then reserves at least what the caller's calls really cost of late (`rc:<user>` in stats, the
+acks' moving average), and the whole rate while that is unknown, so a caller who declares less
+than it spends cannot overrun the limit with calls admitted before their acks settle them. The
+amount reserved is written to the task's `cost`, which its settle reads.
 An endpoint its upstream paused (upstream.lua) is 'limited' until then, then claims one probe.
 Returns {state, wait ms, now, then per claim: id, token, attempts, type, method, url, headers,
 query, body, cost (what it spent of per-cost limits, uncapped)}; state is
@@ -40,6 +45,11 @@ local prefix, token_prefix, permit_ttl = ARGV[8], ARGV[9], tonumber(ARGV[10])
 local guard = tonumber(ARGV[11])
 -- With further limits, the main one is checked among them (undone if another refuses).
 local limits = lim_parse(ARGV, 12, KEYS, 13)
+local settles = ARGV[13 + 5 * (tonumber(ARGV[12]) or 0)] == '1'
+local whole = 1  -- the largest per-cost rate: what a caller of unknown costs reserves
+for _, l in ipairs(limits) do
+  if l.per == 'cost' and l.rate > whole then whole = l.rate end
+end
 if #limits > 0 and rate > 0 then
   table.insert(limits, 1, {kind = kind, key = KEYS[3], pace = KEYS[12], rate = rate,
     interval = interval, guard = guard, per = 'request', main = true})
@@ -91,7 +101,8 @@ while true do
   local id = heads[h]
   h = h + 1
   local task = prefix .. id
-  local tf = redis.call('HMGET', task, 'type', 'pexp', 'cost', 'dl', 'attempts', 'created_at')
+  local tf = redis.call('HMGET', task, 'type', 'pexp', 'cost', 'dl', 'attempts', 'created_at',
+    'user_id')
   local ttype = tf[1]
   if not ttype then
     redis.call('ZREM', KEYS[1], id)  -- its hash is gone: never runs
@@ -103,7 +114,17 @@ while true do
     local token = token_prefix .. ':' .. claimed
     local wait, binding
     if #limits == 0 then wait = rl_acquire(kind, KEYS[3], KEYS[12], rate, interval, guard, now, token)
-    else wait, binding = lim_acquire(limits, now, token, tonumber(tf[3]) or 1) end
+    else
+      if settles then  -- never less than the caller's recent real cost (see the header)
+        local real = tonumber(redis.call('HGET', stats, 'rc:' .. (tf[7] or '')))
+        local floor = real and math.ceil(real) or whole
+        if floor > (tonumber(tf[3]) or 1) then
+          tf[3] = floor
+          redis.call('HSET', task, 'cost', floor)
+        end
+      end
+      wait, binding = lim_acquire(limits, now, token, tonumber(tf[3]) or 1)
+    end
     if wait > 0 then out[1] = 'limited'; out[2] = wait; limited_by = lim_name(binding); break end
     redis.call('ZREM', KEYS[1], id)
     -- Started, it has no pending deadline left (expire-5.lua): a per_user endpoint lists

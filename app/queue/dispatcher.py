@@ -251,7 +251,10 @@ class Dispatcher:
             endpoint.rate, endpoint.interval_ms, k.task_prefix(e),
             f"{self._ident}.{secrets.token_hex(8)}", endpoint.permit_ttl_s * 1000,
             self._limiter(endpoint).limit.guard_ms,
-            *further_limits(endpoint, self.settings.rate_guard_ms)]
+            *further_limits(endpoint, self.settings.rate_guard_ms),
+            # Reserve at least the caller's real costs (claim-12.lua): only if they are read.
+            *(["1" if endpoint.cost_from and endpoint.max_cost is not None else "0"]
+              if endpoint.limits else [])]
 
     def claimed(self, endpoint: EndpointConfig, res: list[Any], asked: float) -> None:
         """Start what a claim-12.lua answer holds."""
