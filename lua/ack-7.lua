@@ -43,7 +43,7 @@ local samples = {}  -- adaptive.lua
 for i = 0, n - 1 do
   local a, task = first_arg + 9 * i, KEYS[first_task + i]
   local id, token, status = ARGV[a], ARGV[a + 1], ARGV[a + 2]
-  local f = redis.call('HMGET', task, 'lease', 'started_at', 'cost', 'callback_url')
+  local f = redis.call('HMGET', task, 'lease', 'started_at', 'cost', 'callback_url', 'user_id')
   if f[1] ~= token then
     out[#out + 1] = 0
   else
@@ -54,6 +54,8 @@ for i = 0, n - 1 do
       for _, l in ipairs(limits) do
         lim_settle(l, token, tonumber(f[3]) or 1, real, started or now, now)
       end
+      -- What this caller's calls really cost, for its next reservations (claim-12.lua).
+      if status == 'completed' then stats_ema(stats, 'rc:' .. (f[5] or ''), real) end
     end
     local pause = tonumber(ARGV[a + 6]) or 0
     if pause > 0 then

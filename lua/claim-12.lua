@@ -18,7 +18,12 @@ After the further limits (ARGV[12] then, 0 when there are none): the starvation 
 absent = none: strict priority), and with one, the arrival index (Keys.arrivals) after the
 limits' keys: a task that has waited longer is claimed first (starvation.lua); then the minimum
 concurrency of an adaptive endpoint (0 or absent = fixed: ARGV[3] is the cap), whose cap is
-then the learnt one (adaptive.lua), ARGV[3] its maximum.
+then the learnt one (adaptive.lua), ARGV[3] its maximum; then '1' when the endpoint reads
+real costs (cost_from): a per-cost admission then reserves at least what the caller's calls
+really cost of late (`rc:<user>` in stats, the acks' moving average), and the whole rate while
+that is unknown, so a caller who declares less than it spends cannot overrun the limit with
+calls admitted before their acks settle them. The amount reserved is written to the task's
+`cost`, which its settle reads.
 An endpoint its upstream paused (upstream.lua) is 'limited' until then, then claims one probe;
 one whose upstream said how many calls remain before its reset (budget-2.lua) claims no more
 than that until then.
@@ -53,6 +58,11 @@ local arrivals = KEYS[13 + 2 * nlim]
 local min_cap = tonumber(ARGV[14 + 5 * nlim]) or 0  -- adaptive.lua
 -- With further limits, the main one is checked among them (undone if another refuses).
 local limits = lim_parse(ARGV, 12, KEYS, 13)
+local settles = ARGV[15 + 5 * nlim] == '1'  -- reserve at least real costs (see above)
+local whole = 1  -- the largest per-cost rate: what a caller of unknown costs reserves
+for _, l in ipairs(limits) do
+  if l.per == 'cost' and l.rate > whole then whole = l.rate end
+end
 if #limits > 0 and rate > 0 then
   table.insert(limits, 1, {kind = kind, key = KEYS[3], pace = KEYS[12], rate = rate,
     interval = interval, guard = guard, per = 'request', main = true})
@@ -119,7 +129,8 @@ while true do
     id, h = heads[h], h + 1
   end
   local task = prefix .. id
-  local tf = redis.call('HMGET', task, 'type', 'pexp', 'cost', 'dl', 'attempts', 'created_at')
+  local tf = redis.call('HMGET', task, 'type', 'pexp', 'cost', 'dl', 'attempts', 'created_at',
+    'user_id')
   local ttype = tf[1]
   if not ttype then
     redis.call('ZREM', KEYS[1], id)  -- its hash is gone: never runs
@@ -131,7 +142,17 @@ while true do
     local token = token_prefix .. ':' .. claimed
     local wait, binding
     if #limits == 0 then wait = rl_acquire(kind, KEYS[3], KEYS[12], rate, interval, guard, now, token)
-    else wait, binding = lim_acquire(limits, now, token, tonumber(tf[3]) or 1) end
+    else
+      if settles then  -- never less than the caller's recent real cost (see the header)
+        local real = tonumber(redis.call('HGET', stats, 'rc:' .. (tf[7] or '')))
+        local floor = real and math.ceil(real) or whole
+        if floor > (tonumber(tf[3]) or 1) then
+          tf[3] = floor
+          redis.call('HSET', task, 'cost', floor)
+        end
+      end
+      wait, binding = lim_acquire(limits, now, token, tonumber(tf[3]) or 1)
+    end
     if wait > 0 then out[1] = 'limited'; out[2] = wait; limited_by = lim_name(binding); break end
     redis.call('ZREM', KEYS[1], id)
     if arrivals then redis.call('ZREM', arrivals, id) end

@@ -302,3 +302,25 @@ async def test_an_edit_of_a_limit_resets_its_pacing(
     await _patch(gateway, "reset", limits=[HUGE_LIMIT])  # the same limit, saved again
     await _drain(gateway, ["reset"], timeout=5)
     assert await gateway.rt.redis.exists(pace) == 0 or await gateway.rt.redis.pttl(pace) < 5000
+
+
+async def test_an_under_declared_cost_does_not_overrun_the_limit(
+    gateway: Gateway, fresh_upstream: str, start_dispatcher: StartDispatcher,
+) -> None:
+    """Tasks declared at cost 1 that really cost 500 (x-usage), 1,000 units a second (the
+    issue's 1,000 / 10 s, scaled down so 40 such calls take 20 s), two dispatchers: every
+    window at the upstream holds at most 1,000 units and one call's real cost, since
+    reservations follow what the caller's calls really cost, not what it declares."""
+    url = f"{fresh_upstream}/under"
+    limit = {"limiter": "sliding_window", "rate": 1000, "interval_ms": 1000, "per": "cost"}
+    await gateway.add_endpoint("under", url, limits=[limit], cost_from="header:x-usage")
+    auth = await gateway.new_key()
+    await _two_dispatchers(start_dispatcher)
+    reply = {"X-Mock-Reply-Headers": ['{"X-Usage": "500"}'], "X-Mock-Latency-Ms": ["100"]}
+    await _backlog(gateway, auth, url, 40, cost=1, headers=reply)
+    await _drain(gateway, ["under"], timeout=60)
+    times = _arrivals(fresh_upstream, "/under")
+    assert len(times) == 40
+    worst = most_cost_in_window([(t, 500) for t in times], 1000)
+    print(f"worst 1 s window at the upstream: {worst} units (limit 1,000, one call 500)")
+    assert worst <= 1000 + 500

@@ -67,10 +67,13 @@ def claim_keys(keys: Keys, endpoint: EndpointConfig) -> list[str]:
 
 def admission_args(endpoint: EndpointConfig, guard_ms: int) -> list[str | int]:
     """claim-12.lua's ARGV[12..]: the further limits (a count of 0 when none), then the
-    starvation bound (ms, 0 = none), then the adaptive endpoint's least cap (0 = fixed)."""
+    starvation bound (ms, 0 = none), then the adaptive endpoint's least cap (0 = fixed), then
+    '1' when per-cost admissions reserve at least the caller's recent real cost (cost_from)."""
+    reads_costs = bool(endpoint.limits and endpoint.cost_from and endpoint.max_cost is not None)
     return [*(further_limits(endpoint, guard_ms) or [0]),
             (endpoint.max_starvation_s or 0) * 1000,
-            endpoint.min_concurrency if endpoint.concurrency == "adaptive" else 0]
+            endpoint.min_concurrency if endpoint.concurrency == "adaptive" else 0,
+            "1" if reads_costs else "0"]
 
 
 def settle_limits(endpoint: EndpointConfig, keys: Keys, guard_ms: int

@@ -186,8 +186,8 @@ class WebhookSender:
             log.warning("webhook given up: the key that asked for it was revoked", extra=extra)
             await self._done(task_id, hook, "given_up")
             return False
-        outcome, unreachable = await self._post(url, f"{task_id}:{hook}", key.webhook_secret,
-                                                  render(self.view(task_id, fields)))
+        outcome, unreachable = await self._post(
+            url, f"{task_id}:{hook}", key.webhook_secret, render(self.view(task_id, fields)))
         if outcome is None:
             await self._done(task_id, hook, "delivered")
         elif time.time() - int(hook) / 1000 >= GIVE_UP_S:
