@@ -158,8 +158,9 @@ async def test_search_every_endpoint_and_retry_or_cancel_in_bulk(
     for i in range(2):
         assert len(await _calls(fresh_upstream, f"dl-b-{i}", 2)) == 2
     res = await _admin(gateway, "POST", "/admin/v1/tasks/retry", json={"status": "failed"})
-    assert res["matched"] == 6 - 2 or res["matched"] == 6  # dl-b's may have failed again
-    assert res["skipped"].get("endpoint_not_registered") == 1
+    # dl-b's two may have failed again by now (or one of them): matched with the rest or not.
+    assert 4 <= res["matched"] <= 6 and res["retried"] == res["matched"] - 1
+    assert res["skipped"] == {"endpoint_not_registered": 1}
 
     # Cancelled in bulk: the running call is aborted, the waiting ones leave the line.
     held = [(await gateway.submit(auth, f"{fresh_upstream}/dl-hold", body=f"h{i}",

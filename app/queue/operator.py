@@ -43,7 +43,7 @@ async def show(queue: TaskQueue, registry: EndpointRegistry, task_id: str) -> di
     view = await queue.status(user_id, task_id, registry.get(e), deliver=False)
     req = dict(zip(_REQUEST, raw[1:], strict=True))
     request = {"method": req["method"], "url": req["url"], "body": req["body"],
-               "headers": json.loads(req["headers"] or "{}"),
+               "body_truncated": False, "headers": json.loads(req["headers"] or "{}"),
                "query_params": json.loads(req["query"] or "{}"),
                "priority": int(req["priority"] or 0),
                "timestamp": int(req["client_ts"]) if req["client_ts"] else None}
