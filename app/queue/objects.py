@@ -31,7 +31,7 @@ import obstore
 from obstore.exceptions import NotFoundError
 from obstore.store import LocalStore, S3Store
 
-PART_BYTES = 8 << 20  # an S3 part (5 MiB at least); two in flight bound an upload's memory
+PART_BYTES = 5 << 20  # an S3 part (5 MiB at least); two in flight bound an upload's memory
 PARTS_IN_FLIGHT = 2
 READ_CHUNK = 64 << 10  # what a read hands on at a time: about what a stalled reader pins
 

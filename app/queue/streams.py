@@ -14,8 +14,8 @@ from collections import deque
 from collections.abc import AsyncIterator, Iterator
 from typing import Protocol
 
-HIGH_WATER = 4 << 20
-LOW_WATER = 1 << 20
+HIGH_WATER = 1 << 20
+LOW_WATER = 256 << 10
 PIECE = 1 << 20  # at most this much decoded output per piece (a small gzip may inflate a lot)
 DECODERS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
 
