@@ -143,7 +143,7 @@ def test_the_contract_page_names_every_route_and_every_setting() -> None:
     text = (ROOT / "docs" / "api.md").read_text(encoding="utf-8")
     every = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
     methods = "|".join([*every, "ANY"])
-    said = set()
+    said: set[tuple[str, str]] = set()
     for m in re.finditer(rf"`((?:{methods})(?:\|(?:{methods}))*) (/[^\s`?]*)`", text):
         path = re.sub(r"\{[^}]*\}", "{}", m[2])
         verbs = m[1].split("|")
