@@ -129,3 +129,28 @@ def test_the_built_pages_link_up_and_search_works_offline(site: Path, page: obje
     page.screenshot(path=str(ARTIFACTS / "docs-reference-http.png"))
     assert page.outside == [], page.outside  # type: ignore[attr-defined]
     assert page.errors == [], page.errors  # type: ignore[attr-defined]
+
+
+def test_the_contract_page_names_every_route_and_every_setting() -> None:
+    """docs/api.md is written by hand: a route or a setting added to the code without a word
+    there fails here. Routes are matched by method and path, path parameters by position
+    (`{id}` in the page stands for `{endpoint_id}` in the code)."""
+    import re
+
+    from app.settings import Settings
+    from scripts.ref_http import openapi
+
+    text = (ROOT / "docs" / "api.md").read_text(encoding="utf-8")
+    every = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
+    methods = "|".join([*every, "ANY"])
+    said: set[tuple[str, str]] = set()
+    for m in re.finditer(rf"`((?:{methods})(?:\|(?:{methods}))*) (/[^\s`?]*)`", text):
+        path = re.sub(r"\{[^}]*\}", "{}", m[2])
+        verbs = m[1].split("|")
+        said.update((verb, path) for verb in (every if "ANY" in verbs else verbs))
+    served = {(verb.upper(), re.sub(r"\{[^}]*\}", "{}", path))
+              for path, ops in openapi()["paths"].items() for verb in ops}
+    assert sorted(served - said) == [], "routes docs/api.md does not name as `METHOD /path`"
+    unsaid = [f"QGW_{n.upper()}" for n in Settings.model_fields
+              if f"`QGW_{n.upper()}`" not in text]
+    assert unsaid == [], "settings docs/api.md does not name"
