@@ -59,6 +59,7 @@ class EndpointRow(Base):
     limits: Mapped[list[dict[str, object]]] = mapped_column(JSON, nullable=True, default=list)
     cost_from: Mapped[str | None] = mapped_column(String(200), nullable=True)
     fairness: Mapped[str] = mapped_column(String(16), default="fifo")
+    proxy: Mapped[bool] = mapped_column(Boolean, default=False)
     created_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow, onupdate=utcnow)
 

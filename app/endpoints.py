@@ -14,7 +14,10 @@ from app.models import ENDPOINT_ID, HTTP_URL, Method, StrictInput
 Limiter = Literal["sliding_window", "fixed_window", "token_bucket"]
 MAX_LIMITS = 5
 #: Where a finished call's real cost is read: a response header, or a dot path in its JSON body.
-COST_FROM = r"^(header:[!#$%&'*+.^_`|~0-9A-Za-z-]{1,128}|json:[^\s.]{1,64}(\.[^\s.]{1,64}){0,7})$"
+#: A proxied stream's cost is read from its events: 'sse:<dot.path>', paths joined by '+' added up.
+_SSE_PATH = r"[^\s.+]{1,64}(\.[^\s.+]{1,64}){0,7}"
+COST_FROM = (r"^(header:[!#$%&'*+.^_`|~0-9A-Za-z-]{1,128}|json:[^\s.]{1,64}(\.[^\s.]{1,64}){0,7}"
+             rf"|sse:{_SSE_PATH}(\+{_SSE_PATH}){{0,3}})$")
 
 
 def _post_only() -> list[Method]:
@@ -109,7 +112,11 @@ class EndpointSettings(StrictInput):
                     "and 2000/day, or 90,000 cost units a minute)")
     cost_from: Annotated[str, StringConstraints(max_length=200, pattern=COST_FROM)] | None = Field(
         None, description="where a finished call's real cost is read to settle its per-cost "
-                          "reservations: 'header:<name>' or 'json:<dot.path>' of the response")
+                          "reservations: 'header:<name>' or 'json:<dot.path>' of the response, "
+                          "or 'sse:<dot.path>' of a stream's last data: event that has it "
+                          "(paths joined by '+' are added up)")
+    proxy: bool = Field(False, description="open to the drop-in proxy: ANY "
+                                           "/proxy/{id}/{path} calls target_url + path")
 
     @field_validator("limits")
     @classmethod

@@ -12,7 +12,17 @@ from fastapi_offline import FastAPIOffline
 
 from app import __version__, errors, logs, openapi
 from app.metrics import HttpRequests
-from app.routes import admin, admin_ops, admin_tasks, auth_check, dashboard, follow, ops, tasks
+from app.routes import (
+    admin,
+    admin_ops,
+    admin_tasks,
+    auth_check,
+    dashboard,
+    follow,
+    ops,
+    proxy,
+    tasks,
+)
 from app.routes.fastlane import fast_lane
 from app.runtime import Runtime
 
@@ -49,7 +59,7 @@ def create_app(
     errors.install(app)
     for router in (tasks.router, follow.router, auth_check.router, admin.router,
                    admin_tasks.router, admin_ops.router, ops.router,
-                   dashboard.router):
+                   dashboard.router, proxy.router):
         app.include_router(router)
     openapi.install(app)
     # Added before the counter, so inside it: it counts the fast lane's answers too.

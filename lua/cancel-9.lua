@@ -1,5 +1,5 @@
 --[[ Cancel a task of this user: a pending one leaves its queue; an admitted online one loses
-its permit and frees its slot. Anything that already ended, or an offline call in flight, stays.
+its permit and frees its slot (a proxied one: its relaying process aborts the call). Anything that already ended, or an offline call in flight, stays.
 KEYS[1] task    KEYS[2] queue    KEYS[3] active    KEYS[4] wake    KEYS[5] outbox
 KEYS[6] retry    KEYS[7] stats    KEYS[8] hooks (lifecycle.lua)    KEYS[9] probe (upstream.lua):
 an online probe cancelled is no probe any more; the next claim sends another
@@ -18,7 +18,7 @@ local now = now_ms()
 if f[2] == 'pending' then
   redis.call('ZREM', KEYS[2], ARGV[1])
   redis.call('ZREM', KEYS[6], ARGV[1])  -- waiting out a retry back-off
-elseif f[2] == 'processing' and f[3] == 'online' then
+elseif f[2] == 'processing' and (f[3] == 'online' or f[3] == 'proxy') then
   redis.call('ZREM', KEYS[3], ARGV[1])
   redis.call('HDEL', KEYS[1], 'lease', 'deadline')
   if f[4] then upstream_call_ended(KEYS[7], KEYS[9], f[4], false) end
