@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from app.cli_options import add_options, given, validate
 from app.endpoints import EndpointConfig, EndpointPatch
 from app.models import ApiKeyCreate
+from app.secrets import AS_IS, MASK
 from app.settings import Settings
 from app.startup import Refused, hide_password, one_line, require_db
 
@@ -67,6 +68,11 @@ def add_parsers(sub: Any) -> None:
     _action(keys, "list", "every key (never the key itself), as JSON", _key_list)
     _with_id(_action(keys, "revoke", "revoke a key at once, on every replica", _key_revoke,
                      needs_runtime=True), "key id (from `qgw keys list`)")
+
+    secrets = _group(sub, "secrets", "the key that encrypts endpoints' upstream_headers")
+    _action(secrets, "rotate", "encrypt every endpoint's upstream_headers again with "
+            "QGW_SECRETS_KEY (run with the old key as QGW_SECRETS_KEY_PREVIOUS)",
+            _secrets_rotate, needs_runtime=True)
 
     tasks = _group(sub, "tasks", "any user's task, for operators")
     listed = _with_id(_action(tasks, "list", "a page of an endpoint's tasks of one status, as "
@@ -224,16 +230,33 @@ def _endpoint_update(args: argparse.Namespace) -> Job:
     if not changes:
         raise Refused("nothing to change: give at least one option (qgw endpoints update -h)",
                       exit_code=2)
-    patch = validate(EndpointPatch, changes).model_dump(exclude_unset=True, exclude_none=True)
-    return _update(args.id, patch)
+    headers = changes.pop("upstream_headers", None)
+    if headers is not None:  # the non-empty ones are checked here; empty ones remove
+        validate(EndpointPatch, {"upstream_headers": {k: v for k, v in headers.items() if v}})
+    patch = validate(EndpointPatch, changes).model_dump(exclude_unset=True, exclude_none=True,
+                                                        context=AS_IS)
+    return _update(args.id, patch, headers)
+
+
+def merge_headers(current: dict[str, str], given: dict[str, str]) -> dict[str, str]:
+    """The endpoint's upstream_headers with `given` set (an empty value removes that name),
+    the others kept as they are (`<set>`: the store keeps their sealed values)."""
+    gone = {name.lower() for name in given}
+    out = {name: MASK for name in current if name.lower() not in gone}
+    out.update({name: value for name, value in given.items() if value})
+    return out
 
 
 def _set_paused(paused: bool) -> Prepare:
     return lambda args: _update(args.id, {"paused": paused})
 
 
-def _update(endpoint_id: str, changes: dict[str, Any]) -> Job:
+def _update(endpoint_id: str, changes: dict[str, Any],
+            headers: dict[str, str] | None = None) -> Job:
     async def job(rt: Runtime) -> Any:
+        if headers is not None:
+            current = (await rt.endpoints.get(endpoint_id)).upstream_headers
+            changes["upstream_headers"] = merge_headers(current, headers)
         return (await rt.endpoints.update(endpoint_id, changes)).model_dump()
 
     return job
@@ -278,6 +301,15 @@ def _key_list(args: argparse.Namespace) -> Job:
 def _key_revoke(args: argparse.Namespace) -> Job:
     async def job(rt: Runtime) -> None:
         await rt.key_store.revoke(args.id)
+
+    return job
+
+
+# -- secrets ---------------------------------------------------------------------------------
+
+def _secrets_rotate(args: argparse.Namespace) -> Job:
+    async def job(rt: Runtime) -> Any:
+        return {"key_id": rt.settings.keyring.current_id, **await rt.endpoints.reseal()}
 
     return job
 

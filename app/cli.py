@@ -49,6 +49,9 @@ def main(argv: list[str] | None = None) -> None:
     except Refused as exc:
         print(f"qgw: {exc}", file=sys.stderr)
         sys.exit(exc.exit_code)
+    except SettingsError as exc:  # one found when first used (a key file)
+        print(f"qgw: {exc}", file=sys.stderr)
+        sys.exit(2)
     except EmbeddedRedisError as exc:
         print(f"qgw: {exc}", file=sys.stderr)
         sys.exit(1)

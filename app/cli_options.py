@@ -58,6 +58,13 @@ def add_options(parser: argparse.ArgumentParser, model: type[BaseModel],
     for name, field in model.model_fields.items():
         if name in skip:
             continue
+        if name == "upstream_headers":
+            parser.add_argument(
+                "--upstream-header", dest="upstream_header_lines", action="append",
+                default=argparse.SUPPRESS, metavar="'NAME: VALUE'",
+                help=_UPSTREAM_HEADER_HELP + ("; 'NAME:' with no value removes one, the others "
+                                              "stay" if all_optional else ""))
+            continue
         required = field.is_required() and not all_optional
         kind, choices = _kind(field.annotation)
         parser.add_argument(
@@ -70,9 +77,28 @@ def given(args: argparse.Namespace, model: type[BaseModel]) -> dict[str, Any]:
     """The fields of `model` set on the command line, with `--limits` made into the API's
     objects (a bad one is refused in one line, exit 2, as the API's own checks are)."""
     out = {k: v for k, v in vars(args).items() if k in model.model_fields}
+    if "upstream_header_lines" in vars(args):
+        out["upstream_headers"] = header_lines(args.upstream_header_lines)
     for name, value in out.items():
         if _kind(model.model_fields[name].annotation)[0] == "limits":
             out[name] = parse_limits(value)
+    return out
+
+
+_UPSTREAM_HEADER_HELP = ("a header sent on every call to this endpoint (e.g. 'Authorization: "
+                         "Bearer sk-...'), repeatable; stored encrypted, shown as <set>")
+
+
+def header_lines(lines: list[str]) -> dict[str, str]:
+    """`Name: value` lines as the API's upstream_headers object (an empty value stays empty:
+    `qgw endpoints update` reads it as "remove")."""
+    out: dict[str, str] = {}
+    for line in lines:
+        name, colon, value = line.partition(":")
+        if not colon or not name.strip():
+            raise Refused("--upstream-header: say 'Name: value' (a name, a colon, the value)",
+                          exit_code=2)
+        out[name.strip()] = value.strip()
     return out
 
 

@@ -7,9 +7,17 @@ from functools import cached_property
 from typing import Annotated, Literal
 from urllib.parse import urlsplit
 
-from pydantic import ConfigDict, Field, StringConstraints, field_validator
+from pydantic import (
+    ConfigDict,
+    Field,
+    SerializationInfo,
+    StringConstraints,
+    field_serializer,
+    field_validator,
+)
 
 from app.models import ENDPOINT_ID, HTTP_URL, Method, StrictInput
+from app.secrets import AS_IS, Credentials, mask
 
 Limiter = Literal["sliding_window", "fixed_window", "token_bucket"]
 MAX_LIMITS = 5
@@ -53,8 +61,14 @@ _NEVER_FORWARD = frozenset({
     "accept-encoding",  # the gateway decodes what it asked for (gzip, deflate), nothing else
 })
 HEADER_NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]{1,128}$")  # RFC 9110 field name
+#: Control characters an HTTP field value cannot hold (CR and LF would split the request).
+_BAD_VALUE = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
+MAX_UPSTREAM_HEADERS = 32
 
 
+HeaderNameText = Annotated[str, StringConstraints(max_length=128)]
+#: Long enough for a sealed value of MAX_VALUE_BYTES (app/secrets.py checks the plain one).
+HeaderValueText = Annotated[str, StringConstraints(min_length=1, max_length=12_000)]
 TargetUrl = Annotated[
     str, StringConstraints(max_length=2048, pattern=HTTP_URL + r"(/[^?#\x00-\x20\x7f-\x9f]*)?$")]
 
@@ -117,6 +131,12 @@ class EndpointSettings(StrictInput):
                           "(paths joined by '+' are added up)")
     proxy: bool = Field(False, description="open to the drop-in proxy: ANY "
                                            "/proxy/{id}/{path} calls target_url + path")
+    upstream_headers: dict[HeaderNameText, HeaderValueText] = Field(
+        default_factory=dict, max_length=MAX_UPSTREAM_HEADERS, repr=False,
+        description="headers sent on every call to this endpoint, e.g. the provider's "
+                    "Authorization; never taken from a caller (a caller's header of the same "
+                    "name is dropped). Write-only: answers show each value as \"<set>\", and "
+                    "\"<set>\" sent back keeps the stored value. Stored encrypted")
 
     @field_validator("limits")
     @classmethod
@@ -148,6 +168,32 @@ class EndpointSettings(StrictInput):
                 raise ValueError(f"{name} is the gateway's own and is never forwarded")
         return v
 
+    @field_validator("upstream_headers")
+    @classmethod
+    def _settable(cls, v: dict[str, str]) -> dict[str, str]:
+        seen: set[str] = set()
+        for name, value in v.items():
+            if not HEADER_NAME.match(name):  # not echoed: a mistake may hold the value
+                raise ValueError("a name holds characters a header name cannot (a space, ':' "
+                                 "...); give names and values apart")
+            low = name.lower()
+            if low in _NEVER_FORWARD or low.startswith(("x-queue-", "proxy-")):
+                raise ValueError(f"{name} is the gateway's own and cannot be set")
+            if low in seen:
+                raise ValueError(f"{name} is given twice (names are case-insensitive)")
+            seen.add(low)
+            if _BAD_VALUE.search(value):
+                raise ValueError(f"the value of {name} holds a control character (CR, LF, "
+                                 "NUL ...)")
+        return v
+
+    @field_serializer("upstream_headers")
+    def _masked(self, v: dict[str, str], info: SerializationInfo) -> dict[str, str]:
+        # Masked unless the caller asks for them as held (the stores: sealed values).
+        if info.context == AS_IS:
+            return dict(v)
+        return mask(v)
+
     @field_validator("target_url")
     @classmethod
     def _http_url(cls, v: str | None) -> str | None:
@@ -173,6 +219,13 @@ class EndpointConfig(EndpointSettings):
     def forwarded(self) -> frozenset[str]:
         """Lower-case names of the request headers its calls carry."""
         return DEFAULT_FORWARD | {name.lower() for name in self.forward_headers}
+
+    @cached_property
+    def credentials(self) -> Credentials | None:
+        """Its upstream_headers for its calls (sealed: opened by app/secrets.py at call time)."""
+        if not self.upstream_headers:
+            return None
+        return Credentials(self.id, tuple(self.upstream_headers.items()))
 
     @cached_property
     def max_cost(self) -> int | None:

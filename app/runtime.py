@@ -14,7 +14,7 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from app import redis_url
+from app import redis_url, secrets
 from app.core.keys import Keys
 from app.core.registry import EndpointRegistry, Mirror, cancel_all
 from app.core.scripts import Scripts
@@ -78,6 +78,7 @@ class Runtime:
 
     async def start(self) -> None:
         s = self.settings
+        secrets.install(s.keyring)  # its calls open their endpoint's credentials with it
         if s.redis_url:
             self.redis_url = s.redis_url
         else:  # the private server lives and dies with this runtime
@@ -94,7 +95,7 @@ class Runtime:
             lambda: self.endpoints.load_all(), self.keys.live if self.keys.cluster else None)
         self.api_keys = Mirror(self.redis, self.keys, "api_keys", lambda d: ApiKey(**d),
                                lambda: self.key_store.load_all())
-        self.endpoints = EndpointStore(self.engine, ep_mirror)
+        self.endpoints = EndpointStore(self.engine, ep_mirror, s.keyring)
         self.key_store = KeyStore(self.engine, self.api_keys)
         self.registry = EndpointRegistry(ep_mirror)
         self.queue = TaskQueue(self.redis, self.keys, scripts, s, ResultStore(self.engine))

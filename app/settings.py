@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import secrets
+from collections.abc import Callable
 from functools import cached_property
 from pathlib import Path
 from typing import Literal
@@ -11,6 +13,7 @@ from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from app.redis_url import parse as parse_redis_url
+from app.secrets import Keyring, new_key, parse_key
 
 
 class Settings(BaseSettings):
@@ -24,6 +27,12 @@ class Settings(BaseSettings):
     #: At least 16 characters: the admin API must not be guessable (unset: one is generated).
     admin_token: str | None = Field(None, min_length=16)
     permit_secret: str | None = None
+    #: Seals endpoints' upstream_headers (AES-256-GCM): 32 bytes as 64 hex digits or base64
+    #: (unset: one is generated into the data dir, file `secrets_key`). Every process of one
+    #: gateway needs the same key.
+    secrets_key: str | None = Field(None, repr=False)
+    #: The key before a rotation: values it sealed still open until `qgw secrets rotate`.
+    secrets_key_previous: str | None = Field(None, repr=False)
     key_prefix: str = Field("qgw", pattern=r"^[A-Za-z0-9_.:-]{1,32}$")
 
     pending_ttl_s: int = Field(10800, ge=1)
@@ -80,6 +89,13 @@ class Settings(BaseSettings):
     def _lower(cls, v: object) -> object:
         return v.lower() if isinstance(v, str) else v
 
+    @field_validator("secrets_key", "secrets_key_previous")
+    @classmethod
+    def _key(cls, v: str | None) -> str | None:
+        if v:
+            parse_key(v)  # a mistake is one line at start, not a failed call later
+        return v or None
+
     @field_validator("redis_url")
     @classmethod
     def _redis_scheme(cls, v: str | None) -> str | None:
@@ -106,17 +122,41 @@ class Settings(BaseSettings):
     def permit_key(self) -> bytes:
         return (self.permit_secret or _stored_secret(self.data_dir, "permit_secret")).encode()
 
+    @cached_property
+    def keyring(self) -> Keyring:
+        """The keys that seal and open upstream_headers (app/secrets.py)."""
+        previous = parse_key(self.secrets_key_previous) if self.secrets_key_previous else None
+        if self.secrets_key:
+            return Keyring(parse_key(self.secrets_key), previous)
+        path = self.data_dir / "secrets_key"
+        try:
+            return Keyring(parse_key(_stored_secret(self.data_dir, path.name, new_key)),
+                           previous)
+        except ValueError as exc:
+            raise SettingsError(f"bad key file {path.resolve()}: {exc}") from None
 
-def _stored_secret(data_dir: Path, name: str) -> str:
-    """A secret generated once and kept in the data dir, so restarts keep it."""
+
+def _stored_secret(data_dir: Path, name: str,
+                   make: Callable[[], str] = lambda: secrets.token_urlsafe(32)) -> str:
+    """A secret generated once and kept in the data dir, so restarts keep it. Processes
+    starting together agree on one: it is linked into place only if none is there yet."""
     path = data_dir / name
     if path.exists():
         return path.read_text().strip()
     data_dir.mkdir(parents=True, exist_ok=True)
-    value = secrets.token_urlsafe(32)
-    path.write_text(value + "\n")
-    path.chmod(0o600)
-    return value
+    draft = data_dir / f".{name}.{os.getpid()}"
+    draft.write_text(make() + "\n")
+    draft.chmod(0o600)
+    try:
+        os.link(draft, path)
+    except FileExistsError:  # another process was first: its secret stands
+        pass
+    except OSError:  # a file system without hard links
+        if not path.exists():
+            os.replace(draft, path)
+    finally:
+        draft.unlink(missing_ok=True)
+    return path.read_text().strip()
 
 
 class SettingsError(Exception):

@@ -25,6 +25,7 @@ from app.db import SQL_JOB_TIMEOUT_S, ApiKeyRow, EndpointRow, bounded, sessions,
 from app.endpoints import EndpointConfig
 from app.errors import ApiError
 from app.models import MAX_PRIORITY
+from app.secrets import AS_IS, Keyring, NotSealable, Undecryptable
 from app.webhooks import new_secret
 
 log = logging.getLogger(__name__)
@@ -51,7 +52,9 @@ def hash_key(key: str) -> str:
 
 
 def _endpoint(row: EndpointRow) -> EndpointConfig:
-    return EndpointConfig.model_validate({f: getattr(row, f) for f in ENDPOINT_FIELDS})
+    fields = {f: getattr(row, f) for f in ENDPOINT_FIELDS}
+    fields["upstream_headers"] = fields["upstream_headers"] or {}
+    return EndpointConfig.model_validate(fields)
 
 
 class _Store:
@@ -68,8 +71,32 @@ class _Store:
             raise
 
 
+def _held(config: EndpointConfig) -> dict[str, Any]:
+    """The endpoint as stored and mirrored: upstream_headers sealed, never masked."""
+    return config.model_dump(context=AS_IS)
+
+
 class EndpointStore(_Store):
+    """Endpoints; `keyring` seals the upstream_headers an admin gives before they are
+    written anywhere (a store for reads only needs none)."""
+
     mirror: Mirror[EndpointConfig]
+
+    def __init__(self, engine: AsyncEngine, mirror: Mirror[Any],
+                 keyring: Keyring | None = None) -> None:
+        super().__init__(engine, mirror)
+        self.keyring = keyring
+
+    def _sealed(self, endpoint_id: str, given: dict[str, str],
+                stored: dict[str, str]) -> dict[str, str]:
+        if not given:
+            return {}
+        if self.keyring is None:
+            raise RuntimeError("this store cannot seal upstream_headers")
+        try:
+            return self.keyring.seal_given(endpoint_id, given, stored)
+        except NotSealable as exc:
+            raise ApiError(422, "invalid_request", str(exc)) from None
 
     async def load_all(self) -> dict[str, str]:
         """Rows as the mirror stores them (id -> JSON)."""
@@ -78,7 +105,7 @@ class EndpointStore(_Store):
     async def _load_all(self) -> dict[str, str]:
         async with self.sessions() as s:
             rows = (await s.scalars(select(EndpointRow))).all()
-        return {r.id: _endpoint(r).model_dump_json() for r in rows}
+        return {r.id: _endpoint(r).model_dump_json(context=AS_IS) for r in rows}
 
     async def _list(self) -> list[EndpointConfig]:
         async with self.sessions() as s:
@@ -100,9 +127,13 @@ class EndpointStore(_Store):
         return row
 
     async def create(self, config: EndpointConfig) -> EndpointConfig:
+        """`config` as an admin gave it (plain upstream_headers); returns it as stored."""
         self._check_url_free(config)
+        config = EndpointConfig.model_validate({
+            **_held(config),
+            "upstream_headers": self._sealed(config.id, config.upstream_headers, {})})
         await self._write(self._insert(config))
-        await self.mirror.put(config.id, config.model_dump())
+        await self.mirror.put(config.id, _held(config))
         return config
 
     async def _insert(self, config: EndpointConfig) -> None:
@@ -113,13 +144,14 @@ class EndpointStore(_Store):
                 # reset by the garbage collector, which a short-lived CLI loop has closed.
                 if await s.get(EndpointRow, config.id) is not None:
                     raise exists
-                s.add(EndpointRow(**config.model_dump()))
+                s.add(EndpointRow(**_held(config)))
         except IntegrityError:  # created by someone else meanwhile
             raise exists from None
 
     async def update(self, endpoint_id: str, changes: dict[str, Any]) -> EndpointConfig:
+        """`changes` as an admin gave them (plain upstream_headers, `<set>` keeping one)."""
         config = await self._write(self._update(endpoint_id, changes))
-        await self.mirror.put(endpoint_id, config.model_dump())
+        await self.mirror.put(endpoint_id, _held(config))
         return config
 
     async def _update(self, endpoint_id: str, changes: dict[str, Any]) -> EndpointConfig:
@@ -127,12 +159,43 @@ class EndpointStore(_Store):
             row = await s.get(EndpointRow, endpoint_id, with_for_update=True)
             if row is None:
                 raise ApiError(404, "endpoint_not_found", f"no endpoint {endpoint_id!r}")
-            merged = {**_endpoint(row).model_dump(), **changes, "id": endpoint_id}
+            merged = {**_held(_endpoint(row)), **changes, "id": endpoint_id}
+            if "upstream_headers" in changes:
+                merged["upstream_headers"] = self._sealed(
+                    endpoint_id, changes["upstream_headers"], row.upstream_headers or {})
             config = EndpointConfig.model_validate(merged)
             self._check_url_free(config)
-            for field, value in config.model_dump().items():
+            for field, value in _held(config).items():
                 setattr(row, field, value)
         return config
+
+    async def reseal(self) -> dict[str, int]:
+        """Seal every endpoint's upstream_headers with the current key (`qgw secrets
+        rotate`), row by row, and publish each endpoint to the mirror again."""
+        assert self.keyring is not None
+        async with self.sessions() as s:
+            ids = list((await s.scalars(select(EndpointRow.id))).all())
+        count = {"endpoints": len(ids), "resealed": 0}
+        for endpoint_id in ids:
+            config = await self._write(self._reseal(endpoint_id, count))
+            if config is not None:  # deleted meanwhile otherwise
+                await self.mirror.put(endpoint_id, _held(config))
+        return count
+
+    async def _reseal(self, endpoint_id: str, count: dict[str, int]) -> EndpointConfig | None:
+        assert self.keyring is not None
+        async with self.sessions.begin() as s:
+            row = await s.get(EndpointRow, endpoint_id, with_for_update=True)
+            if row is None:
+                return None
+            try:
+                again = self.keyring.reseal(endpoint_id, row.upstream_headers or {})
+            except Undecryptable as exc:
+                raise ApiError(409, "secrets_key_missing", str(exc)) from None
+            if again is not None:
+                row.upstream_headers = again
+                count["resealed"] += 1
+            return _endpoint(row)
 
     async def delete(self, endpoint_id: str) -> None:
         await self._write(self._delete(endpoint_id))
@@ -151,7 +214,7 @@ class EndpointStore(_Store):
         try:
             row = await bounded(self._row(endpoint_id))
             if row is not None:
-                await self.mirror.put(endpoint_id, _endpoint(row).model_dump())
+                await self.mirror.put(endpoint_id, _held(_endpoint(row)))
         except STORE_ERRORS as exc:
             self.mirror.mark_stale()
             log.warning("endpoint %s: not put back yet (%s); the reconcile will", endpoint_id,

@@ -98,7 +98,7 @@ def test_dockerfile_and_compose_are_production_shaped() -> None:
     password = COMPOSE["services"]["mariadb"]["environment"]["MARIADB_PASSWORD"]
     assert password.startswith("${QGW_DB_PASSWORD:?") and ":${QGW_DB_PASSWORD:?" in db_url
     assert BUILT["migrate"]["environment"]["QGW_DATABASE_URL"] == db_url
-    for var in ("QGW_ADMIN_TOKEN", "QGW_PERMIT_SECRET"):
+    for var in ("QGW_ADMIN_TOKEN", "QGW_PERMIT_SECRET", "QGW_SECRETS_KEY"):
         assert BUILT["api"]["environment"][var].startswith(f"${{{var}:?")
 
 
@@ -122,7 +122,8 @@ class Stack:
         if "QGW_REDIS_URL" in env:
             env["QGW_REDIS_URL"] = self.redis_url
         if "QGW_ADMIN_TOKEN" in env:
-            env.update(QGW_ADMIN_TOKEN=ADMIN, QGW_PERMIT_SECRET="image-permit-secret")
+            env.update(QGW_ADMIN_TOKEN=ADMIN, QGW_PERMIT_SECRET="image-permit-secret",
+                       QGW_SECRETS_KEY="ab" * 32)
         return env
 
     def argv(self, argv: list[str]) -> list[str]:

@@ -81,7 +81,7 @@ async def test_queued_tasks_and_proxied_calls_share_the_cap(
 async def test_key_consumed_headers_forwarded_and_paths_kept_under_target(
     gateway: Gateway, llm: str, start_api: StartApi, start_dispatcher: StartDispatcher
 ) -> None:
-    auth = await proxied(gateway, llm)
+    auth = await proxied(gateway, llm, upstream_headers={"Authorization": "Bearer sk-provider"})
     base = await start_api()
     await start_dispatcher()
     key = auth["Authorization"].removeprefix("Bearer ")
@@ -94,7 +94,8 @@ async def test_key_consumed_headers_forwarded_and_paths_kept_under_target(
         assert entry["path"] == "/v1/embeddings" and entry["query"] == {"x": "1"}
         sent = entry["headers"]
         assert isinstance(sent, dict)
-        assert "x-api-key" not in sent and "authorization" not in sent and "cookie" not in sent
+        assert "x-api-key" not in sent and "cookie" not in sent
+        assert sent["authorization"] == "Bearer sk-provider"  # the endpoint's, not the caller's
         assert sent["openai-beta"] == "v2" and "x-queue-priority" not in sent
         assert entry["idempotency_key"] == r.headers["x-queue-task-id"]
         for bad in ("../x", "a/../../x", "a%2Fb", "a%2fb", "a;b", "a%5Cb", "a\\b", "%2e%2e/x",

@@ -37,7 +37,9 @@ def test_an_embedded_redis_that_cannot_start_is_one_line(
 
 
 @pytest.mark.parametrize(("name", "value"), [("QGW_LOG_LEVEL", "verbose"),
-                                             ("QGW_ADMIN_TOKEN", "abc")])
+                                             ("QGW_ADMIN_TOKEN", "abc"),
+                                             ("QGW_SECRETS_KEY", "0123456789abcdef"),
+                                             ("QGW_SECRETS_KEY_PREVIOUS", "z" * 64)])
 def test_bad_setting_is_one_line(env: dict[str, str], name: str, value: str) -> None:
     r = _serve({**env, name: value})
     assert r.returncode == 2 and r.stdout == ""

@@ -19,6 +19,7 @@ from typing import Any
 
 import httpx
 import pytest
+from alembic.script import ScriptDirectory
 from sqlalchemy import func, inspect, select, text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -592,4 +593,5 @@ def test_serve_refuses_an_unmigrated_database_when_auto_migrate_is_off(tmp_path:
     proc = subprocess.run([*QGW, "serve", "--port", str(free_port())], env=env,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1
-    assert "run `qgw migrate`" in proc.stderr and "needs 0010" in proc.stderr
+    head = ScriptDirectory.from_config(migrate._config(env["QGW_DATABASE_URL"])).get_current_head()
+    assert "run `qgw migrate`" in proc.stderr and f"needs {head}" in proc.stderr

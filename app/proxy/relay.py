@@ -19,6 +19,7 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
+from app import secrets
 from app.core.keys import Keys
 from app.endpoints import EndpointConfig
 from app.errors import ApiError
@@ -166,12 +167,18 @@ class ProxyCall:
     async def call(self) -> Streamed | None:
         """Make the call; None when the upstream refused it asking for a pause (the endpoint
         pauses, the task goes back to its place in line: wait again). Errors end the task."""
-        headers = [*self.headers, ("Idempotency-Key", self.task_id)]
         self.call_started = started = time.monotonic()
         ep = self.endpoint
         try:
+            # The endpoint's upstream_headers (the provider's key) replace any of the caller's.
+            headers = secrets.outgoing(self.headers, ep.credentials)
+            headers.append(("Idempotency-Key", self.task_id))
             answer = await open_call(self.method, self.url, headers, self.body,
                                      ep.timeout_ms / 1000)
+        except secrets.Undecryptable as exc:
+            await self.finish("failed", f"upstream credentials: {exc}", None, -1, None)
+            raise ApiError(503, "credentials_unavailable", str(exc), {"Retry-After": "5"},
+                           task_id=self.task_id) from None
         except ValueError as exc:
             await self.finish("failed", f"request cannot be sent: {exc}", None, -1, None)
             raise ApiError(400, "invalid_request", str(exc)) from None

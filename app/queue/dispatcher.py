@@ -267,7 +267,7 @@ class Dispatcher:
                 # The call goes where the endpoint points now, not to the caller's URL string.
                 req = Request(method, endpoint.call_url(url), headers, query, body,
                               endpoint.forwarded, endpoint.cost_from if endpoint.max_cost
-                              else None)
+                              else None, endpoint.credentials)
                 self._start(Claim(endpoint, tid, token, int(attempts), ttype, req, asked,
                                   int(cost)))
         if state == "limited":

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from app import __version__
+from app import __version__, secrets
 from app.endpoints import DEFAULT_FORWARD
 from app.queue.http1 import BadAnswer, UpstreamClient
 from app.queue.signals import pause_s, retry_after
@@ -39,6 +39,7 @@ class Request:
     body: str
     allowed: frozenset[str] = DEFAULT_FORWARD  # header names it may carry (lower case)
     cost_from: str | None = None  # where its real cost is read (EndpointSettings.cost_from)
+    credentials: secrets.Credentials | None = None  # the endpoint's upstream_headers, sealed
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +68,10 @@ async def call(
     """Make one call, bounded by `timeout_s` as a whole; `on_sent` runs once its request has
     left (the sliding window is kept to that moment: app/ratelimit/sent.py)."""
     headers = forwardable(json.loads(req.headers or "{}"), req.allowed)
+    try:
+        headers = secrets.outgoing(headers, req.credentials)
+    except secrets.Undecryptable as exc:  # retried: another process may hold the key
+        return Outcome(None, f"upstream credentials: {exc}")
     headers.append(("Idempotency-Key", task_id))
     # Stored query parameters come on top of those in the URL.
     params = [(name, value) for name, values in json.loads(req.query or "{}").items()

@@ -13,6 +13,7 @@ from app.models import ApiKeyCreate, ErrorResponse
 from app.queue.stats import queue_stats
 from app.routes.body import body_schema, parse, read_limited
 from app.runtime import Runtime
+from app.secrets import AS_IS
 
 ERRORS: dict[int | str, dict[str, Any]] = {
     c: {"model": ErrorResponse} for c in (400, 401, 404, 409, 413, 422)
@@ -57,7 +58,8 @@ async def get_endpoint(endpoint_id: str, rt: Rt) -> EndpointConfig:
             openapi_extra=body_schema(EndpointSettings))
 async def replace_endpoint(endpoint_id: str, request: Request, rt: Rt) -> EndpointConfig:
     config = parse(EndpointSettings, await read_limited(request, ADMIN_BODY_LIMIT))
-    return await rt.endpoints.update(endpoint_id, config.model_dump())
+    # As given (AS_IS): the store seals upstream_headers; any other dump would mask them.
+    return await rt.endpoints.update(endpoint_id, config.model_dump(context=AS_IS))
 
 
 @router.patch("/endpoints/{endpoint_id}", response_model=EndpointConfig,
@@ -66,7 +68,7 @@ async def patch_endpoint(endpoint_id: str, request: Request, rt: Rt) -> Endpoint
     changes = parse(EndpointPatch, await read_limited(request, ADMIN_BODY_LIMIT))
     # null means "leave as is": no endpoint field can be null.
     return await rt.endpoints.update(
-        endpoint_id, changes.model_dump(exclude_unset=True, exclude_none=True))
+        endpoint_id, changes.model_dump(exclude_unset=True, exclude_none=True, context=AS_IS))
 
 
 @router.delete("/endpoints/{endpoint_id}", status_code=204)

@@ -1,0 +1,435 @@
+"""Credentials held by the gateway (app/secrets.py): an endpoint's `upstream_headers` reach its
+upstream on every call, never come from a caller, are stored only encrypted, and nobody reads
+them back: not the admin API, the dashboard, metrics, the CLI, the logs, SQL or Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import subprocess
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import redis
+from redis.cluster import ClusterNode, RedisCluster
+
+from app import migrate
+from app.redis_url import parse as parse_redis_url
+from app.secrets import key_id, new_key, parse_key, sealed_by
+from app.settings import Settings
+from tests.conftest import ADMIN
+from tests.servers import QGW, MariaDB, free_port, stop, wait_port
+
+SECRET = "sk-" + uuid.uuid4().hex + "-do-not-show"
+ADMIN_AUTH = {"Authorization": f"Bearer {ADMIN}"}
+
+
+def needles(secret: str = SECRET) -> list[bytes]:
+    """The secret as bytes, and in base64 (alone and in its header line, every alignment)."""
+    out = [secret.encode()]
+    for text in (secret, f"Bearer {secret}"):
+        for pad in ("", "x", "xy"):
+            enc = base64.b64encode((pad + text).encode())
+            out.append(enc[4 * (len(pad) > 0):-4].rstrip(b"="))  # the part that never varies
+            out.append(base64.urlsafe_b64encode((pad + text).encode())[4:-4])
+    return out
+
+
+def found_in(data: bytes, secret: str = SECRET) -> bool:
+    return any(n in data for n in needles(secret))
+
+
+class RawUpstream:
+    """A business API that keeps each request as it came, byte for byte (the mock upstream
+    keeps a dict of headers: it could not show a header sent twice)."""
+
+    def __init__(self) -> None:
+        self.requests: list[bytes] = []
+        self.server: asyncio.Server | None = None
+
+    async def start(self) -> str:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        port = self.server.sockets[0].getsockname()[1]
+        return f"http://127.0.0.1:{port}"
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                               if line.lower().startswith(b"content-length:")), 0)
+                self.requests.append(head + await reader.readexactly(length))
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                             b"Content-Length: 11\r\n\r\n{\"ok\":true}")
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
+            writer.close()
+
+    def headers(self, i: int) -> list[tuple[str, str]]:
+        lines = self.requests[i].split(b"\r\n\r\n")[0].decode().split("\r\n")[1:]
+        return [(n.strip().lower(), v.strip()) for n, _, v in (x.partition(":") for x in lines)]
+
+
+@pytest.fixture
+async def raw_upstream() -> AsyncIterator[tuple[RawUpstream, str]]:
+    up = RawUpstream()
+    url = await up.start()
+    yield up, url
+    assert up.server is not None
+    up.server.close()
+
+
+class Serve:
+    """`qgw serve` (API and dispatcher) with its logs kept in a file, at debug level."""
+
+    def __init__(self, env: dict[str, str], log: Path) -> None:
+        self.env, self.log_path, self.port = env, log, free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def start(self, **extra: str) -> None:
+        with self.log_path.open("ab") as out:
+            self.proc = subprocess.Popen([*QGW, "serve", "--port", str(self.port)],
+                                         env={**self.env, "QGW_LOG_LEVEL": "debug", **extra},
+                                         stdout=out, stderr=subprocess.STDOUT)
+        wait_port(self.port, 30, self.proc)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            stop(self.proc)
+
+
+@pytest.fixture
+def serve(env: dict[str, str], tmp_path: Path) -> Iterator[Serve]:
+    s = Serve(env, tmp_path / "serve.log")
+    yield s
+    s.stop()
+
+
+def qgw(env: dict[str, str], *args: str, **extra: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*QGW, *args], env={**env, **extra}, capture_output=True, text=True,
+                          timeout=60)
+
+
+async def wait_done(client: httpx.AsyncClient, auth: dict[str, str], task_id: str
+                    ) -> dict[str, Any]:
+    for _ in range(300):
+        r = await client.get(f"/api/v1/tasks/{task_id}", headers=auth)
+        body: dict[str, Any] = r.json()
+        if body["task_status"] not in ("pending", "processing"):
+            return body
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"task {task_id} unfinished")
+
+
+def redis_dumps(url: str, prefix: str) -> dict[bytes, bytes]:
+    """Every key of this gateway (its prefix), on every master: its DUMP (taken with RDB
+    compression off, so that a value is not hidden by LZF) and its values read by type."""
+    target = parse_redis_url(url)
+    client: Any
+    if target.kind == "cluster":
+        client = RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in target.hosts])
+        nodes = [redis.Redis(n.host, n.port) for n in client.get_nodes()]
+    else:
+        client = redis.Redis.from_url(url)
+        nodes = [client]
+    try:
+        for node in nodes:
+            node.config_set("rdbcompression", "no")
+        keys = set(client.scan_iter(match=f"{prefix}*", count=1000))
+        assert keys, "no key found: the search would prove nothing"
+        return {k: (client.dump(k) or b"") + repr(_read(client, k)).encode() for k in keys}
+    finally:
+        for node in nodes:
+            node.close()
+        client.close()
+
+
+def _read(client: Any, key: bytes) -> Any:
+    kind = client.type(key).decode()
+    read = {"string": client.get, "hash": client.hgetall, "set": client.smembers,
+            "list": lambda k: client.lrange(k, 0, -1),
+            "zset": lambda k: client.zrange(k, 0, -1, withscores=True),
+            "stream": lambda k: client.xrange(k)}
+    return read[kind](key) if kind in read else None
+
+
+async def _offline_call(client: httpx.AsyncClient, target: str) -> str:
+    r = await client.post("/admin/v1/api-keys", headers=ADMIN_AUTH, json={"user_id": 7})
+    auth = {"Authorization": f"Bearer {r.json()['key']}"}
+    r = await client.post("/api/v1/tasks", headers=auth, json={
+        "target_url": target, "body": "{}",
+        "headers": {"Authorization": ["Bearer caller-token"], "Anthropic-Version": ["caller"]}})
+    assert r.status_code == 202, r.text
+    task_id: str = r.json()["task_id"]
+    assert (await wait_done(client, auth, task_id))["task_status"] == "completed"
+    return task_id
+
+
+@pytest.mark.backends("single", "cluster")
+async def test_the_upstream_gets_the_credentials_and_nobody_reads_them_back(
+    serve: Serve, env: dict[str, str], settings: Settings, tmp_path: Path,
+    raw_upstream: tuple[RawUpstream, str],
+) -> None:
+    up, base = raw_upstream
+    target = f"{base}/v1/chat"
+    assert qgw(env, "migrate").returncode == 0
+    # Added from the CLI: its output is searched too.
+    added = qgw(env, "endpoints", "add", "llm", target, "--forward-headers",
+                "Authorization,Anthropic-Version",
+                "--upstream-header", f"Authorization: Bearer {SECRET}",
+                "--upstream-header", "anthropic-version: 2023-06-01")
+    assert added.returncode == 0, added.stderr
+    assert json.loads(added.stdout)["upstream_headers"] == {
+        "Authorization": "<set>", "anthropic-version": "<set>"}
+    serve.start()
+    async with httpx.AsyncClient(base_url=serve.url, timeout=30) as client:
+        task_id = await _offline_call(client, target)
+        got = up.headers(-1)
+        # The endpoint's values, once each; the caller's same-named headers are dropped.
+        assert [v for n, v in got if n == "authorization"] == [f"Bearer {SECRET}"]
+        assert [v for n, v in got if n == "anthropic-version"] == ["2023-06-01"]
+        # An answer sent back as it is keeps the values ("<set>" keeps, names stay).
+        shown = (await client.get("/admin/v1/endpoints/llm", headers=ADMIN_AUTH)).json()
+        shown.pop("id")
+        r = await client.put("/admin/v1/endpoints/llm", headers=ADMIN_AUTH, json=shown)
+        assert r.status_code == 200, r.text
+        await asyncio.sleep(1.2)  # the change reaches the dispatcher (registry.SPREAD_S)
+        await _offline_call(client, target)
+        assert [v for n, v in up.headers(-1) if n == "authorization"] == [f"Bearer {SECRET}"]
+        answers = [await client.get(path, headers=ADMIN_AUTH) for path in (
+            "/admin/v1/endpoints", "/admin/v1/endpoints/llm", "/admin/v1/queues",
+            f"/admin/v1/tasks/{task_id}", "/admin/v1/endpoints/llm/tasks?status=completed",
+            "/admin/v1/overview", "/admin/v1/history?endpoints=llm", "/dashboard",
+            "/dashboard/app.js", "/metrics", "/openapi.json")]
+    assert [(a.url.path, a.status_code) for a in answers if a.status_code != 200] == []
+    assert answers[1].json()["upstream_headers"] == {"Authorization": "<set>",
+                                                     "anthropic-version": "<set>"}
+    cli = [qgw(env, *args) for args in (("endpoints", "list"), ("endpoints", "show", "llm"),
+                                        ("tasks", "show", task_id))]
+    assert all(c.returncode == 0 for c in cli), [c.stderr for c in cli]
+    serve.stop()  # its logs complete
+    seen = {f"answer {a.url}": a.content for a in answers}
+    seen |= {f"cli {c.args[3:]}": (c.stdout + c.stderr).encode() for c in [added, *cli]}
+    seen |= {f"redis {k!r}": v for k, v in redis_dumps(env["QGW_REDIS_URL"],
+                                                        settings.key_prefix).items()}
+    files = _files(tmp_path)
+    assert any(p.name == "qgw.db" for p in files) and serve.log_path in files
+    seen |= {f"file {p}": data for p, data in files.items()}
+    assert [where for where, data in seen.items() if found_in(data)] == []
+    for prefix in (b"", b"a", b"ab"):  # the search finds it wherever base64 puts it
+        line = prefix + f"Authorization: Bearer {SECRET}".encode()
+        assert found_in(base64.b64encode(line)) and found_in(base64.urlsafe_b64encode(line))
+
+
+def _files(root: Path) -> dict[Path, bytes]:
+    """Every file of the test's data dir: the SQLite database (and its journal), the logs."""
+    return {p: p.read_bytes() for p in root.rglob("*") if p.is_file()}
+
+
+async def test_a_mariadb_dump_holds_no_credential(mariadb: MariaDB, settings: Settings,
+                                                  tmp_path: Path) -> None:
+    from app.runtime import Runtime
+
+    url = mariadb.create_database(f"s{uuid.uuid4().hex[:12]}")
+    await asyncio.to_thread(migrate.upgrade, url)
+    rt = Runtime(settings.model_copy(update={"database_url": url}))
+    await rt.start()
+    try:
+        from app.endpoints import EndpointConfig
+
+        await rt.endpoints.create(EndpointConfig.model_validate({
+            "id": "llm", "target_url": "http://127.0.0.1:9/v1",
+            "upstream_headers": {"Authorization": f"Bearer {SECRET}"}}))
+        stored = await rt.endpoints.get("llm")
+    finally:
+        await rt.stop()
+    assert stored.upstream_headers["Authorization"].startswith("qgw1.")  # sealed, in this process
+    dump = subprocess.run(["mariadb-dump", "-h", "127.0.0.1", "-P", str(mariadb.port), "-u",
+                           "root", url.rsplit("/", 1)[1]], capture_output=True, timeout=60)
+    assert dump.returncode == 0, dump.stderr
+    assert b"upstream_headers" in dump.stdout and b"qgw1." in dump.stdout
+    assert not found_in(dump.stdout)
+
+
+BAD = [
+    ({"Host": "api.example"}, "Host"), ({"Content-Length": "5"}, "Content-Length"),
+    ({"Transfer-Encoding": "chunked"}, "Transfer-Encoding"),
+    ({"connection": "close"}, "connection"), ({"Keep-Alive": "5"}, "Keep-Alive"),
+    ({"Upgrade": "h2c"}, "Upgrade"), ({"TE": "trailers"}, "TE"),
+    ({"Proxy-Authorization": "Basic x"}, "Proxy-Authorization"),
+    ({"X-Queue-Priority": "1"}, "X-Queue-Priority"),
+    ({"Idempotency-Key": "k"}, "Idempotency-Key"),
+    ({"Authorization: Bearer": SECRET}, "header name"), ({"Bad Name": "v"}, "header name"),
+    ({"X-Ok": f"{SECRET}\r\nX-Injected: 1"}, "control character"),
+    ({"X-Ok": f"{SECRET}\n"}, "control character"), ({"X-Ok": f"a\x00{SECRET}"}, "control"),
+    ({"X-Ok": ""}, "at least 1"), ({"X-Ok": "a", "x-ok": "b"}, "twice"),
+    ({"X-Ok": "<set>"}, "no value for it"), ({"X-Ok": "é" * 4097}, "over 8192 bytes"),
+    ({"X-Ok": "x" * 12_001}, "at most 12000"),
+]
+
+
+@pytest.mark.parametrize(("headers", "says"), BAD)
+async def test_headers_that_cannot_be_set_are_refused_with_422(
+    gateway: Any, headers: dict[str, str], says: str
+) -> None:
+    body = {"target_url": "http://127.0.0.1:9/bad", "upstream_headers": headers}
+    r = await gateway.http.post("/admin/v1/endpoints", headers=gateway.admin,
+                                json={"id": "bad", **body})
+    await gateway.add_endpoint("good", "http://127.0.0.1:9/good")
+    put = await gateway.http.put("/admin/v1/endpoints/good", headers=gateway.admin, json=body)
+    patch = await gateway.http.patch("/admin/v1/endpoints/good", headers=gateway.admin,
+                                     json={"upstream_headers": headers})
+    for answer in (r, put, patch):
+        assert answer.status_code == 422, answer.text
+        error = answer.json()["error"]
+        assert error["code"] == "invalid_request" and says in error["message"], error
+        assert SECRET not in answer.text  # a refused value is not echoed
+
+
+def test_cli_update_sets_and_removes_one_header_and_keeps_the_others(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    assert qgw(env, "migrate").returncode == 0
+    add = qgw(env, "endpoints", "add", "llm", "http://127.0.0.1:9/v1",
+              "--upstream-header", "Authorization: Bearer one", "--upstream-header", "X-Org: o")
+    assert add.returncode == 0, add.stderr
+    upd = qgw(env, "endpoints", "update", "llm", "--upstream-header", "X-Org:",
+              "--upstream-header", "X-Project: p")
+    assert upd.returncode == 0, upd.stderr
+    assert json.loads(upd.stdout)["upstream_headers"] == {"Authorization": "<set>",
+                                                          "X-Project": "<set>"}
+    bad = qgw(env, "endpoints", "update", "llm", "--upstream-header", "Host: x")
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "Host" in bad.stderr
+    bad = qgw(env, "endpoints", "update", "llm", "--upstream-header", "no colon")
+    assert bad.returncode == 2 and "Name: value" in bad.stderr
+
+
+def test_keys_are_hex_or_base64_of_32_bytes() -> None:
+    raw = bytes(range(32))
+    for text in (raw.hex(), base64.b64encode(raw).decode(), base64.urlsafe_b64encode(raw)
+                 .decode().rstrip("="), new_key()):
+        assert len(parse_key(text)) == 32
+    assert parse_key(raw.hex()) == raw
+    for bad in ("", "short", raw.hex()[:-2], base64.b64encode(raw + b"x").decode(), "z" * 64):
+        with pytest.raises(ValueError, match="32 bytes"):
+            parse_key(bad)
+
+
+def _sealed_ids(dump: dict[bytes, bytes]) -> set[str]:
+    return {kid for data in dump.values() for kid in
+            {sealed_by(t.decode()) for t in _tokens(data)} if kid}
+
+
+def _tokens(data: bytes) -> list[bytes]:
+    import re
+
+    return re.findall(rb"qgw1\.[0-9a-f]{12}\.[A-Za-z0-9_-]+", data)
+
+
+@pytest.mark.backends("single", "cluster")
+async def test_rotation_keeps_calls_working_while_it_runs(
+    serve: Serve, env: dict[str, str], settings: Settings, tmp_path: Path,
+    raw_upstream: tuple[RawUpstream, str],
+) -> None:
+    up, base = raw_upstream
+    target = f"{base}/v1/rotate"
+    old, new = new_key(), new_key()
+    assert qgw(env, "migrate").returncode == 0
+    assert qgw(env, "endpoints", "add", "llm", target, "--upstream-header",
+               f"Authorization: Bearer {SECRET}", QGW_SECRETS_KEY=old).returncode == 0
+    both = {"QGW_SECRETS_KEY": new, "QGW_SECRETS_KEY_PREVIOUS": old}
+    serve.start(**both)  # processes restarted with the new key first, the old one beside it
+    async with httpx.AsyncClient(base_url=serve.url, timeout=30) as client:
+        r = await client.post("/admin/v1/api-keys", headers=ADMIN_AUTH, json={"user_id": 7})
+        auth = {"Authorization": f"Bearer {r.json()['key']}"}
+        rotating = asyncio.create_task(asyncio.to_thread(qgw, env, "secrets", "rotate", **both))
+        ids = []
+        while not rotating.done() or len(ids) < 20:
+            r = await client.post("/api/v1/tasks", headers=auth,
+                                  json={"target_url": target, "body": "{}"})
+            ids.append(r.json()["task_id"])
+            await asyncio.sleep(0.05)
+        rotated = await rotating
+        for _ in range(10):  # and on, after the mirror has the new values everywhere
+            r = await client.post("/api/v1/tasks", headers=auth,
+                                  json={"target_url": target, "body": "{}"})
+            ids.append(r.json()["task_id"])
+            await asyncio.sleep(0.15)
+        done = [await wait_done(client, auth, t) for t in ids]
+    assert rotated.returncode == 0, rotated.stderr
+    assert json.loads(rotated.stdout) == {"key_id": key_id(parse_key(new)), "endpoints": 1,
+                                          "resealed": 1}
+    assert {d["task_status"] for d in done} == {"completed"}, [d.get("error") for d in done]
+    sent = [v for i in range(len(up.requests)) for n, v in up.headers(i) if n == "authorization"]
+    assert len(sent) == len(ids) and set(sent) == {f"Bearer {SECRET}"}
+    # Everything is sealed with the new key now: SQL and the Redis mirror.
+    db = (tmp_path / "qgw.db").read_bytes()
+    mirror = redis_dumps(env["QGW_REDIS_URL"], settings.key_prefix)
+    assert {sealed_by(t.decode()) for t in _tokens(db)} >= {key_id(parse_key(new))}
+    assert _sealed_ids(mirror) == {key_id(parse_key(new))}
+    again = qgw(env, "secrets", "rotate", **both)
+    assert json.loads(again.stdout)["resealed"] == 0
+    # Without the old key a process still calls with the credentials.
+    serve.stop()
+    serve.start(QGW_SECRETS_KEY=new)
+    async with httpx.AsyncClient(base_url=serve.url, timeout=30) as client:
+        await _offline_call(client, target)
+    assert [v for n, v in up.headers(-1) if n == "authorization"] == [f"Bearer {SECRET}"]
+
+
+def test_rotation_without_the_old_key_says_which_key_is_missing(env: dict[str, str]) -> None:
+    assert qgw(env, "migrate").returncode == 0
+    old, new = new_key(), new_key()
+    assert qgw(env, "endpoints", "add", "llm", "http://127.0.0.1:9/v1", "--upstream-header",
+               "Authorization: x", QGW_SECRETS_KEY=old).returncode == 0
+    r = qgw(env, "secrets", "rotate", QGW_SECRETS_KEY=new)
+    assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stderr
+    assert key_id(parse_key(old)) in r.stderr and "QGW_SECRETS_KEY_PREVIOUS" in r.stderr
+
+
+def test_a_generated_key_is_kept_in_the_data_dir_and_a_damaged_one_is_one_line(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    assert qgw(env, "migrate").returncode == 0
+    add = qgw(env, "endpoints", "add", "llm", "http://127.0.0.1:9/v1", "--upstream-header",
+              "Authorization: x")
+    assert add.returncode == 0, add.stderr
+    key_file = tmp_path / "secrets_key"
+    assert len(parse_key(key_file.read_text())) == 32 and key_file.stat().st_mode & 0o077 == 0
+    key_file.write_text("damaged\n")
+    r = qgw(env, "secrets", "rotate")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "secrets_key" in r.stderr and "32 bytes" in r.stderr
+
+
+def test_values_open_once_per_endpoint_version_and_only_where_they_were_sealed() -> None:
+    from app import secrets
+
+    ring = secrets.Keyring(parse_key(new_key()))
+    secrets.install(ring)
+    token = ring.seal("llm", "Authorization", "Bearer one")
+    creds = secrets.Credentials("llm", (("Authorization", token),))
+    caller = [("authorization", "Bearer caller"), ("accept", "*/*")]
+    before = secrets._opened.cache_info()
+    for _ in range(3):
+        assert secrets.outgoing(caller, creds) == [("accept", "*/*"),
+                                                   ("Authorization", "Bearer one")]
+    after = secrets._opened.cache_info()
+    assert (after.misses - before.misses, after.hits - before.hits) == (1, 2)
+    # A new write seals anew: the next call opens the new value.
+    changed = secrets.Credentials("llm", (("Authorization", ring.seal("llm", "Authorization",
+                                                                      "Bearer two")),))
+    assert secrets.outgoing([], changed) == [("Authorization", "Bearer two")]
+    # Copied onto another endpoint or header, or altered, a value does not open.
+    flipped = token[:-10] + ("A" if token[-10] != "A" else "B") + token[-9:]
+    for where, name, value in (("other", "Authorization", token), ("llm", "X-Key", token),
+                               ("llm", "Authorization", flipped)):
+        with pytest.raises(secrets.Undecryptable) as err:
+            ring.open(where, name, value)
+        assert "Bearer" not in str(err.value)
