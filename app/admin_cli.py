@@ -336,9 +336,18 @@ def _task_show(args: argparse.Namespace) -> Job:
     async def job(rt: Runtime) -> Any:
         from app.queue import operator
 
-        return await operator.show(rt.queue, rt.registry, args.task_id)
+        return _readable(await operator.show(rt.queue, rt.registry, args.task_id))
 
     return job
+
+
+def _readable(shown: dict[str, Any]) -> dict[str, Any]:
+    """A binary or external result is named by its size and type, never printed."""
+    if shown.get("result_encoding") in ("base64", "external"):
+        shown["task_result"] = (f"<{shown.get('result_bytes')} bytes of "
+                                f"{shown.get('result_content_type') or 'unknown type'}: GET "
+                                f"/api/v1/tasks/{shown['task_id']}/result>")
+    return shown
 
 
 def _task_retry(args: argparse.Namespace) -> Job:

@@ -110,6 +110,8 @@ class TaskResultRow(Base):
     created_at: Mapped[datetime] = mapped_column(TaskTime, index=True)
     started_at: Mapped[datetime | None] = mapped_column(TaskTime, nullable=True)
     ended_at: Mapped[datetime | None] = mapped_column(TaskTime, nullable=True)
+    #: The answer's type, size, encoding and store key (app/queue/answers.py), as JSON.
+    result_meta: Mapped[str | None] = mapped_column(Text, nullable=True)
 
 
 #: A dead database must not hold a request (status fallback) or a loop for long. The driver's

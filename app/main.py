@@ -21,6 +21,7 @@ from app.routes import (
     follow,
     ops,
     proxy,
+    results,
     tasks,
 )
 from app.routes.fastlane import fast_lane
@@ -57,7 +58,7 @@ def create_app(
                          generate_unique_id_function=openapi.operation_id, **_NO_TELEMETRY)
     app.state.runtime = runtime
     errors.install(app)
-    for router in (tasks.router, follow.router, auth_check.router, admin.router,
+    for router in (tasks.router, results.router, follow.router, auth_check.router, admin.router,
                    admin_tasks.router, admin_ops.router, ops.router,
                    dashboard.router, proxy.router):
         app.include_router(router)

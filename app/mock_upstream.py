@@ -4,7 +4,9 @@ Any path answers `{"ok": true, "n": <request number>, ...}` after `latency_ms`; 
 `concurrency` requests in flight get 429; `fail_rate` of requests get 503.  A request may ask
 for a status, a latency, a cookie or a body of N bytes with `X-Mock-Status` /
 `X-Mock-Latency-Ms` / `X-Mock-Set-Cookie` / `X-Mock-Body-Bytes` / `X-Mock-Reply-Headers`
-(a JSON object of headers to answer with) (CONTROL_HEADERS: a task
+(a JSON object of headers to answer with) / `X-Mock-Binary` (`<bytes>[;seed=<n>][;type=<content
+type>][;chunked=1]`: that many pseudo-random bytes, the same for the same seed (`binary_body`),
+streamed in chunks so that even gigabytes cost the mock no memory) (CONTROL_HEADERS: a task
 carries them only to an endpoint that lists them in `forward_headers`).  It records every request:
 `GET /_mock/stats` gives counts (and `in_flight`, `peak_in_flight`: calls being answered now, and
 the most at once), `GET /_mock/log` the requests in arrival order (time in ms, method, path, query,
@@ -26,6 +28,7 @@ import json
 import random
 import time
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qsl
@@ -35,7 +38,31 @@ from app.mock_openai import send_json as _send_json
 
 Scope = dict[str, Any]
 CONTROL_HEADERS = ("X-Mock-Status", "X-Mock-Latency-Ms", "X-Mock-Set-Cookie", "X-Mock-Body-Bytes",
-                   "X-Mock-Reply-Headers")
+                   "X-Mock-Reply-Headers", "X-Mock-Binary")
+BINARY_CHUNK = 1 << 20
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def binary_body(size: int, seed: int = 0) -> Iterator[bytes]:
+    """The bytes `X-Mock-Binary: <size>;seed=<seed>` answers, chunk by chunk: a PNG signature,
+    then pseudo-random bytes (never valid UTF-8 text past the signature, in practice)."""
+    rng = random.Random(seed)
+    head = PNG_SIGNATURE[:size]
+    left = size - len(head)
+    first = True
+    while first or left > 0:
+        n = min(BINARY_CHUNK, left)
+        chunk = rng.randbytes(n)
+        yield head + chunk if first else chunk
+        left -= n
+        first = False
+
+
+def _binary_spec(value: str) -> tuple[int, int, str, bool]:
+    size, *params = value.split(";")
+    opts = dict(p.strip().split("=", 1) for p in params if "=" in p)
+    return (int(size), int(opts.get("seed", 0)), opts.get("type", "image/png"),
+            opts.get("chunked") == "1")
 
 
 @dataclass
@@ -116,6 +143,9 @@ class MockUpstream:
                 await mock_openai.answer(scope["path"], body, len(self.log), self.chunks,
                                          self.chunk_ms, send, [])
                 return
+            if binary := headers.get("x-mock-binary"):
+                await _send_binary(send, status, *_binary_spec(binary))
+                return
             reply: Any = {"ok": 200 <= status < 300, "n": len(self.log), "path": scope["path"],
                           "echo": entry["body"]}
             if size := int(headers.get("x-mock-body-bytes", 0)):
@@ -179,3 +209,17 @@ class MockUpstream:
 CONFIG: dict[str, Any] = {"latency_ms": float, "chunks": int, "chunk_ms": float,
                           "reject_next": int, "reject_after_s": float, "hold": bool,
                           "concurrency": int, "fail_rate": float}
+
+
+async def _send_binary(send: Any, status: int, size: int, seed: int, ctype: str,
+                       chunked: bool) -> None:
+    """`chunked`: no Content-Length, so its size is known only once it has all come."""
+    length = [] if chunked else [(b"content-length", str(size).encode())]
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", ctype.encode()), *length,
+                            (b"content-disposition", b'attachment; filename="out.bin"'),
+                            (b"etag", f'"{size}-{seed}"'.encode())]})
+    for chunk in binary_body(size, seed):
+        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+    await send({"type": "http.response.body", "body": b""})
+

@@ -139,6 +139,11 @@ class TaskView(BaseModel):
     result_status_code: int | None = None
     attempts: int = 0
     permit: Permit | None = None
+    #: None: `task_result` is the text itself; "base64": the bytes in base64; "external":
+    #: too large to inline (`task_result` is null), read it at GET /api/v1/tasks/{id}/result.
+    result_encoding: Literal["base64", "external"] | None = None
+    result_content_type: str | None = None  # the upstream's Content-Type
+    result_bytes: int | None = None  # the body's size in bytes (set once the task finished)
 
 
 class CancelResponse(BaseModel):

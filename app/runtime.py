@@ -29,6 +29,7 @@ from app.queue import heartbeats
 from app.queue.dispatcher import Dispatcher
 from app.queue.events import TaskEvents
 from app.queue.http1 import UpstreamClient
+from app.queue.objects import ObjectStore
 from app.queue.tasks import TaskQueue
 from app.queue.upstream import upstream_client
 from app.queue.webhooks import WebhookSender
@@ -70,6 +71,7 @@ class Runtime:
     lifecycle: LifecycleJobs | None = field(default=None, init=False)
     webhooks: WebhookSender | None = field(default=None, init=False)
     http: UpstreamClient | None = field(default=None, init=False)
+    objects: ObjectStore = field(init=False)  # the result store (app/queue/objects.py)
     scrapes: SharedScrape = field(default_factory=SharedScrape, init=False)  # GET /metrics
     _blocking: Redis | None = field(default=None, init=False)
     _embedded: EmbeddedRedis | None = field(default=None, init=False)
@@ -88,6 +90,7 @@ class Runtime:
                                   max(512, s.dispatch_concurrency + 64))
         await redis_url.connect(self.redis)
         self.engine = make_engine(s.db_url)
+        self.objects = ObjectStore(s.result_store_url)
         self.keys = Keys(s.key_prefix, cluster=redis_url.is_cluster(self.redis_url))
         scripts = Scripts.register(self.redis)
         ep_mirror: Mirror[EndpointConfig] = Mirror(
@@ -109,7 +112,7 @@ class Runtime:
             await redis_url.connect(self._blocking)
             self.http = upstream_client()
             self.dispatcher = Dispatcher(self.redis, self._blocking, self.keys, scripts,
-                                         self.registry, s, self.http)
+                                         self.registry, s, self.http, self.objects)
             self.dispatcher.start()
             # Outbox writer, pending expiry and janitor run where dispatchers run.
             self.lifecycle = LifecycleJobs.build(s, self.redis, self.keys, scripts,

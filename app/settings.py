@@ -55,9 +55,16 @@ class Settings(BaseSettings):
     #: A request body must arrive whole within this many seconds of the route starting to
     #: read it, else 408 and the connection is closed (slow or stalled clients hold sockets).
     body_timeout_s: float = Field(10.0, gt=0, le=3600)
-    #: The largest upstream answer kept as a task's result (Redis, then a MEDIUMTEXT of at
-    #: most 16 MB in MySQL); a larger one fails the task rather than the process's memory.
-    max_result_bytes: int = Field(8 << 20, ge=1024, le=12 << 20)
+    #: The largest upstream answer kept as a task's result; a larger one fails the task (not
+    #: retried). Answers above QGW_RESULT_INLINE_BYTES stream into the result store, so this
+    #: may be up to 5 GiB.
+    max_result_bytes: int = Field(8 << 20, ge=1024, le=5 << 30)
+    #: Answers up to this size stay in the task (Redis, SQL); larger ones go to the result
+    #: store as they arrive and the task keeps a reference (at most 12 MiB: a MEDIUMTEXT).
+    result_inline_bytes: int = Field(262_144, ge=0, le=12 << 20)
+    #: Where large answers go: `file://<dir>` or `s3://<bucket>[/<prefix>]` (credentials and
+    #: endpoint from AWS_* variables); unset: `file://<QGW_DATA_DIR>/results`.
+    result_store: str | None = Field(None, pattern=r"^(file://|s3://[a-z0-9][a-z0-9.-]{1,62})")
     #: Upstream calls one dispatcher process keeps in flight, over all endpoints.
     dispatch_concurrency: int = Field(256, ge=1, le=100_000)
     #: How long a claim stays valid without a heartbeat; the executor renews it every third.
@@ -113,6 +120,10 @@ class Settings(BaseSettings):
     @property
     def db_url(self) -> str:
         return self.database_url or f"sqlite+aiosqlite:///{self.data_dir.resolve()}/qgw.db"
+
+    @property
+    def result_store_url(self) -> str:
+        return self.result_store or f"file://{(self.data_dir / 'results').resolve()}"
 
     @cached_property
     def admin_secret(self) -> str:

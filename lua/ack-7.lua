@@ -11,10 +11,10 @@ ARGV[3] how many tasks
 ARGV[4] how many further limits settle (0 = none), then kind, rate, interval, guard, per each,
 as claim-12.lua takes them (ARGV[12..]): the per-cost ones settle a task's reservation (its
 `cost` field) to its real cost
-then eight values a task: id, lease token, final status ('completed' | 'failed'), result,
+then nine values a task: id, lease token, final status ('completed' | 'failed'), result,
 result status code ('' if none), exec time of the last attempt (ms; -1 = no call made), the
 pause the upstream asked for (ms; 0 = none, see upstream.lua), the call's real cost ('' =
-unknown: nothing settles)
+unknown: nothing settles), the answer's meta (JSON, app/queue/answers.py; '' = no answer kept)
 Returns {1 when tasks still wait in the queue else 0, then per task 1, or 0 when its lease was
 lost (reaped and claimed again: the newer attempt wins)}.
 Finished tasks go to the endpoint's outbox (see lua/includes/lifecycle.lua).
@@ -39,7 +39,7 @@ local tally = {}  -- histogram and failure-class fields (stats_tally), written o
 local failures = {}
 
 for i = 0, n - 1 do
-  local a, task = first_arg + 8 * i, KEYS[first_task + i]
+  local a, task = first_arg + 9 * i, KEYS[first_task + i]
   local id, token, status = ARGV[a], ARGV[a + 1], ARGV[a + 2]
   local f = redis.call('HMGET', task, 'lease', 'started_at', 'cost', 'callback_url')
   if f[1] ~= token then
@@ -68,7 +68,7 @@ for i = 0, n - 1 do
     redis.call('ZREM', active, id)
     redis.call('ZADD', KEYS[5], now, id)
     redis.call('HSET', task, 'status', status, 'result', ARGV[a + 3],
-      'result_status_code', ARGV[a + 4], 'ended_at', now)
+      'result_status_code', ARGV[a + 4], 'ended_at', now, 'result_meta', ARGV[a + 8])
     if f[4] then  -- its webhook is due (lifecycle.lua)
       redis.call('HSET', task, 'hook', now, 'hook_tries', 0)
       redis.call('ZADD', KEYS[6], now, id)

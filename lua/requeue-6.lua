@@ -18,8 +18,8 @@ if not f[1] then return {'missing'} end
 if f[1] ~= 'failed' and f[1] ~= 'expired' then return {'conflict', f[1]} end
 local now = now_ms()
 local pending_ttl = tonumber(ARGV[3])
-redis.call('HDEL', KEYS[1], 'result', 'result_status_code', 'started_at', 'ended_at', 'lease',
-  'deadline')
+redis.call('HDEL', KEYS[1], 'result', 'result_status_code', 'result_meta', 'started_at', 'ended_at',
+  'lease', 'deadline')
 redis.call('HSET', KEYS[1], 'status', 'pending', 'attempts', 0, 'pexp', now + pending_ttl)
 redis.call('PEXPIRE', KEYS[1], pending_ttl + tonumber(ARGV[4]))
 redis.call('ZADD', KEYS[2], f[2], ARGV[1])

@@ -23,6 +23,7 @@ from tests.servers import (
     QGW,
     MariaDB,
     RedisServer,
+    SeaweedFS,
     free_port,
     mock_upstream,
     stop,
@@ -67,6 +68,15 @@ def own_cluster(tmp_path: Path) -> Iterator[ClusterSetup]:
 def mariadb(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MariaDB]:
     """One MariaDB for the session (started on first use); tests take a fresh database each."""
     server = MariaDB(tmp_path_factory.mktemp("mariadb"))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def seaweedfs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedFS]:
+    """One S3 server for the session (started on first use, ~10 s); tests take a bucket each."""
+    server = SeaweedFS(tmp_path_factory.mktemp("seaweedfs"))
     server.start()
     yield server
     server.stop()
@@ -146,7 +156,10 @@ def env(settings: Settings) -> dict[str, str]:
             "QGW_DATABASE_URL": settings.db_url, "QGW_KEY_PREFIX": settings.key_prefix,
             "QGW_DATA_DIR": str(settings.data_dir), "QGW_ADMIN_TOKEN": ADMIN,
             "QGW_PERMIT_SECRET": "test-permit-secret", "QGW_LEASE_MS": str(settings.lease_ms),
-            "QGW_REAP_INTERVAL_MS": str(settings.reap_interval_ms)}
+            "QGW_REAP_INTERVAL_MS": str(settings.reap_interval_ms),
+            "QGW_RESULT_STORE": settings.result_store_url,
+            "QGW_MAX_RESULT_BYTES": str(settings.max_result_bytes),
+            "QGW_RESULT_INLINE_BYTES": str(settings.result_inline_bytes)}
 
 
 class Gateway:

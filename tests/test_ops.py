@@ -27,7 +27,8 @@ class TestRedisReadOnly:
     ) -> None:
         r = await gateway.http.get("/readyz")
         assert r.status_code == 200
-        assert r.json() == {"status": "ok", "checks": {"redis": "ok", "database": "ok"}}
+        assert r.json() == {"status": "ok", "checks": {"redis": "ok", "database": "ok",
+                                                    "result_store": "ok"}}
         # A replica (here of a master that is not there) answers PING but refuses submits.
         await gateway.rt.redis.execute_command("REPLICAOF", "127.0.0.1", str(free_port()))
         try:

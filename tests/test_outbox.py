@@ -130,7 +130,9 @@ async def test_large_results_held_back_by_the_database_all_reach_it(
     the database is still held and the done TTL long past (from Redis: SQL cannot answer),
     the writer resumes as soon as the database does, and all reach SQL."""
     n, size = 400, 2_000_000
-    settings = settings.model_copy(update={"database_url": hold.url()})
+    # Kept inline, as every result was before the result store: what this test is about.
+    settings = settings.model_copy(update={"database_url": hold.url(),
+                                           "result_inline_bytes": 12 << 20})
     async with open_gateway(settings) as gw, run_dispatcher(settings):
         auth, _ = await _submit_large(gw, upstream, "locked", 0, size)  # endpoint and key in SQL
         hold.begin()
@@ -179,6 +181,7 @@ async def test_answers_near_the_size_limit_are_kept_and_starve_nobody(
     calls the upstream answered 200 ended `failed: lease expired`. Now every one completes,
     reaches SQL, and another caller's submits and status reads never see a 503 meanwhile."""
     n, size = 64, 8_000_000
+    settings.result_inline_bytes = 12 << 20  # inline, as before the result store
     async with open_gateway(settings) as gw:
         auth, ids = await _submit_large(gw, upstream, "huge", n, size)
         # Another caller, on an endpoint that admits one call a minute: its tasks stay pending.

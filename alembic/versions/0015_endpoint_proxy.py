@@ -1,7 +1,7 @@
 """endpoints.proxy
 
 Revision ID: 0015
-Revises: 0012 (0010 on its own branch; relinked when merged)
+Revises: 0011, 0012 (0010 on its own branch; relinked when merged)
 Create Date: 2026-11-25
 
 `proxy` (docs/api.md, "Drop-in proxy"): the endpoint answers `ANY /proxy/{id}/{path}`. Existing
@@ -13,7 +13,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision = "0015"
-down_revision = "0012"
+down_revision = ("0011", "0012")
 branch_labels = None
 depends_on = None
 

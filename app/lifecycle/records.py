@@ -13,7 +13,7 @@ from app.core.keys import endpoint_of
 EPOCH = datetime(1970, 1, 1)
 #: The fields of a task hash a task_results row is made of.
 ROW_FIELDS = ("user_id", "type", "status", "result", "result_status_code", "attempts",
-              "created_at", "started_at", "ended_at")
+              "created_at", "started_at", "ended_at", "result_meta")
 
 
 def from_ms(ms: Any) -> datetime | None:
@@ -55,6 +55,7 @@ def row_from(task_id: str, rec: dict[str, Any]) -> dict[str, Any]:
         "result_status_code": _opt_int(rec.get("result_status_code")),
         "attempts": _opt_int(rec.get("attempts")) or 0, "created_at": created,
         "started_at": from_ms(rec.get("started_at")), "ended_at": from_ms(rec.get("ended_at")),
+        "result_meta": rec.get("result_meta") or None,
     }
 
 
@@ -69,4 +70,6 @@ def fields_of(row: Any) -> dict[str, str]:
         out["result"] = row.result
     if row.result_status_code is not None:
         out["result_status_code"] = str(row.result_status_code)
+    if row.result_meta:
+        out["result_meta"] = row.result_meta
     return out

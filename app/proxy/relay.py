@@ -231,7 +231,8 @@ class ProxyCall:
             res = await self.rt.queue.scripts.ack(
                 keys=[*k.of(e, *ACK_KEYS), *limit_keys, k.task(self.task_id)],
                 args=[e, "", 1, *limits, self.task_id, self.token, status, text,
-                      code or "", round(exec_ms), 0, "" if cost is None else cost])
+                      code or "", round(exec_ms), 0, "" if cost is None else cost,
+                      ""])  # no result kept: the body went to its caller
         except (RedisError, OSError) as exc:
             log.warning("could not finish the task: %s; its lease will lapse", exc,
                         extra=self._extra())

@@ -51,7 +51,7 @@ GROUP_BYTES = 1 << 20  # results in one ack call, about (one larger result goes 
 @dataclass
 class _Ack:
     claim: Claim
-    values: list[Any]  # its eight values of ack-7.lua's ARGV
+    values: list[Any]  # its nine values of ack-7.lua's ARGV
     result: asyncio.Future[int]
 
 
@@ -69,7 +69,8 @@ class AckBatch:
         item = _Ack(claim, [
             claim.task_id, claim.token, "completed" if outcome.ok else "failed", outcome.text,
             outcome.status_code or "", round(exec_ms), pause_ms(claim, outcome),
-            "" if cost is None else cost], loop.create_future())
+            "" if cost is None else cost, outcome.meta.dumps() if outcome.meta else ""],
+            loop.create_future())
         self._pending.append(item)
         if len(self._pending) == 1:
             loop.call_soon(self.disp._spawn, self._flush())

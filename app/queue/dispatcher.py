@@ -44,8 +44,9 @@ from app.lifecycle import Ttls
 from app.queue.acks import AckBatch
 from app.queue.claims import Claim, claim_keys, pause_ms, settle_args
 from app.queue.http1 import UpstreamClient
+from app.queue.objects import ObjectStore
 from app.queue.reaper import Reaper
-from app.queue.upstream import Outcome, Request, backoff_s, call
+from app.queue.upstream import Keeper, Outcome, Request, backoff_s, call
 from app.ratelimit import Limit, Limiter, further_limits
 from app.ratelimit.sent import SendTimes
 from app.settings import Settings
@@ -71,6 +72,7 @@ class Dispatcher:
     registry: EndpointRegistry
     settings: Settings
     http: UpstreamClient
+    objects: ObjectStore | None = None  # the result store: answers too large to inline
     inflight: dict[str, asyncio.Task[None]] = field(default_factory=dict)
     leases: dict[str, Claim] = field(default_factory=dict)
     per_endpoint: Counter[str] = field(default_factory=Counter)
@@ -94,6 +96,8 @@ class Dispatcher:
 
     def __post_init__(self) -> None:
         self.ttls = Ttls.of(self.settings)
+        self.keeper = Keeper(self.objects, self.settings.result_inline_bytes) \
+            if self.objects is not None else None
         self.acks = AckBatch(self)
         self.send_times = SendTimes(self.redis, self.keys, self.scripts.sent)
         # Lease tokens name their holder, so an operator can tell who holds a task.
@@ -354,7 +358,8 @@ class Dispatcher:
                 return
             started = time.monotonic()
             outcome = await call(self.http, tid, claim.request, ep.timeout_ms / 1000,
-                                 self.settings.max_result_bytes, claim.on_sent(self.send_times))
+                                 self.settings.max_result_bytes, claim.on_sent(self.send_times),
+                                 self.keeper)
             exec_ms = (time.monotonic() - started) * 1000
             average = self._call_ms.get(ep.id, exec_ms)
             self._call_ms[ep.id] = average + (exec_ms - average) / 8

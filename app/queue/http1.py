@@ -21,12 +21,15 @@ from typing import cast
 import httptools
 from yarl import URL
 
+from app.queue.streams import BodyStream
+
 MAX_HEAD_BYTES = 64 * 1024  # an answer's headers; more is not an answer we take
 IDLE_S = 4.0  # a connection idle longer is closed, not reused: many servers close theirs after
 # 5 s (uvicorn), and a request written just as the server closes would be lost to its call
 IDEMPOTENT = frozenset({"GET", "HEAD", "OPTIONS", "PUT", "DELETE"})
 _BODYLESS = frozenset({"GET", "HEAD", "DELETE", "OPTIONS"})  # no Content-Length: 0 when empty
 _DECODERS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
+# How a call asks for its answer: whole, or (larger than `spill` bytes) as a stream.
 
 
 class BadAnswer(ConnectionError):
@@ -38,7 +41,10 @@ class BadAnswer(ConnectionError):
 class Answer:
     status: int
     headers: dict[str, str]  # lower-case names; the first of repeated ones
-    body: bytes | None  # None: over the size cap (the rest was not read)
+    body: bytes | None  # None: over the size cap (the rest was not read), or streamed
+    #: An answer larger than the caller's `spill`: its body as it arrives (its connection is
+    #: the stream's until closed, never reused). The reader enforces the size cap.
+    stream: BodyStream | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,15 +83,17 @@ class UpstreamClient:
     async def request(
         self, method: str, url: str, query: Sequence[tuple[str, str]],
         headers: list[tuple[str, str]], body: bytes | None, max_bytes: int,
-        on_sent: Callable[[], None] | None = None,
+        on_sent: Callable[[], None] | None = None, spill: int | None = None,
     ) -> Answer:
-        """One call; `on_sent` runs once the request is written."""
+        """One call; `on_sent` runs once the request is written. With `spill`, a body larger
+        than that comes as `Answer.stream`: the caller must close it."""
         where = target(url, tuple(query))
         head = self._head(method, where, headers, body)
         for retry in (False, True):
             conn, reused = await self._connection(where)
             try:
-                answer = await conn.exchange(head, body, max_bytes, method == "HEAD", on_sent)
+                answer = await conn.exchange(head, body, max_bytes, method == "HEAD", on_sent,
+                                             spill)
             except BadAnswer:
                 conn.close()
                 # A kept-alive connection the server closed as this request went out: sent
@@ -96,6 +104,8 @@ class UpstreamClient:
             except BaseException:  # cut short (a timeout): the answer may still come
                 conn.close()
                 raise
+            if answer.stream is not None:
+                return answer  # the stream holds its connection
             if conn.reusable and not self._closed:
                 conn.idle_since = asyncio.get_running_loop().time()
                 self._idle.setdefault(where.key, []).append(conn)
@@ -164,6 +174,8 @@ class _Connection(asyncio.Protocol):
         self._head_bytes = 0
         self._body = bytearray()
         self._max_bytes = 0
+        self._spill: int | None = None
+        self._stream: BodyStream | None = None
         self._head_done = False  # the final answer's headers are in
         self._framed = False  # Content-Length or chunked: the answer's end is known
         self._head_only = False
@@ -187,11 +199,11 @@ class _Connection(asyncio.Protocol):
             self._transport.abort()
 
     async def exchange(self, head: bytes, body: bytes | None, max_bytes: int, head_only: bool,
-                       on_sent: Callable[[], None] | None) -> Answer:
+                       on_sent: Callable[[], None] | None, spill: int | None = None) -> Answer:
         assert self._transport is not None
         self._waiter = asyncio.get_running_loop().create_future()
         self._headers, self._head_bytes, self._body = {}, 0, bytearray()
-        self._max_bytes, self._head_only = max_bytes, head_only
+        self._max_bytes, self._head_only, self._spill = max_bytes, head_only, spill
         self._head_done = self._framed = self._interim = False
         self._keep = self.heard = False
         self._transport.write(head + body if body else head)
@@ -208,7 +220,8 @@ class _Connection(asyncio.Protocol):
         self._transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
 
     def data_received(self, data: bytes) -> None:
-        if self._waiter is None:  # bytes nobody asked for (a lying Content-Length, say)
+        if self._waiter is None and self._stream is None:  # bytes nobody asked for (a lying
+            # Content-Length, say)
             self.close()
             return
         self.heard = True
@@ -222,6 +235,13 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
+        if self._stream is not None:
+            if exc is None and not self._framed:
+                self._stream.end()  # an answer that ends with its connection
+            else:
+                self._stream.fail(BadAnswer("the upstream closed the connection before its "
+                                            "answer ended"))
+            return
         if exc is None and self._head_done and not self._framed:
             self._finish(bytes(self._body))  # an answer that ends with its connection
         else:
@@ -253,21 +273,33 @@ class _Connection(asyncio.Protocol):
         # llhttp reads any other Transfer-Encoding to the connection's end
         self._framed = "content-length" in headers or \
             "chunked" in headers.get("transfer-encoding", "").lower()
+        length = _int(headers.get("content-length"))
         if self._head_only:  # no body follows, whatever its headers say
             self._finish(b"", reusable=False)
-        elif status not in (204, 304) and _int(headers.get("content-length")) > self._max_bytes:
+        elif status not in (204, 304) and length > self._max_bytes:
             self._finish(None, reusable=False)
+        elif self._spill is not None and length > self._spill and status not in (204, 304):
+            self._start_stream(b"")
 
     def on_body(self, chunk: bytes) -> None:
+        if self._stream is not None:
+            self._stream.feed(chunk)
+            return
         if self._interim or self._waiter is None or self._waiter.done():
             return
         self._body += chunk
-        if len(self._body) > self._max_bytes:
+        if self._spill is not None and len(self._body) > self._spill:
+            self._start_stream(bytes(self._body))
+            self._body = bytearray()
+        elif len(self._body) > self._max_bytes:
             self._finish(None, reusable=False)
             self.close()
 
     def on_message_complete(self) -> None:
         if self._interim:
+            return
+        if self._stream is not None:
+            self._stream.end()
             return
         self._finish(bytes(self._body), reusable=self._parser.should_keep_alive())
 
@@ -276,12 +308,40 @@ class _Connection(asyncio.Protocol):
         if waiter is None or waiter.done():
             return
         self._keep = reusable
+        encoding = self._headers.get("content-encoding")
+        cap = self._max_bytes if self._spill is None else min(self._spill, self._max_bytes)
         try:
-            body = _decoded(raw, self._headers.get("content-encoding"), self._max_bytes)
+            body = _decoded(raw, encoding, cap)
         except zlib.error as exc:
             waiter.set_exception(BadAnswer(f"answer body not as encoded: {exc}"))
             return
+        if body is None and raw and self._spill is not None:
+            # Small compressed, large decoded: decoded bit by bit as its reader takes it.
+            stream = BodyStream(None, encoding, raw, BadAnswer)
+            waiter.set_result(Answer(self._parser.get_status_code(), dict(self._headers), None,
+                                     stream))
+            return
         waiter.set_result(Answer(self._parser.get_status_code(), dict(self._headers), body))
+
+    def _start_stream(self, prefix: bytes) -> None:
+        """Hand the answer on now, its body to follow through a stream (larger than spill)."""
+        waiter = self._waiter
+        if waiter is None or waiter.done():
+            return
+        self._keep = False
+        self._stream = BodyStream(self, self._headers.get("content-encoding"), prefix, BadAnswer)
+        waiter.set_result(Answer(self._parser.get_status_code(), dict(self._headers), None,
+                                 self._stream))
+
+    # the stream's source (app/queue/streams.py)
+
+    def pause(self) -> None:
+        if self._transport is not None and not self.lost:
+            self._transport.pause_reading()
+
+    def resume(self) -> None:
+        if self._transport is not None and not self.lost:
+            self._transport.resume_reading()
 
     def _fail(self, exc: Exception) -> None:
         if self._waiter is not None and not self._waiter.done():

@@ -28,6 +28,7 @@ from app.lifecycle import Ttls
 from app.lifecycle.records import fields_of
 from app.lifecycle.results import ResultStore
 from app.models import Permit, SubmitRequest, SubmitResponse, TaskStatus, TaskType, TaskView
+from app.queue.answers import EXTERNAL, ResultMeta
 from app.queue.fairness import PRIORITY_STEP, fair_ahead
 from app.queue.ids import new_task_id
 from app.queue.reservations import Reservation, Reservations
@@ -202,16 +203,21 @@ class TaskQueue:
                      deliver: bool = True) -> TaskView:
         """The task as its owner sees it. A finished task read with `deliver` has reached its
         owner (its copies go soon); a repeated submit only peeks: it carries no result."""
+        fields, rank, exec_ms = await self.fields(user_id, task_id, deliver)
+        return self._view(task_id, fields, rank, exec_ms, endpoint)
+
+    async def fields(self, user_id: int, task_id: str, deliver: bool = True
+                     ) -> tuple[dict[str, str], int | None, str | None]:
+        """The task's fields as its hash has them (from SQL once Redis has let it go), its
+        place in line and its endpoint's measured exec time (None for a finished task)."""
         k, e = self.keys, endpoint_of(task_id)
         res = await self.scripts.status.repeatable(
             keys=[k.task(task_id), *k.of(e, "queue", "stats", "outbox", "delivered", "active")],
             args=[task_id, user_id, self.ttls.read_ms if deliver else 0],
         )
         if not res:
-            return await self._finished_view(user_id, task_id, endpoint, deliver)
-        rank, exec_ms = res[0], res[1]
-        fields = dict(zip(res[2::2], res[3::2], strict=True))
-        return self._view(task_id, fields, rank, exec_ms, endpoint)
+            return await self._finished_fields(user_id, task_id, deliver), None, None
+        return dict(zip(res[2::2], res[3::2], strict=True)), res[0], res[1]
 
     def finished_view(self, task_id: str, fields: dict[str, str]) -> TaskView:
         """A finished task as its owner reads it, from its hash (the webhooks' body)."""
@@ -230,15 +236,21 @@ class TaskQueue:
             permit = Permit(token=permits.sign(self.settings.permit_key, task_id, expires),
                             expires_at=rfc3339(expires) or "")
         code = f.get("result_status_code")
+        result, meta = f.get("result"), ResultMeta.loads(f.get("result_meta"))
+        size = meta.size if meta else (len(result.encode()) if result is not None else None)
         return TaskView(
             task_id=task_id, task_type=ttype, task_status=status,
-            task_result=f.get("result"), wait_num=wait_num,
+            task_result=None if meta and meta.encoding == EXTERNAL else result,
+            wait_num=wait_num,
             wait_time=(wait_seconds(endpoint, wait_num, exec_ms) if rank is not None
                        else math.ceil(_retry_wait(f.get("retry_at")))),
             created_at=rfc3339(f.get("created_at")), started_at=rfc3339(f.get("started_at")),
             ended_at=rfc3339(f.get("ended_at")),
             result_status_code=int(code) if code else None,
             attempts=int(f.get("attempts", 0)), permit=permit,
+            result_encoding=(meta.encoding or None) if meta else None,  # type: ignore[arg-type]
+            result_content_type=meta.content_type if meta else None,
+            result_bytes=size if status.finished else None,
         )
 
     async def cancel(self, user_id: int, task_id: str) -> TaskStatus:
@@ -312,17 +324,16 @@ class TaskQueue:
     async def _finished_status(self, user_id: int, task_id: str) -> str:
         return str((await self._finished_row(user_id, task_id)).status)
 
-    async def _finished_view(
-        self, user_id: int, task_id: str, endpoint: EndpointConfig | None, deliver: bool
-    ) -> TaskView:
-        """Status from SQL. Read by its owner, the row is delivered like a Redis copy: it
-        goes once the read TTL has passed (NX: reading again does not postpone that)."""
+    async def _finished_fields(self, user_id: int, task_id: str, deliver: bool
+                               ) -> dict[str, str]:
+        """A task's fields from SQL. Read by its owner, the row is delivered like a Redis
+        copy: it goes once the read TTL has passed (NX: reading again does not postpone it)."""
         row = await self._finished_row(user_id, task_id)
         if deliver:
             due = int(time.time() * 1000) + self.ttls.read_ms  # seconds of skew do not matter
             await self.redis.zadd(self.keys.delivered(endpoint_of(task_id)), {task_id: due},
                                   nx=True)
-        return self._view(task_id, fields_of(row), None, None, endpoint)
+        return fields_of(row)
 
 
 def _maybe_queued(task_id: str, e: str, idem_key: str | None, exc: Exception) -> ApiError:

@@ -5,13 +5,15 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from app import __version__, secrets
 from app.endpoints import DEFAULT_FORWARD
-from app.queue.http1 import BadAnswer, UpstreamClient
+from app.queue.answers import ResultMeta, external, inline
+from app.queue.http1 import Answer, BadAnswer, UpstreamClient
+from app.queue.objects import ObjectStore, StoreUnavailable
 from app.queue.signals import pause_s, retry_after
 
 
@@ -45,11 +47,12 @@ class Request:
 @dataclass(frozen=True, slots=True)
 class Outcome:
     status_code: int | None  # None: no response (timeout, connection error)
-    text: str
+    text: str  # the task's `result`: the answer as text (or base64), or the gateway's error
     retry_after_s: float | None = None
     refused: bool = False  # an answer we will not keep (too large): failed, not retried
     pause_s: float | None = None  # the upstream asks the whole endpoint to pause (signals.py)
     cost: int | None = None  # the call's real cost, read through cost_from (None = unknown)
+    meta: ResultMeta | None = None  # the answer's type, size, encoding (None: no answer kept)
 
     @property
     def ok(self) -> bool:
@@ -61,12 +64,21 @@ class Outcome:
         return not self.refused and (code is None or code == 429 or code >= 500)
 
 
+@dataclass(frozen=True, slots=True)
+class Keeper:
+    """Where answers larger than `inline_bytes` go as they arrive: the result store."""
+
+    store: ObjectStore
+    inline_bytes: int
+
+
 async def call(
     client: UpstreamClient, task_id: str, req: Request, timeout_s: float, max_bytes: int,
-    on_sent: Callable[[], None] | None = None,
+    on_sent: Callable[[], None] | None = None, keeper: Keeper | None = None,
 ) -> Outcome:
-    """Make one call, bounded by `timeout_s` as a whole; `on_sent` runs once its request has
-    left (the sliding window is kept to that moment: app/ratelimit/sent.py)."""
+    """Make one call, bounded by `timeout_s` as a whole (a large answer's upload to the
+    result store included); `on_sent` runs once its request has left (the sliding window is
+    kept to that moment: app/ratelimit/sent.py)."""
     headers = forwardable(json.loads(req.headers or "{}"), req.allowed)
     try:
         headers = secrets.outgoing(headers, req.credentials)
@@ -80,13 +92,18 @@ async def call(
         async with asyncio.timeout(timeout_s):
             answer = await client.request(
                 req.method, req.url, params, headers,
-                req.body.encode() if req.body else None, max_bytes, on_sent)
+                req.body.encode() if req.body else None, max_bytes, on_sent,
+                keeper.inline_bytes if keeper else None)
+            if answer.stream is not None and keeper is not None:
+                return await _stored(keeper, task_id, answer, max_bytes, req.cost_from)
     except TimeoutError:
         return Outcome(None, f"upstream timed out after {timeout_s:g} s")
     except BadAnswer as exc:
         return Outcome(None, f"upstream answer unreadable: {exc}")
     except OSError as exc:
         return Outcome(None, f"upstream unreachable: {type(exc).__name__}: {exc}")
+    except StoreUnavailable as exc:  # the answer came but could not be kept: tried again
+        return Outcome(None, f"result_store_unavailable: {exc}")
     except ValueError as exc:  # a request that cannot be sent (a control character in a
         # header): it never will be, so it fails at once instead of using up its retries
         return Outcome(None, f"request cannot be sent: {exc}", refused=True)
@@ -95,12 +112,62 @@ async def call(
         busy = status == 429 or status >= 500
         return Outcome(status, f"upstream answer over {max_bytes} bytes: not kept",
                        refused=not busy)
-    text = _decode(answer.body, charset(got.get("content-type")))
+    text, meta = inline(answer.body, got)
     pause = pause_s(status, got)
     after = retry_after(got.get("retry-after"))
     if pause is not None and status in (429, 503):
         after = pause  # read as the endpoint's pause is: due when it ends, as the probe
-    return Outcome(status, text, after, pause_s=pause, cost=real_cost(req.cost_from, got, text))
+    return Outcome(status, text, after, pause_s=pause,
+                   cost=real_cost(req.cost_from, got, text if not meta.encoding else ""),
+                   meta=meta)
+
+
+async def _stored(keeper: Keeper, task_id: str, answer: Answer, max_bytes: int,
+                  cost_from: str | None) -> Outcome:
+    """Stream a large answer into the result store; the task keeps its key. An error answer
+    this large is not kept (its status and signals are)."""
+    stream, status, got = answer.stream, answer.status, answer.headers
+    assert stream is not None
+    size, over = 0, False
+
+    async def chunks() -> AsyncIterator[bytes]:
+        nonlocal size, over
+        async for chunk in stream:
+            size += len(chunk)
+            if size > max_bytes:
+                over = True
+                raise StoreRefused(f"over {max_bytes} bytes")
+            yield chunk
+
+    try:
+        if not 200 <= status < 300:
+            return _answered(status, got, f"upstream answer of status {status} over "
+                             f"{keeper.inline_bytes} bytes: not kept", None, "")
+        key = keeper.store.new_key(task_id)
+        try:
+            await keeper.store.put(key, chunks(), got.get("content-type"))
+        except Exception:
+            if over:  # the partial object is gone (ObjectStore.put); never retried
+                return Outcome(status, f"upstream answer over {max_bytes} bytes "
+                               "(QGW_MAX_RESULT_BYTES): not kept", refused=True)
+            raise
+    finally:
+        stream.close()
+    return _answered(status, got, "", external(key, size, got), cost_from)
+
+
+class StoreRefused(Exception):
+    """The answer outgrew what may be kept while it was being stored."""
+
+
+def _answered(status: int, got: dict[str, str], text: str, meta: ResultMeta | None,
+              cost_from: str | None) -> Outcome:
+    pause = pause_s(status, got)
+    after = retry_after(got.get("retry-after"))
+    if pause is not None and status in (429, 503):
+        after = pause
+    return Outcome(status, text, after, pause_s=pause,
+                   cost=real_cost(cost_from, got, ""), meta=meta)
 
 
 MAX_COST = 10**12  # a larger "cost" is a misreading, not a cost
@@ -135,23 +202,6 @@ def real_cost(cost_from: str | None, headers: Any, text: str) -> int | None:
     except (TypeError, ValueError):
         return None
     return round(cost) if 0 <= cost <= MAX_COST else None
-
-
-def charset(content_type: str | None) -> str | None:
-    """The charset parameter of a Content-Type, if any."""
-    for param in (content_type or "").split(";")[1:]:
-        name, _, value = param.partition("=")
-        if name.strip().lower() == "charset":
-            return value.strip().strip('"') or None
-    return None
-
-
-def _decode(body: bytes, charset: str | None) -> str:
-    """The body as text: its declared charset, else UTF-8; undecodable bytes replaced."""
-    try:
-        return body.decode(charset or "utf-8", errors="replace")
-    except LookupError:  # a charset Python does not know
-        return body.decode("utf-8", errors="replace")
 
 
 def backoff_s(base_ms: int, attempt: int, retry_after_s: float | None) -> float:

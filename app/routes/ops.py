@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Annotated
 
 from fastapi import APIRouter, Depends
@@ -33,9 +34,10 @@ async def _select_one(rt: Runtime) -> None:
 
 @router.get("/readyz")
 async def readyz(rt: Annotated[Runtime, Depends(runtime)]) -> JSONResponse:
-    """Ready while Redis takes writes. The database is reported, not required: submit and
-    the dispatchers carry on without it (finished tasks wait in the outbox), so an outage
-    must not take every API process out of rotation at once."""
+    """Ready while Redis takes writes. The database and the result store are reported, not
+    required: submit and the dispatchers carry on without them (finished tasks wait in the
+    outbox; a large answer's task is retried), so an outage must not take every API process
+    out of rotation at once."""
     checks: dict[str, str] = {}
     try:
         # A write, not a PING: a server demoted to replica answers PING and refuses submits.
@@ -49,8 +51,14 @@ async def readyz(rt: Annotated[Runtime, Depends(runtime)]) -> JSONResponse:
     except Exception as exc:
         checks["database"] = f"error: {type(exc).__name__}"
     rt.scrapes.database.record(checks["database"] == "ok")  # qgw_database_up reuses it
+    try:  # reported like the database: a store outage fails large answers, not the process
+        await asyncio.wait_for(rt.objects.check(), READY_DB_TIMEOUT_S)
+        checks["result_store"] = "ok"
+    except Exception as exc:
+        checks["result_store"] = f"error: {type(exc).__name__}"
     ready = checks["redis"] == "ok"
-    status = "unavailable" if not ready else "ok" if checks["database"] == "ok" else "degraded"
+    healthy = checks["database"] == checks["result_store"] == "ok"
+    status = "unavailable" if not ready else "ok" if healthy else "degraded"
     return JSONResponse({"status": status, "checks": checks}, 200 if ready else 503)
 
 

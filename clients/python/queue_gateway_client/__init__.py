@@ -17,6 +17,7 @@ from queue_gateway_client._common import (
     TaskFailed,
     WaitTimeout,
 )
+from queue_gateway_client._result import Result
 from queue_gateway_client._sync import Client, Task
 
 __all__ = [
@@ -26,6 +27,7 @@ __all__ = [
     "Client",
     "GatewayUnreachable",
     "QueueGatewayError",
+    "Result",
     "Status",
     "Task",
     "TaskFailed",

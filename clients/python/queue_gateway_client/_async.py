@@ -23,6 +23,7 @@ from queue_gateway_client._common import (
     submit_body,
     transport_delay,
 )
+from queue_gateway_client._result import Result, from_status, needs_download
 
 
 class AsyncClient:
@@ -128,12 +129,17 @@ class AsyncTask:
         except TimeoutError:
             raise WaitTimeout(self._last, timeout or 0) from None
 
-    async def result(self, timeout: float | None = None) -> str:  # noqa: ASYNC109
-        """The business API's answer; TaskFailed if the task failed, was cancelled or expired."""
+    async def result(self, timeout: float | None = None) -> Result:  # noqa: ASYNC109
+        """The business API's answer (a `str` as ever, with `.content`, `.content_type`...);
+        TaskFailed if the task failed, was cancelled or expired."""
         final = await self.wait(timeout)
         if final.task_status != "completed":
             raise TaskFailed(final)
-        return final.task_result or ""
+        body = None
+        if needs_download(final.raw):
+            r = await self.client.request("GET", f"/api/v1/tasks/{self.task_id}/result", safe=True)
+            body = r.content
+        return from_status(final.raw, body)
 
     async def _follow(self) -> Status:
         """Read the event stream until a final status. A broken or ended stream is opened

@@ -24,6 +24,7 @@ from queue_gateway_client._common import (
     submit_body,
     transport_delay,
 )
+from queue_gateway_client._result import Result, from_status, needs_download
 
 
 class Client:
@@ -131,9 +132,14 @@ class Task:
             status = self.status(wait=LONG_POLL_S if left is None else min(LONG_POLL_S, left))
         return status
 
-    def result(self, timeout: float | None = None) -> str:
-        """The business API's answer; TaskFailed if the task failed, was cancelled or expired."""
+    def result(self, timeout: float | None = None) -> Result:
+        """The business API's answer (a `str` as ever, with `.content`, `.content_type`...);
+        TaskFailed if the task failed, was cancelled or expired."""
         final = self.wait(timeout)
         if final.task_status != "completed":
             raise TaskFailed(final)
-        return final.task_result or ""
+        body = None
+        if needs_download(final.raw):
+            r = self.client.request("GET", f"/api/v1/tasks/{self.task_id}/result", safe=True)
+            body = r.content
+        return from_status(final.raw, body)

@@ -1,0 +1,167 @@
+"""The result store: answers too large to keep in a task, as objects (`file://` or `s3://`).
+
+Why obstore (the `obstore` package, Rust's object_store crate): one async API serves the local
+filesystem and any S3-compatible service alike, so `file://` (the embedded default, needing
+nothing) and `s3://` (production) run the same code, tested on both. It uploads an async
+iterator of chunks as a multipart upload with a bounded number of parts in flight (the body
+never sits whole in memory), reads ranges back as a stream, and signs URLs for a redirect.
+Its wheels are self-contained (no C toolchain, no boto stack); aiobotocore would have brought
+botocore's ~80 MB and its per-request overhead for the same three calls. What it lacks is
+listing and aborting multipart uploads a killed process left behind: app/queue/uploads.py
+does those two S3 calls itself.
+
+An object's key is `<task id>/<random>`: each attempt writes its own, so an attempt that lost
+its lease never overwrites the answer of the one that won, and the sweep
+(app/lifecycle/sweep.py) knows from the key which task an object belongs to.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from collections.abc import AsyncIterable, AsyncIterator
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import obstore
+from obstore.exceptions import NotFoundError
+from obstore.store import LocalStore, S3Store
+
+PART_BYTES = 8 << 20  # an S3 part (5 MiB at least); two in flight bound an upload's memory
+PARTS_IN_FLIGHT = 2
+READ_CHUNK = 1 << 20  # what a read hands on at a time
+
+
+class StoreUnavailable(Exception):
+    """The result store did not take or give an object (down, refused, misconfigured)."""
+
+
+@dataclass(frozen=True, slots=True)
+class StoredObject:
+    key: str
+    size: int
+    modified: datetime
+
+
+class ObjectStore:
+    """Objects of results under one `file://` directory or `s3://bucket/prefix`."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        parts = urlsplit(url)
+        self.s3 = parts.scheme == "s3"
+        self.bucket = parts.netloc
+        self.prefix = parts.path.strip("/")
+        self.store: Any
+        if self.s3:
+            endpoint = os.environ.get("AWS_ENDPOINT_URL") or os.environ.get("AWS_ENDPOINT")
+            options: dict[str, Any] = {"timeout": "24h", "connect_timeout": "5s"}
+            if endpoint and endpoint.startswith("http://"):
+                options["allow_http"] = True
+            config: Any = {"endpoint": endpoint} if endpoint else None
+            self.store = S3Store(parts.netloc, prefix=self.prefix or None, config=config,
+                                 client_options=options,  # type: ignore[arg-type]
+                                 retry_config={"max_retries": 2,
+                                               "retry_timeout": timedelta(seconds=10)})
+        else:
+            self.root = Path(parts.path)
+            self.root.mkdir(parents=True, exist_ok=True)
+            self.store = LocalStore(self.root)
+
+    @staticmethod
+    def new_key(task_id: str) -> str:
+        return f"{task_id}/{secrets.token_hex(8)}"
+
+    async def put(self, key: str, chunks: AsyncIterable[bytes], content_type: str | None
+                  ) -> None:
+        """Write `chunks` as the object `key`, part by part as they come. An error of the
+        store is StoreUnavailable; one raised by `chunks` passes through; either way no
+        object is left (a multipart upload is aborted, else the sweep takes it)."""
+        attrs: Any = {"Content-Type": content_type} if content_type and self.s3 else None
+        try:
+            await obstore.put_async(self.store, key, chunks, attributes=attrs,
+                                    use_multipart=True, chunk_size=PART_BYTES,
+                                    max_concurrency=PARTS_IN_FLIGHT)
+        except Exception as exc:
+            await self.discard(key)
+            if _ours(exc):
+                raise StoreUnavailable(f"{type(exc).__name__}: {exc}"[:500]) from exc
+            raise
+
+    async def read(self, key: str, start: int = 0, end: int | None = None
+                   ) -> AsyncIterator[bytes]:
+        """The object's bytes from `start` to `end` (exclusive), in chunks; raises
+        StoreUnavailable (or FileNotFoundError for an object that is gone) before the
+        first chunk, so a route can still answer with an error."""
+        options: Any = {}
+        if start or end is not None:
+            options["range"] = (start, end) if end is not None else {"offset": start}
+        try:
+            res = await obstore.get_async(self.store, key, options=options or None)
+        except (NotFoundError, FileNotFoundError) as exc:
+            raise FileNotFoundError(key) from exc
+        except Exception as exc:
+            raise StoreUnavailable(f"{type(exc).__name__}: {exc}"[:500]) from exc
+        return _chunks(res.stream(min_chunk_size=READ_CHUNK))
+
+    async def sign(self, key: str, expires_s: int) -> str | None:
+        """A presigned GET URL (S3 only; None for `file://`)."""
+        if not self.s3:
+            return None
+        return str(await obstore.sign_async(self.store, "GET", key,
+                                            timedelta(seconds=expires_s)))
+
+    async def delete(self, keys: list[str]) -> None:
+        """Delete objects; an object already gone is not an error."""
+        if not keys:
+            return
+        try:
+            await obstore.delete_async(self.store, keys)
+        except (NotFoundError, FileNotFoundError):
+            pass
+        except Exception as exc:
+            raise StoreUnavailable(f"{type(exc).__name__}: {exc}"[:500]) from exc
+
+    async def discard(self, key: str) -> None:
+        """Delete one object if it is there, whatever the store says (a clean-up)."""
+        try:
+            await obstore.delete_async(self.store, key)
+        except Exception:  # gone already, or the store is down: the sweep's
+            pass
+
+    async def listing(self, older_than_s: float) -> AsyncIterator[StoredObject]:
+        """Every object last written more than `older_than_s` ago."""
+        cutoff = datetime.now(UTC) - timedelta(seconds=older_than_s)
+        try:
+            async for batch in obstore.list(self.store, chunk_size=1000):
+                for meta in batch:
+                    modified = meta["last_modified"]
+                    if modified < cutoff:
+                        yield StoredObject(meta["path"], meta["size"], modified)
+        except Exception as exc:
+            raise StoreUnavailable(f"{type(exc).__name__}: {exc}"[:500]) from exc
+
+    async def check(self) -> None:
+        """Raise StoreUnavailable unless the store answers (a read of a key never written)."""
+        try:
+            await obstore.head_async(self.store, "_qgw_ready_probe")
+        except (NotFoundError, FileNotFoundError):
+            return
+        except Exception as exc:
+            raise StoreUnavailable(f"{type(exc).__name__}: {exc}"[:500]) from exc
+
+
+def _ours(exc: Exception) -> bool:
+    """An error of the store (obstore's own, or I/O), not one of the body's producer."""
+    return type(exc).__module__.startswith("obstore") or isinstance(exc, OSError)
+
+
+async def _chunks(stream: Any) -> AsyncIterator[bytes]:
+    try:
+        async for buf in stream:
+            yield bytes(buf)
+    except Exception as exc:
+        raise StoreUnavailable(f"{type(exc).__name__}: {exc}"[:500]) from exc

@@ -1,0 +1,111 @@
+"""`GET /api/v1/tasks/{task_id}/result`: a finished call's answer byte for byte (docs/api.md).
+
+Served with the upstream's Content-Type (Content-Disposition, ETag), `X-Queue-Result-Status`
+and single `Range` requests (206). A body in the result store is streamed from it, never read
+whole; `?redirect=1` on an S3 store answers 302 to a presigned URL instead.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import AsyncIterator
+from typing import Annotated
+
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import Response, StreamingResponse
+
+from app.auth import api_key, runtime_of
+from app.errors import ApiError
+from app.queue.answers import EXTERNAL, ResultMeta, body_of
+from app.queue.objects import StoreUnavailable
+from app.routes.tasks import ERRORS, _checked
+
+router = APIRouter(prefix="/api/v1", tags=["tasks"])
+RANGE = re.compile(r"^bytes=(\d*)-(\d*)$")
+SIGNED_S = 300  # how long a presigned URL of `?redirect=1` stays valid
+
+
+@router.get("/tasks/{task_id}/result", responses={
+    **ERRORS, 200: {"description": "the answer's bytes, with its Content-Type",
+                    "content": {"application/octet-stream": {"schema": {"type": "string",
+                                                                         "format": "binary"}}}},
+    206: {"description": "the range asked for"}, 302: {"description": "to a presigned URL"},
+    416: {"description": "a range outside the body"}}, response_class=Response)
+async def task_result(
+    request: Request, task_id: str,
+    redirect: Annotated[bool, Query(description="S3 store: 302 to a presigned URL")] = False,
+) -> Response:
+    """The finished call's answer as the upstream sent it."""
+    caller, rt = api_key(request), runtime_of(request)
+    tid = _checked(task_id)
+    fields, _, _ = await rt.queue.fields(caller.user_id, tid)
+    status = fields.get("status", "")
+    meta = ResultMeta.loads(fields.get("result_meta"))
+    text = fields.get("result")
+    if status not in ("completed", "failed") or (meta is None and text is None):
+        raise ApiError(409, "no_result", f"task {tid!r} is {status} and has no result",
+                       task_status=status)
+    size = meta.size if meta else len((text or "").encode())
+    headers = {"X-Queue-Result-Status": fields.get("result_status_code") or "",
+               "Accept-Ranges": "bytes", "Cache-Control": "private, no-store"}
+    if meta is not None:
+        headers.update({k: v for k, v in (("Content-Disposition", meta.disposition),
+                                          ("ETag", meta.etag)) if v})
+    ctype = (meta.content_type if meta else None) or (
+        "text/plain; charset=utf-8" if meta is None else "application/octet-stream")
+    try:
+        span = _range(request.headers.get("range"), size)
+    except _Unsatisfiable:
+        return Response(status_code=416, headers={**headers, "Content-Range": f"bytes */{size}"})
+    start, end = span if span else (0, size)
+    code = 206 if span else 200
+    if span:
+        headers["Content-Range"] = f"bytes {start}-{end - 1}/{size}"
+    if meta is None or meta.encoding != EXTERNAL:
+        body = body_of(text, meta)[start:end]
+        return Response(body, code, headers=headers, media_type=ctype)
+    objects = rt.objects
+    assert meta.ref is not None
+    if redirect and objects.s3:
+        url = await objects.sign(meta.ref, SIGNED_S)
+        return Response(status_code=302, headers={"Location": url or "",
+                                                  "Cache-Control": "no-store"})
+    try:
+        chunks = await objects.read(meta.ref, start, end) if end > start else _empty()
+    except FileNotFoundError:
+        raise ApiError(404, "result_gone", f"the result of task {tid!r} is no longer kept",
+                       task_status=status) from None
+    except StoreUnavailable as exc:
+        raise ApiError(503, "result_store_unavailable", f"the result store did not answer: "
+                       f"{exc}", {"Retry-After": "5"}) from None
+    headers["Content-Length"] = str(end - start)
+    return StreamingResponse(chunks, code, headers=headers, media_type=ctype)
+
+
+async def _empty() -> AsyncIterator[bytes]:
+    return
+    yield b""  # pragma: no cover - makes this an async generator
+
+
+class _Unsatisfiable(Exception):
+    """A range outside the body: 416."""
+
+
+def _range(header: str | None, size: int) -> tuple[int, int] | None:
+    """One `bytes=` range as (start, end exclusive); None to serve the whole body (no range,
+    or one we do not serve: several ranges, another unit); _Unsatisfiable outside it."""
+    if not header:
+        return None
+    m = RANGE.match(header.strip().replace(" ", ""))
+    if m is None or (not m[1] and not m[2]):
+        return None
+    if not m[1]:  # the last N bytes
+        n = int(m[2])
+        if n <= 0 or size <= 0:
+            raise _Unsatisfiable
+        return max(0, size - n), size
+    start = int(m[1])
+    end = min(size, int(m[2]) + 1) if m[2] else size
+    if start >= size or (m[2] and int(m[2]) < start):
+        raise _Unsatisfiable
+    return start, end

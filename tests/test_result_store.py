@@ -1,0 +1,130 @@
+"""Large answers in the result store, streamed in and out, never whole in memory: `file://` and
+S3 (SeaweedFS, a real S3 server), with a `qgw dispatcher` process whose memory is watched."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import uuid
+from typing import Any
+
+import psutil
+import pytest
+
+from app.mock_upstream import binary_body
+from app.settings import Settings
+from tests.conftest import Gateway
+from tests.servers import SeaweedFS
+
+pytestmark = pytest.mark.backends("single", "cluster")
+MB = 1_000_000
+BIG = 200 * MB
+
+
+@pytest.fixture(params=["file", "s3"])
+def store_kind(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture
+def s3_env(store_kind: str, request: pytest.FixtureRequest,
+           monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+    """The AWS_* variables of the session's SeaweedFS (set here too, for the in-process API)."""
+    if store_kind != "s3":
+        return {}
+    server: SeaweedFS = request.getfixturevalue("seaweedfs")
+    for name, value in server.env().items():
+        monkeypatch.setenv(name, value)
+    return server.env()
+
+
+@pytest.fixture
+def settings(settings: Settings, store_kind: str, s3_env: dict[str, str],
+             request: pytest.FixtureRequest) -> Settings:
+    update: dict[str, Any] = {"max_result_bytes": 300 << 20}
+    if store_kind == "s3":
+        update["result_store"] = f"s3://{SeaweedFS.BUCKET}/{uuid.uuid4().hex[:12]}"
+    return settings.model_copy(update=update)
+
+
+def _digest(size: int, seed: int) -> bytes:
+    h = hashlib.sha256()
+    for chunk in binary_body(size, seed):
+        h.update(chunk)
+    return h.digest()
+
+
+async def _peak_rss(proc: psutil.Process, stop: asyncio.Event) -> int:
+    peak = 0
+    while not stop.is_set():
+        try:
+            peak = max(peak, proc.memory_info().rss)
+        except psutil.Error:
+            break
+        await asyncio.sleep(0.02)
+    return peak
+
+
+async def _objects(gateway: Gateway) -> list[str]:
+    out: list[str] = []
+    async for obj in gateway.rt.objects.listing(older_than_s=-60):
+        out.append(obj.key)
+    return out
+
+
+async def test_a_200_mb_answer_streams_through_the_store_byte_exact(
+    gateway: Gateway, upstream: str, dispatcher_process: Any, s3_env: dict[str, str],
+    store_kind: str,
+) -> None:
+    """The dispatcher's memory grows by less than 64 MB while a 200 MB answer passes through
+    it into the store; /result gives back the same bytes (hash), and a range of them."""
+    url = f"{upstream}/video"
+    await gateway.add_endpoint("video", url, timeout_ms=300_000, max_retries=0)
+    auth = await gateway.new_key()
+    proc = dispatcher_process(**s3_env)
+    await asyncio.sleep(3)  # started, its imports and connections made: the baseline
+    watched = psutil.Process(proc.pid)
+    base = watched.memory_info().rss
+    stop = asyncio.Event()
+    peak = asyncio.create_task(_peak_rss(watched, stop))
+    task = await gateway.submit(auth, url,
+                                headers={"X-Mock-Binary": [f"{BIG};seed=9;type=video/mp4"]})
+    (done,) = await gateway.wait_finished(auth, [task["task_id"]], timeout=240)
+    stop.set()
+    growth = (await peak) - base
+    assert done["task_status"] == "completed", done
+    assert done["result_encoding"] == "external" and done["result_bytes"] == BIG
+    assert done["result_content_type"] == "video/mp4" and done["task_result"] is None
+    assert growth < 64 << 20, f"the dispatcher grew by {growth / 2**20:.1f} MiB"
+    h = hashlib.sha256()
+    async with gateway.http.stream("GET", f"/api/v1/tasks/{task['task_id']}/result",
+                                   headers=auth) as r:
+        assert r.status_code == 200 and r.headers["content-type"] == "video/mp4"
+        async for chunk in r.aiter_bytes():
+            h.update(chunk)
+    assert h.digest() == _digest(BIG, 9)
+    r = await gateway.http.get(f"/api/v1/tasks/{task['task_id']}/result",
+                               headers={**auth, "Range": f"bytes={BIG - 1000}-"})
+    assert r.status_code == 206 and len(r.content) == 1000
+    assert r.headers["content-range"] == f"bytes {BIG - 1000}-{BIG - 1}/{BIG}"
+    if store_kind == "s3":
+        r = await gateway.http.get(f"/api/v1/tasks/{task['task_id']}/result?redirect=1",
+                                   headers=auth)
+        assert r.status_code == 302 and s3_env["AWS_ENDPOINT_URL"] in r.headers["location"]
+
+
+async def test_an_answer_over_the_limit_midway_fails_and_leaves_no_object(
+    gateway: Gateway, upstream: str, dispatcher_process: Any, s3_env: dict[str, str],
+) -> None:
+    """An answer without a Content-Length (chunked) that outgrows QGW_MAX_RESULT_BYTES while
+    it is stored: failed at once, not retried, what was written removed."""
+    url = f"{upstream}/toolarge"
+    await gateway.add_endpoint("toolarge", url, timeout_ms=120_000, max_retries=3)
+    auth = await gateway.new_key()
+    dispatcher_process(**s3_env, QGW_MAX_RESULT_BYTES=str(20 << 20))
+    task = await gateway.submit(
+        auth, url, headers={"X-Mock-Binary": [f"{40 * MB};seed=1;chunked=1"]})
+    (done,) = await gateway.wait_finished(auth, [task["task_id"]], timeout=120)
+    assert done["task_status"] == "failed" and done["attempts"] == 1
+    assert "QGW_MAX_RESULT_BYTES" in done["task_result"]
+    assert await _objects(gateway) == []
