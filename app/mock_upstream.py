@@ -24,6 +24,7 @@ OpenAI wire format; every other path answers as above.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
 import time
@@ -102,7 +103,16 @@ class MockUpstream:
         if path.startswith("/_mock/"):
             await self._control(path, body, send)
             return
-        await self._serve(scope, body, send)
+        # A caller gone mid-answer ends its call here at once (uvicorn drops what is sent after
+        # a disconnect without a word): in_flight shows what a gateway really aborted.
+        serving = asyncio.ensure_future(self._serve(scope, body, send))
+        gone = asyncio.ensure_future(_disconnected(receive))
+        await asyncio.wait({serving, gone}, return_when=asyncio.FIRST_COMPLETED)
+        gone.cancel()
+        if not serving.done():
+            serving.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await serving
 
     def _gate_of(self) -> asyncio.Event:
         if self._gate is None:
@@ -209,6 +219,11 @@ class MockUpstream:
 CONFIG: dict[str, Any] = {"latency_ms": float, "chunks": int, "chunk_ms": float,
                           "reject_next": int, "reject_after_s": float, "hold": bool,
                           "concurrency": int, "fail_rate": float}
+
+
+async def _disconnected(receive: Any) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _send_binary(send: Any, status: int, size: int, seed: int, ctype: str,
