@@ -15,7 +15,8 @@ Idempotency-Key, body, status), `POST /_mock/reset` clears both and the settings
 `POST /_mock/config` with a JSON object changes how it answers from then on: `latency_ms`,
 `chunks` and `chunk_ms` (a stream's events, and the pause between them), `reject_next` (that
 many next requests are refused 429, with `Retry-After: reject_after_s` and OpenAI's
-`x-ratelimit-remaining-requests: 0`), `hold` (true: requests arrive, are logged and counted in
+`x-ratelimit-remaining-requests: 0`), `rate_per_s` (429 past that many requests in a clock
+second, with the reset of that second), `hold` (true: requests arrive, are logged and counted in
 flight, and wait until `POST /_mock/release`, for tests of order and cancellation).
 With `--openai` (app/mock_openai.py) `/v1/chat/completions` and `/v1/embeddings` speak the
 OpenAI wire format; every other path answers as above.
@@ -79,10 +80,12 @@ class MockUpstream:
     reject_next: int = 0
     reject_after_s: float = 1
     hold: bool = False
+    rate_per_s: int = 0  # 0 = none; else 429 past that many requests in a clock second
     log: list[dict[str, Any]] = field(default_factory=list)
     statuses: Counter[int] = field(default_factory=Counter)
     _defaults: dict[str, Any] = field(default_factory=dict)
     _gate: asyncio.Event | None = None
+    _second: tuple[int, int] = (0, 0)  # (clock second, requests in it) for rate_per_s
 
     def __post_init__(self) -> None:
         self._defaults = {name: getattr(self, name) for name in CONFIG}
@@ -129,6 +132,8 @@ class MockUpstream:
             status, rejected = int(headers.get("x-mock-status", 0)) or 200, False
             if self.concurrency and self.in_flight > self.concurrency:
                 status = 429
+            elif self.rate_per_s and self._over_rate():
+                status, rejected = 429, True
             elif self.reject_next > 0:
                 self.reject_next -= 1
                 status, rejected = 429, True
@@ -169,12 +174,24 @@ class MockUpstream:
         finally:
             self.in_flight -= 1
 
+    def _over_rate(self) -> bool:
+        now = int(time.time())
+        second, count = self._second
+        self._second = (now, count + 1 if second == now else 1)
+        return self._second[1] > self.rate_per_s
+
     async def _refuse(self, send: Any) -> None:
-        """A 429 as OpenAI sends it, with the pause it asks for (`reject_next`)."""
-        after = f"{self.reject_after_s:g}"
+        """A 429 as OpenAI sends it, with the pause it asks for (`reject_next`: Retry-After
+        `reject_after_s`; `rate_per_s`: the rest of the clock second)."""
+        if self.rate_per_s:
+            reset_ms = max(1, round((1 - time.time() % 1) * 1000))
+            after, reset = "1", f"{reset_ms}ms"
+        else:
+            after = f"{self.reject_after_s:g}"
+            reset = f"{after}s"
         await _send_json(send, 429, mock_openai.RATE_LIMITED, [
             (b"retry-after", after.encode()), (b"x-ratelimit-remaining-requests", b"0"),
-            (b"x-ratelimit-reset-requests", f"{after}s".encode())])
+            (b"x-ratelimit-reset-requests", reset.encode())])
 
     async def _control(self, path: str, body: bytes, send: Any) -> None:
         if path == "/_mock/reset":
@@ -218,7 +235,7 @@ class MockUpstream:
 #: What POST /_mock/config may change, and each setting's type.
 CONFIG: dict[str, Any] = {"latency_ms": float, "chunks": int, "chunk_ms": float,
                           "reject_next": int, "reject_after_s": float, "hold": bool,
-                          "concurrency": int, "fail_rate": float}
+                          "concurrency": int, "fail_rate": float, "rate_per_s": int}
 
 
 async def _disconnected(receive: Any) -> None:
