@@ -42,6 +42,8 @@ from tests.servers import QGW, free_port, stop, wait_port
 ADMIN = "bench-admin-token-0123"
 CHAT = {"model": "mock", "stream": True, "messages": [{"role": "user", "content": "hello"}]}
 LIMIT_PER_S = 20
+LITELLM_KEY = "sk-" + "0123456789abcdef" * 4  # it refuses to start without one
+LITELLM_AUTH = {"Authorization": f"Bearer {LITELLM_KEY}"}
 
 
 @dataclass
@@ -134,7 +136,8 @@ async def start_litellm(exe: str, mock: str, data: Path, rpm: int | None) -> tup
         params["rpm"] = rpm
     config = data / f"litellm-{port}.json"  # YAML is a superset of JSON
     config.write_text(json.dumps({"model_list": [{"model_name": "mock",
-                                                  "litellm_params": params}]}))
+                                                  "litellm_params": params}],
+                                  "general_settings": {"master_key": LITELLM_KEY}}))
     proc = spawn([exe, "--config", str(config), "--port", str(port), "--num_workers", "1"],
                  {"LITELLM_LOG": "ERROR"})
     await asyncio.to_thread(wait_port, port, 180.0, proc)
@@ -193,7 +196,8 @@ async def main(args: argparse.Namespace) -> None:
             if args.litellm:
                 ll, lport = await start_litellm(args.litellm, mock, data, None)
                 procs.append(ll)
-                targets["litellm"] = (f"http://127.0.0.1:{lport}/v1/chat/completions", {},
+                targets["litellm"] = (f"http://127.0.0.1:{lport}/v1/chat/completions",
+                                      LITELLM_AUTH,
                                       ll.pid)  # type: ignore[attr-defined]
             print("| rate | target | p50 ms | p99 ms | added p50 | added p99 | added ttft p50 "
                   "| CPU ms/req | answers |\n|---|---|---|---|---|---|---|---|---|")
@@ -210,7 +214,8 @@ async def main(args: argparse.Namespace) -> None:
                 ll20, l20port = await start_litellm(args.litellm, mock, data, 60 * LIMIT_PER_S)
                 procs.append(ll20)
                 print(await over_row("litellm", f"http://127.0.0.1:{l20port}/v1/chat/"
-                                     "completions", {}, mock, args.over_seconds, args.max_wait),
+                                     "completions", LITELLM_AUTH, mock, args.over_seconds,
+                                     args.max_wait),
                       flush=True)
         finally:
             for proc in procs:

@@ -152,3 +152,53 @@ def test_cost_read_from_openai_and_anthropic_streams() -> None:
     body = CostReader("json:usage.total_tokens")
     body.feed(b'{"usage": {"total_tokens": 9}}')
     assert body.cost({}) == 9
+
+
+async def test_caller_gone_before_the_upstream_answers_aborts_the_call(
+    gateway: Gateway, llm: str, start_api: StartApi, start_dispatcher: StartDispatcher
+) -> None:
+    auth = await proxied(gateway, llm)
+    base = await start_api()
+    await start_dispatcher()
+    httpx.post(f"{llm}/_mock/config", json={"hold": True}).raise_for_status()
+    host, port = base.removeprefix("http://").split(":")
+    _, writer = await asyncio.open_connection(host, int(port))
+    writer.write(f"POST /proxy/llm/embeddings HTTP/1.1\r\nHost: {host}\r\n"
+                 f"Authorization: {auth['Authorization']}\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: 2\r\n\r\n{{}}".encode())
+    await writer.drain()
+    await until(lambda: _async(mock_stats(llm)["in_flight"] == 1))
+    writer.close()
+    left = time.monotonic()
+    await until(lambda: _async(mock_stats(llm)["in_flight"] == 0), timeout=3)
+    assert time.monotonic() - left < 2.0  # at once; a loaded CI machine is given a second more
+    (failed,) = await until(lambda: tasks_of(gateway, "failed"), timeout=3)
+    view = await gateway.status(auth, failed["task_id"])
+    assert view["task_result"] == "caller connection lost"
+
+
+async def test_a_stream_settles_its_cost_from_its_usage_event(
+    gateway: Gateway, llm: str, start_api: StartApi, start_dispatcher: StartDispatcher
+) -> None:
+    """20 units a minute (a fixed window: a sliding per-cost one would pace them). The first
+    request reserves all 20 (X-Queue-Cost) and really spends 7
+    (2 prompt words + 5 streamed tokens, its last event's usage): the 13 left let the second
+    in at once, and nothing is left for a third."""
+    auth = await proxied(gateway, llm, cost_from="sse:usage.total_tokens", limits=[
+        {"limiter": "fixed_window", "rate": 20, "interval_ms": 60_000, "per": "cost"}])
+    base = await start_api()
+    await start_dispatcher()
+    stream = {**CHAT, "stream": True, "stream_options": {"include_usage": True}}
+    async with httpx.AsyncClient(base_url=base, headers=auth, timeout=30) as http:
+        first = await http.post("/proxy/llm/chat/completions", json=stream,
+                                headers={"X-Queue-Cost": "20"})
+        assert first.status_code == 200 and '"total_tokens": 7' in first.text
+        # Its max wait is past the estimate (which takes the recent average cost, 20, for the
+        # next admission): it is let in line, and the settled window lets it through at once.
+        second = await http.post("/proxy/llm/chat/completions", json=CHAT,
+                                 headers={"X-Queue-Cost": "13", "X-Queue-Max-Wait": "120"})
+        assert second.status_code == 200, second.text
+        assert int(second.headers["x-queue-waited-ms"]) < 3000
+        third = await http.post("/proxy/llm/chat/completions", json=CHAT,
+                                headers={"X-Queue-Cost": "1", "X-Queue-Max-Wait": "2"})
+        assert third.status_code == 503  # 7 + 13 spent (the JSON answer kept its estimate)

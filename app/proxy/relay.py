@@ -11,9 +11,11 @@ The lease is what a process killed mid-stream leaves behind: the reaper ends the
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import time
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -173,8 +175,8 @@ class ProxyCall:
             # The endpoint's upstream_headers (the provider's key) replace any of the caller's.
             headers = secrets.outgoing(self.headers, ep.credentials)
             headers.append(("Idempotency-Key", self.task_id))
-            answer = await open_call(self.method, self.url, headers, self.body,
-                                     ep.timeout_ms / 1000)
+            answer = await self._unless_gone(open_call(self.method, self.url, headers,
+                                                       self.body, ep.timeout_ms / 1000))
         except secrets.Undecryptable as exc:
             await self.finish("failed", f"upstream credentials: {exc}", None, -1, None)
             raise ApiError(503, "credentials_unavailable", str(exc), {"Retry-After": "5"},
@@ -194,6 +196,20 @@ class ProxyCall:
         answer.close()
         await self._back_in_line(answer.status, pause, (time.monotonic() - started) * 1000)
         return None
+
+    async def _unless_gone(self, opening: Coroutine[Any, Any, Streamed]) -> Streamed:
+        """The answer's head, unless the caller leaves first (a slow upstream may take long
+        before its first byte): the call is then aborted and the task ended."""
+        head = asyncio.ensure_future(opening)
+        await asyncio.wait({head, self.gone}, return_when=asyncio.FIRST_COMPLETED)
+        if not head.done():
+            head.cancel()  # open_call closes its connection on the way out
+            with contextlib.suppress(BaseException):
+                await head
+            await self.finish("failed", CALLER_LOST, None,
+                              (time.monotonic() - self.call_started) * 1000, None)
+            raise CallerGone
+        return head.result()
 
     def _pause(self, answer: Streamed) -> float | None:
         if answer.status not in (429, 503) or not self.endpoint.honor_upstream_limits:
