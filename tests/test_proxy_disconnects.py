@@ -57,7 +57,7 @@ async def test_caller_gone_while_waiting_cancels_its_task(
                  f"Authorization: {auth['Authorization']}\r\nContent-Type: application/json\r\n"
                  f"Content-Length: 2\r\n\r\n{{}}".encode())
     await writer.drain()
-    (pending,) = await until(lambda: tasks_of(gateway, "pending"))
+    (pending,) = await until(lambda: tasks_of(gateway, "pending"), timeout=30)
     writer.close()
     await until(lambda: tasks_of(gateway, "cancelled"), timeout=3)
     await start_dispatcher()
