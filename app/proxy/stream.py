@@ -69,9 +69,10 @@ class Streamed:
         endpoint's timeout) when it breaks off."""
         while True:
             if self._chunks:
+                # What one read brought comes on as one piece: events that arrived together
+                # leave together, and a stream of small events costs a send a read, not each.
                 chunks, self._chunks = self._chunks, []
-                for chunk in chunks:
-                    yield chunk
+                yield chunks[0] if len(chunks) == 1 else b"".join(chunks)
             elif self._ended:
                 return
             else:
