@@ -159,6 +159,11 @@ class ProxyCall:
                 self.lease_lost.set()
                 return
 
+    def abandon(self) -> None:
+        """Stop renewing a lease nothing will finish (an unexpected error): it lapses and the
+        reaper ends the task, as if this process had died."""
+        self._stop_renewing()
+
     def _stop_renewing(self) -> None:
         if self._renewing is not None:
             self._renewing.cancel()

@@ -65,6 +65,9 @@ async def proxy(request: Request, endpoint_id: str, path: str) -> Response:
                 return RelayResponse(call, answer)
     except CallerGone:
         return Response(status_code=499)  # nobody reads it
+    except BaseException:
+        call.abandon()
+        raise
     finally:
         if not call.token:  # no answer to relay: nothing watches the caller any more
             gone.cancel()
