@@ -114,6 +114,13 @@ def build_parser() -> argparse.ArgumentParser:
                       help="how long each answer takes (default: %(default)s)")
     mock.add_argument("--fail-rate", type=float, default=0, metavar="F",
                       help="share of requests answered 503, 0..1 (default: %(default)s)")
+    mock.add_argument("--openai", action="store_true",
+                      help="answer /v1/chat/completions (JSON and streamed) and /v1/embeddings "
+                           "in the OpenAI wire format (default: off)")
+    mock.add_argument("--chunks", type=int, default=5, metavar="N",
+                      help="events of a streamed chat completion (default: %(default)s)")
+    mock.add_argument("--chunk-ms", type=float, default=0, metavar="T",
+                      help="pause between a stream's events (default: %(default)s)")
     admin_cli.add_parsers(sub)
     healthcheck.add_parser(sub)
     return p
@@ -233,7 +240,8 @@ def _mock(settings: Settings, args: argparse.Namespace) -> None:
     from app.mock_upstream import MockUpstream
 
     sock = bind(args.host, args.port, settings_env=False)  # as `serve`: a port in use, one line
-    app = MockUpstream(args.concurrency, args.latency_ms, args.fail_rate)
+    app = MockUpstream(args.concurrency, args.latency_ms, args.fail_rate, args.openai,
+                       args.chunks, args.chunk_ms)
     print(f"mock upstream on http://{args.host}:{args.port}", flush=True)
     config = uvicorn.Config(app, log_config=None, access_log=False, backlog=4096)
     uvicorn.Server(config).run(sockets=[sock])

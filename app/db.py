@@ -59,6 +59,7 @@ class EndpointRow(Base):
     limits: Mapped[list[dict[str, object]]] = mapped_column(JSON, nullable=True, default=list)
     cost_from: Mapped[str | None] = mapped_column(String(200), nullable=True)
     fairness: Mapped[str] = mapped_column(String(16), default="fifo")
+    proxy: Mapped[bool] = mapped_column(Boolean, default=False)
     #: name -> value sealed with AES-GCM (app/secrets.py); never a plain value.
     upstream_headers: Mapped[dict[str, str] | None] = mapped_column(JSON, nullable=True,
                                                                      default=dict)

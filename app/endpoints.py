@@ -24,9 +24,12 @@ from app.secrets import AS_IS, Credentials, mask
 Limiter = Literal["sliding_window", "fixed_window", "token_bucket"]
 MAX_LIMITS = 5
 #: Where a finished call's real cost is read: a response header, or a dot path in its JSON body.
+#: A proxied stream's cost is read from its events: 'sse:<dot.path>', paths joined by '+' added up.
+_SSE_PATH = r"[^\s.+]{1,64}(\.[^\s.+]{1,64}){0,7}"
 COST_FROM = expects(
-    r"^(header:[!#$%&'*+.^_`|~0-9A-Za-z-]{1,128}|json:[^\s.]{1,64}(\.[^\s.]{1,64}){0,7})$",
-    "'header:<name>' or 'json:<dot.path>' (up to 8 parts)")
+    r"^(header:[!#$%&'*+.^_`|~0-9A-Za-z-]{1,128}|json:[^\s.]{1,64}(\.[^\s.]{1,64}){0,7}"
+    rf"|sse:{_SSE_PATH}(\+{_SSE_PATH}){{0,3}})$",
+    "'header:<name>', 'json:<dot.path>' or 'sse:<dot.path>[+<dot.path>]' (up to 8 parts a path)")
 
 
 def _post_only() -> list[Method]:
@@ -142,7 +145,11 @@ class EndpointSettings(StrictInput):
                     "and 2000/day, or 90,000 cost units a minute)")
     cost_from: Annotated[str, StringConstraints(max_length=200, pattern=COST_FROM)] | None = Field(
         None, description="where a finished call's real cost is read to settle its per-cost "
-                          "reservations: 'header:<name>' or 'json:<dot.path>' of the response")
+                          "reservations: 'header:<name>' or 'json:<dot.path>' of the response, "
+                          "or 'sse:<dot.path>' of a stream's last data: event that has it "
+                          "(paths joined by '+' are added up)")
+    proxy: bool = Field(False, description="open to the drop-in proxy: ANY "
+                                           "/proxy/{id}/{path} calls target_url + path")
     upstream_headers: dict[HeaderNameText, HeaderValueText] = Field(
         default_factory=dict, max_length=MAX_UPSTREAM_HEADERS, repr=False,
         description="headers sent on every call to this endpoint, e.g. the provider's "

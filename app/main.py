@@ -21,6 +21,7 @@ from app.routes import (
     dashboard,
     follow,
     ops,
+    proxy,
     results,
     tasks,
 )
@@ -61,7 +62,7 @@ def create_app(
     errors.install(app)
     for router in (tasks.router, results.router, follow.router, auth_check.router, admin.router,
                    admin_tasks.router, admin_ops.router, ops.router,
-                   dashboard.router):
+                   dashboard.router, proxy.router):
         app.include_router(router)
     openapi.install(app)
     # Added before the counter, so inside it: it counts the fast lane's answers too.

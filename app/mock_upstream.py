@@ -9,15 +9,26 @@ type>][;chunked=1]`: that many pseudo-random bytes, the same for the same seed (
 streamed in chunks so that even gigabytes cost the mock no memory); `X-Mock-Status-Times: N` keeps
 that status and those headers to the first N requests of one Idempotency-Key (a refusal that
 passes) (CONTROL_HEADERS: a task carries them only to an endpoint that lists them in
-`forward_headers`).  It records every request:
-`GET /_mock/stats` gives counts, `GET /_mock/log` the requests in arrival order (time in ms,
-method, path, query, Idempotency-Key, body, status, and `closed`: when the caller closed the
-connection before the answer, in ms, else null), `POST /_mock/reset` clears both.
+`forward_headers`).  It records every request: `GET /_mock/stats` gives counts (and `in_flight`,
+`peak_in_flight`: calls being answered now, and the most at once), `GET /_mock/log` the requests
+in arrival order (time in ms, method, path, query, Idempotency-Key, body, status, and `closed`:
+when the caller closed the connection before the answer, in ms, else null), `POST /_mock/reset`
+clears both and the settings below.
+
+`POST /_mock/config` with a JSON object changes how it answers from then on: `latency_ms`,
+`chunks` and `chunk_ms` (a stream's events, and the pause between them), `reject_next` (that
+many next requests are refused 429, with `Retry-After: reject_after_s` and OpenAI's
+`x-ratelimit-remaining-requests: 0`), `rate_per_s` (429 past that many requests in a clock
+second, with the reset of that second), `hold` (true: requests arrive, are logged and counted in
+flight, and wait until `POST /_mock/release`, for tests of order and cancellation).
+With `--openai` (app/mock_openai.py) `/v1/chat/completions` and `/v1/embeddings` speak the
+OpenAI wire format; every other path answers as above.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
 import time
@@ -26,6 +37,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qsl
+
+from app import mock_openai
+from app.mock_openai import send_json as _send_json
 
 Scope = dict[str, Any]
 CONTROL_HEADERS = ("X-Mock-Status", "X-Mock-Latency-Ms", "X-Mock-Set-Cookie", "X-Mock-Body-Bytes",
@@ -61,10 +75,24 @@ class MockUpstream:
     concurrency: int = 0  # 0 = no cap
     latency_ms: float = 0
     fail_rate: float = 0
+    openai: bool = False
+    chunks: int = 5
+    chunk_ms: float = 0
     in_flight: int = 0
+    peak_in_flight: int = 0
+    reject_next: int = 0
+    reject_after_s: float = 1
+    hold: bool = False
+    rate_per_s: int = 0  # 0 = none; else 429 past that many requests in a clock second
     log: list[dict[str, Any]] = field(default_factory=list)
     statuses: Counter[int] = field(default_factory=Counter)
     seen: Counter[str] = field(default_factory=Counter)  # requests per Idempotency-Key
+    _defaults: dict[str, Any] = field(default_factory=dict)
+    _gate: asyncio.Event | None = None
+    _second: tuple[int, int] = (0, 0)  # (clock second, requests in it) for rate_per_s
+
+    def __post_init__(self) -> None:
+        self._defaults = {name: getattr(self, name) for name in CONFIG}
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
@@ -80,16 +108,35 @@ class MockUpstream:
                 break
         path = scope["path"]
         if path.startswith("/_mock/"):
-            await self._control(path, send)
+            await self._control(path, body, send)
             return
-        await self._serve(scope, body, receive, send)
+        # A caller gone mid-answer ends its call here at once (uvicorn drops what is sent after
+        # a disconnect without a word): in_flight shows what a gateway really aborted.
+        entry: dict[str, Any] = {}  # filled by _serve: the log's entry of this request
+        serving = asyncio.ensure_future(self._serve(scope, body, send, entry))
+        gone = asyncio.ensure_future(_disconnected(receive))
+        await asyncio.wait({serving, gone}, return_when=asyncio.FIRST_COMPLETED)
+        gone.cancel()
+        if not serving.done():
+            entry["closed"] = time.time() * 1000  # a gateway aborting a call is seen here
+            serving.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await serving
 
-    async def _serve(self, scope: Scope, body: bytes, receive: Any, send: Any) -> None:
+    def _gate_of(self) -> asyncio.Event:
+        if self._gate is None:
+            self._gate = asyncio.Event()
+            self._gate.set()
+        return self._gate
+
+    async def _serve(self, scope: Scope, body: bytes, send: Any, entry: dict[str, Any]
+                     ) -> None:
         headers = {k.decode().lower(): v.decode() for k, v in scope["headers"]}
         arrived = time.time() * 1000
         self.in_flight += 1
+        self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
         try:
-            status = int(headers.get("x-mock-status", 0)) or 200
+            status, rejected = int(headers.get("x-mock-status", 0)) or 200, False
             key = headers.get("idempotency-key") or ""
             self.seen[key] += 1
             if (times := headers.get("x-mock-status-times")) and self.seen[key] > int(times):
@@ -97,20 +144,33 @@ class MockUpstream:
                 headers.pop("x-mock-reply-headers", None)
             if self.concurrency and self.in_flight > self.concurrency:
                 status = 429
+            elif self.rate_per_s and self._over_rate():
+                status, rejected = 429, True
+            elif self.reject_next > 0:
+                self.reject_next -= 1
+                status, rejected = 429, True
             elif status == 200 and random.random() < self.fail_rate:
                 status = 503
-            entry = {
+            entry.update({
                 "t": arrived, "method": scope["method"], "path": scope["path"],
                 "query": dict(parse_qsl(scope["query_string"].decode())),
                 "idempotency_key": headers.get("idempotency-key"),
                 "headers": headers, "body": body.decode(errors="replace"), "status": status,
                 "closed": None,
-            }
+            })
             self.log.append(entry)
             self.statuses[status] += 1
+            if rejected:
+                await self._refuse(send)
+                return
+            await self._gate_of().wait()
             latency = float(headers.get("x-mock-latency-ms", self.latency_ms))
-            if latency and status != 429 and not await _held(latency / 1000, receive, entry):
-                return  # the caller hung up while held: nobody to answer
+            if latency and status != 429:
+                await asyncio.sleep(latency / 1000)
+            if self.openai and status == 200 and mock_openai.is_openai_path(scope["path"]):
+                await mock_openai.answer(scope["path"], body, len(self.log), self.chunks,
+                                         self.chunk_ms, send, [])
+                return
             if binary := headers.get("x-mock-binary"):
                 await _send_binary(send, status, *_binary_spec(binary))
                 return
@@ -127,11 +187,43 @@ class MockUpstream:
         finally:
             self.in_flight -= 1
 
-    async def _control(self, path: str, send: Any) -> None:
+    def _over_rate(self) -> bool:
+        now = int(time.time())
+        second, count = self._second
+        self._second = (now, count + 1 if second == now else 1)
+        return self._second[1] > self.rate_per_s
+
+    async def _refuse(self, send: Any) -> None:
+        """A 429 as OpenAI sends it, with the pause it asks for (`reject_next`: Retry-After
+        `reject_after_s`; `rate_per_s`: the rest of the clock second)."""
+        if self.rate_per_s:
+            reset_ms = max(1, round((1 - time.time() % 1) * 1000))
+            after, reset = "1", f"{reset_ms}ms"
+        else:
+            after = f"{self.reject_after_s:g}"
+            reset = f"{after}s"
+        await _send_json(send, 429, mock_openai.RATE_LIMITED, [
+            (b"retry-after", after.encode()), (b"x-ratelimit-remaining-requests", b"0"),
+            (b"x-ratelimit-reset-requests", reset.encode())])
+
+    async def _control(self, path: str, body: bytes, send: Any) -> None:
         if path == "/_mock/reset":
             self.log.clear()
             self.statuses.clear()
             self.seen.clear()
+            self.peak_in_flight = self.in_flight
+            self._configure(self._defaults)
+            await _send_json(send, 200, {"ok": True})
+        elif path == "/_mock/config":
+            changes = mock_openai.request_json(body)
+            unknown = set(changes) - set(CONFIG)
+            if unknown:
+                await _send_json(send, 400, {"error": f"unknown settings {sorted(unknown)}"})
+                return
+            self._configure(changes)
+            await _send_json(send, 200, {name: getattr(self, name) for name in CONFIG})
+        elif path == "/_mock/release":
+            self._configure({"hold": False})
             await _send_json(send, 200, {"ok": True})
         elif path == "/_mock/log":
             await _send_json(send, 200, self.log)
@@ -139,23 +231,25 @@ class MockUpstream:
             keys = Counter(e["idempotency_key"] for e in self.log)
             await _send_json(send, 200, {
                 "received": len(self.log), "in_flight": self.in_flight,
+                "peak_in_flight": self.peak_in_flight,
                 "statuses": {str(k): v for k, v in self.statuses.items()},
                 "duplicates": sum(v - 1 for k, v in keys.items() if k and v > 1),
             })
 
+    def _configure(self, changes: dict[str, Any]) -> None:
+        for name, value in changes.items():
+            setattr(self, name, CONFIG[name](value))
+        gate = self._gate_of()
+        if self.hold:
+            gate.clear()
+        else:
+            gate.set()
 
-async def _held(seconds: float, receive: Any, entry: dict[str, Any]) -> bool:
-    """Hold the answer `seconds`; False (and the time in `entry["closed"]`) when the caller
-    closes the connection first: a gateway aborting a call is seen here."""
-    gone = asyncio.ensure_future(_disconnected(receive))
-    try:
-        await asyncio.wait_for(asyncio.shield(gone), seconds)
-    except TimeoutError:
-        return True
-    finally:
-        gone.cancel()
-    entry["closed"] = time.time() * 1000
-    return False
+
+#: What POST /_mock/config may change, and each setting's type.
+CONFIG: dict[str, Any] = {"latency_ms": float, "chunks": int, "chunk_ms": float,
+                          "reject_next": int, "reject_after_s": float, "hold": bool,
+                          "concurrency": int, "fail_rate": float, "rate_per_s": int}
 
 
 async def _disconnected(receive: Any) -> None:
@@ -175,11 +269,3 @@ async def _send_binary(send: Any, status: int, size: int, seed: int, ctype: str,
         await send({"type": "http.response.body", "body": chunk, "more_body": True})
     await send({"type": "http.response.body", "body": b""})
 
-
-async def _send_json(send: Any, status: int, payload: Any,
-                     headers: list[tuple[bytes, bytes]] | None = None) -> None:
-    data = json.dumps(payload).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"),
-                            (b"content-length", str(len(data)).encode()), *(headers or [])]})
-    await send({"type": "http.response.body", "body": data})

@@ -48,6 +48,7 @@ class TaskStatus(enum.StrEnum):
 class TaskType(enum.StrEnum):
     ONLINE = "online"
     OFFLINE = "offline"
+    PROXY = "proxy"  # a drop-in proxy's request (app/proxy/): its caller's process calls
 
 
 MultiDict = dict[Annotated[str, StringConstraints(max_length=256)], list[str]]

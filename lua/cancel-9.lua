@@ -1,8 +1,9 @@
 --[[ Cancel a task of this user: a pending one leaves its queue; an admitted online one loses
-its permit and frees its slot; an offline call in flight loses its lease and frees its slot, and
-the dispatcher holding it hears so on the cancel channel (events.lua) and aborts the call (its
-ack, refused for the lost lease, changes nothing: the first writer wins). Its cost reservation
-stays spent: the upstream may have counted the call. Anything that already ended stays.
+its permit and frees its slot; an offline or proxied call in flight loses its lease and frees
+its slot, and the process holding it aborts the call: the dispatcher hears so on the cancel
+channel (events.lua), a proxy relay on the task's status event (its ack, refused for the lost
+lease, changes nothing: the first writer wins). Its cost reservation stays spent: the upstream
+may have counted the call. Anything that already ended stays.
 KEYS[1] task    KEYS[2] queue    KEYS[3] active    KEYS[4] wake    KEYS[5] outbox
 KEYS[6] retry    KEYS[7] stats    KEYS[8] hooks (lifecycle.lua)    KEYS[9] probe (upstream.lua):
 an online probe cancelled is no probe any more; the next claim sends another

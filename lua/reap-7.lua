@@ -37,7 +37,15 @@ for _, id in ipairs(ids) do
     redis.call('HDEL', task, 'lease', 'deadline')
     if fields[6] then upstream_call_ended(KEYS[4], KEYS[7], fields[6], false) end
     changed[#changed + 1] = id
-    if fields[1] == 'online' then
+    if fields[1] == 'proxy' then
+      -- The process relaying it stopped renewing (killed mid-stream): its caller is gone with it,
+      -- so it never runs again.
+      redis.call('HSET', task, 'status', 'failed', 'ended_at', now, 'result', 'caller connection lost')
+      local n = redis.call('HINCRBY', KEYS[4], 'failed', 1)
+      stats_failure(KEYS[4], n, now, id, '', 'caller connection lost')
+      to_outbox(outbox, hooks, task, id, now)
+      failed = failed + 1
+    elseif fields[1] == 'online' then
       -- The permit lapsed without `complete`: the slot is free again.
       redis.call('HSET', task, 'status', 'expired', 'ended_at', now)
       redis.call('HINCRBY', KEYS[4], 'expired', 1)

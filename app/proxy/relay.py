@@ -1,0 +1,281 @@
+"""A proxied request's way through the line: submitted as a task of type `proxy` (the online
+path: same priority, fairness, limits, cap, pauses, quotas), admitted by a dispatcher's claim,
+which this process hears as a status event (no polling); then this process makes the call, renews
+the lease while the answer streams, and finishes the task through the ack script (settling the
+cost, counting the stats) like a dispatcher finishes a queued call.
+
+The lease is what a process killed mid-stream leaves behind: the reaper ends the task `failed`
+("caller connection lost", lua/reap-7.lua) when it lapses, and never runs it again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+from collections.abc import Coroutine
+from dataclasses import dataclass, field
+from typing import Any
+
+from redis.exceptions import RedisError
+
+from app import secrets
+from app.core.keys import Keys
+from app.endpoints import EndpointConfig
+from app.errors import ApiError
+from app.models import SubmitRequest, SubmitResponse
+from app.proxy.stream import Streamed, open_call
+from app.queue.acks import ACK_KEYS
+from app.queue.claims import settle_limits
+from app.queue.http1 import BadAnswer
+from app.queue.signals import pause_s
+from app.runtime import Runtime
+from app.store import ApiKey
+
+log = logging.getLogger(__name__)
+CALLER_LOST = "caller connection lost"
+
+
+class CallerGone(Exception):
+    """The caller closed its connection."""
+
+
+@dataclass
+class ProxyCall:
+    rt: Runtime
+    caller: ApiKey
+    endpoint: EndpointConfig
+    method: str
+    url: str
+    headers: list[tuple[str, str]]  # what goes to the upstream (the gateway's own removed)
+    body: bytes
+    priority: int
+    max_wait_s: float
+    cost: int
+    idem_key: str | None
+    gone: asyncio.Future[Any]  # done once the caller has disconnected
+    arrived: float = field(default_factory=time.monotonic)
+    task_id: str = ""
+    token: str = ""
+    admitted: float = 0.0
+    call_started: float = 0.0
+    _renewing: asyncio.Task[None] | None = None
+    lease_lost: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def keys(self) -> Keys:
+        return self.rt.keys
+
+    @property
+    def waited_ms(self) -> int:
+        return round((self.admitted - self.arrived) * 1000)
+
+    # -- in line -----------------------------------------------------------------------------
+
+    async def submit(self) -> None:
+        req = SubmitRequest.model_construct(
+            target_url=self.url, http_method=self.method, body="", priority=self.priority,
+            timestamp=None, task_type="proxy", headers={}, query_params={}, callback_url=None,
+            cost=self.cost, max_wait_s=max(1, math.ceil(self.max_wait_s)))
+        try:
+            res = await self.rt.queue.submit(self.caller, self.endpoint, req, self.idem_key)
+        except ApiError as exc:
+            if exc.code != "deadline_unreachable":
+                raise
+            raise _too_long(self.max_wait_s, exc.extra.get("wait_time")) from None
+        if not isinstance(res, SubmitResponse):  # a repeated Idempotency-Key
+            raise ApiError(409, "duplicate_request", f"this Idempotency-Key made task {res!r}; "
+                           "a proxied request is answered once, on its own connection",
+                           task_id=res)
+        self.task_id = res.task_id
+
+    async def wait_turn(self) -> None:
+        """Until a claim admits the task: its lease token is then ours to call with."""
+        deadline = self.arrived + self.max_wait_s
+        with self.rt.events.watch(self.task_id) as w:
+            while True:
+                status, token = await self._state()
+                if status == "processing" and token:
+                    self.token, self.admitted = token, time.monotonic()
+                    self._renewing = asyncio.create_task(self._renew())
+                    return
+                if status != "pending":  # expired (its max wait), cancelled by an operator
+                    raise _too_long(self.max_wait_s, None) if status == "expired" else \
+                        ApiError(409, "task_not_pending", f"the request's task is {status}",
+                                 task_id=self.task_id)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    await self._give_up()
+                    continue  # admitted meanwhile: it runs
+                changed = asyncio.ensure_future(w.changed(left))
+                await asyncio.wait({changed, self.gone}, return_when=asyncio.FIRST_COMPLETED)
+                if self.gone.done():
+                    changed.cancel()
+                    await self.withdraw()
+                    raise CallerGone
+
+    async def _state(self) -> tuple[str | None, str | None]:
+        """The task's status and lease token (one HMGET)."""
+        got = await self.rt.redis.hmget(self.keys.task(self.task_id), ["status", "lease"])
+        return tuple(None if v is None else str(v) for v in got)  # type: ignore[return-value]
+
+    async def _give_up(self) -> None:
+        """Its max wait is over: withdrawn, 503; unless a claim took it just now."""
+        try:
+            await self.rt.queue.cancel(self.caller.user_id, self.task_id)
+        except ApiError:
+            return  # admitted meanwhile (409): it runs
+        raise _too_long(self.max_wait_s, None)
+
+    async def withdraw(self) -> None:
+        """The caller left before its call: cancelled if still in line, ended if admitted."""
+        try:
+            await self.rt.queue.cancel(self.caller.user_id, self.task_id)
+        except ApiError:
+            status, token = await self._state()
+            if status == "processing" and token:
+                self.token = token
+                await self.finish("failed", CALLER_LOST, None, -1, None)
+
+    # -- the lease ---------------------------------------------------------------------------
+
+    async def _renew(self) -> None:
+        """Keep the lease while the call is on; a lost lease (an operator's cancel, a Redis
+        that lost it) aborts the call."""
+        lease_ms = self.rt.settings.lease_ms
+        k, e = self.keys, self.endpoint.id
+        while True:
+            await asyncio.sleep(lease_ms / 3000)
+            try:
+                res = await self.rt.queue.scripts.extend(
+                    keys=[k.active(e), k.task(self.task_id)],
+                    args=[self.task_id, self.token, lease_ms])
+            except (RedisError, OSError) as exc:
+                log.warning("lease renewal failed: %s", exc, extra=self._extra())
+                continue
+            if int(res) < 0:
+                self.lease_lost.set()
+                return
+
+    def abandon(self) -> None:
+        """Stop renewing a lease nothing will finish (an unexpected error): it lapses and the
+        reaper ends the task, as if this process had died."""
+        self._stop_renewing()
+
+    def _stop_renewing(self) -> None:
+        if self._renewing is not None:
+            self._renewing.cancel()
+            self._renewing = None
+
+    # -- the call ----------------------------------------------------------------------------
+
+    async def call(self) -> Streamed | None:
+        """Make the call; None when the upstream refused it asking for a pause (the endpoint
+        pauses, the task goes back to its place in line: wait again). Errors end the task."""
+        self.call_started = started = time.monotonic()
+        ep = self.endpoint
+        try:
+            # The endpoint's upstream_headers (the provider's key) replace any of the caller's.
+            headers = secrets.outgoing(self.headers, ep.credentials)
+            headers.append(("Idempotency-Key", self.task_id))
+            answer = await self._unless_gone(open_call(self.method, self.url, headers,
+                                                       self.body, ep.timeout_ms / 1000))
+        except secrets.Undecryptable as exc:
+            await self.finish("failed", f"upstream credentials: {exc}", None, -1, None)
+            raise ApiError(503, "credentials_unavailable", str(exc), {"Retry-After": "5"},
+                           task_id=self.task_id) from None
+        except ValueError as exc:
+            await self.finish("failed", f"request cannot be sent: {exc}", None, -1, None)
+            raise ApiError(400, "invalid_request", str(exc)) from None
+        except (OSError, BadAnswer, TimeoutError) as exc:
+            why = "timed out" if isinstance(exc, TimeoutError) else f"{type(exc).__name__}: {exc}"
+            await self.finish("failed", f"upstream unreachable: {why}", None,
+                              (time.monotonic() - started) * 1000, None)
+            raise ApiError(502, "upstream_unreachable", f"the upstream did not answer: {why}",
+                           task_id=self.task_id) from None
+        pause = self._pause(answer)
+        if pause is None:
+            return answer
+        answer.close()
+        await self._back_in_line(answer.status, pause, (time.monotonic() - started) * 1000)
+        return None
+
+    async def _unless_gone(self, opening: Coroutine[Any, Any, Streamed]) -> Streamed:
+        """The answer's head, unless the caller leaves first (a slow upstream may take long
+        before its first byte): the call is then aborted and the task ended."""
+        head = asyncio.ensure_future(opening)
+        await asyncio.wait({head, self.gone}, return_when=asyncio.FIRST_COMPLETED)
+        if not head.done():
+            head.cancel()  # open_call closes its connection on the way out
+            with contextlib.suppress(BaseException):
+                await head
+            await self.finish("failed", CALLER_LOST, None,
+                              (time.monotonic() - self.call_started) * 1000, None)
+            raise CallerGone
+        return head.result()
+
+    def _pause(self, answer: Streamed) -> float | None:
+        if answer.status not in (429, 503) or not self.endpoint.honor_upstream_limits:
+            return None
+        return pause_s(answer.status, lower(answer.headers))
+
+    async def _back_in_line(self, status: int, pause: float, exec_ms: float) -> None:
+        """retry-8.lua: the endpoint pauses for what the upstream asked, the task waits it out
+        set aside and then goes back to its place in line (its original score)."""
+        self._stop_renewing()
+        k, e, ep = self.keys, self.endpoint.id, self.endpoint
+        limit_keys, spec = settle_limits(ep, k, self.rt.settings.rate_guard_ms)
+        settle = [0, *spec] if ep.max_cost is not None else []
+        pause_ms = max(1, round(pause * 1000))
+        log.info("upstream refused with a pause of %.2f s: back in line", pause,
+                 extra=self._extra())
+        await self.rt.queue.scripts.retry(
+            keys=[k.active(e), k.task(self.task_id),
+                  *k.of(e, "retry", "delayed", "queue", "wake", "stats", "probe"),
+                  *(limit_keys if settle else [])],
+            args=[self.task_id, self.token, pause_ms, e, pause_ms, status, round(exec_ms),
+                  *settle])
+        self.token = ""
+
+    async def finish(self, status: str, text: str, code: int | None, exec_ms: float,
+                     cost: int | None) -> bool:
+        """ack-7.lua for this one task: completed or failed, its cost settled, its slot freed.
+        False when the lease was no longer ours."""
+        self._stop_renewing()
+        if not self.token:
+            return False
+        k, e, ep = self.keys, self.endpoint.id, self.endpoint
+        limit_keys, limits = settle_limits(ep, k, self.rt.settings.rate_guard_ms)
+        try:
+            res = await self.rt.queue.scripts.ack(
+                keys=[*k.of(e, *ACK_KEYS), *limit_keys, k.task(self.task_id)],
+                args=[e, "", 1, *limits, self.task_id, self.token, status, text,
+                      code or "", round(exec_ms), 0, "" if cost is None else cost,
+                      ""])  # no result kept: the body went to its caller
+        except (RedisError, OSError) as exc:
+            log.warning("could not finish the task: %s; its lease will lapse", exc,
+                        extra=self._extra())
+            return False
+        self.token = ""
+        return bool(int(res[1]))
+
+    def _extra(self) -> dict[str, str]:
+        return {"task_id": self.task_id, "endpoint": self.endpoint.id}
+
+
+def lower(headers: list[tuple[bytes, bytes]]) -> dict[str, str]:
+    """Answer headers by lower-case name, the first of repeated ones (as signals.py reads)."""
+    out: dict[str, str] = {}
+    for name, value in headers:
+        out.setdefault(name.decode("latin-1").lower(), value.decode("latin-1"))
+    return out
+
+
+def _too_long(max_wait_s: float, estimate: Any) -> ApiError:
+    retry = max(1, math.ceil(float(estimate))) if estimate is not None else max(
+        1, math.ceil(max_wait_s))
+    return ApiError(503, "wait_exceeded", f"the request did not reach the upstream within its "
+                    f"max wait of {max_wait_s:g} s", {"Retry-After": str(retry)},
+                    wait_time=retry)

@@ -1,0 +1,95 @@
+"""The relayed answer: the upstream's status and headers at once, then its body a read at a time,
+while the caller, the lease and the upstream are watched; whichever ends first ends the call,
+and the task is finished (ack-7.lua) whatever the way."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from app.proxy.cost import CostReader
+from app.proxy.relay import CALLER_LOST, ProxyCall, lower
+from app.proxy.stream import Streamed
+
+log = logging.getLogger(__name__)
+#: Hop-by-hop headers (RFC 9110 7.6.1) describe the upstream's connection, not the answer.
+HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-connection", b"te", b"trailer",
+                        b"transfer-encoding", b"upgrade", b"proxy-authenticate"})
+
+
+def relayed_headers(answer: Streamed, task_id: str, waited_ms: int) -> list[tuple[bytes, bytes]]:
+    named = {v.strip().lower() for n, v in answer.headers if n.lower() == b"connection"
+             for v in v.split(b",")}
+    out = [(n.lower(), v) for n, v in answer.headers
+           if n.lower() not in HOP_BY_HOP and n.lower() not in named]
+    out += [(b"x-queue-task-id", task_id.encode()), (b"x-queue-waited-ms", str(waited_ms).encode())]
+    return out
+
+
+class RelayResponse(Response):
+    def __init__(self, call: ProxyCall, answer: Streamed) -> None:
+        self.call, self.answer = call, answer
+        self.status_code = answer.status
+        self.raw_headers = relayed_headers(answer, call.task_id, call.waited_ms)
+        self.background = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        call, answer = self.call, self.answer
+        cost = CostReader(call.endpoint.cost_from if call.endpoint.max_cost else None)
+        pump = asyncio.ensure_future(self._pump(send, cost))
+        lost = asyncio.ensure_future(call.lease_lost.wait())
+        why = None
+        try:
+            await asyncio.wait({pump, call.gone, lost}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not pump.done():
+                pump.cancel()
+                why = CALLER_LOST if call.gone.done() else "the lease was lost (cancelled)"
+            lost.cancel()
+            call.gone.cancel()
+            answer.close()  # aborts the upstream's call if it is still on
+            with contextlib.suppress(BaseException):
+                await pump
+            if why is None:
+                exc = pump.exception() if not pump.cancelled() else None
+                why = _failure(exc)
+            await asyncio.shield(self._finish(why, cost))
+
+    async def _pump(self, send: Send, cost: CostReader) -> None:
+        await send({"type": "http.response.start", "status": self.status_code,
+                    "headers": self.raw_headers})
+        async for chunk in self.answer.body():
+            cost.feed(chunk)
+            # uvicorn's send waits while the caller's socket is backed up: the upstream is
+            # read no faster than the caller takes it.
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _finish(self, why: str | None, cost: CostReader) -> None:
+        call, status = self.call, self.status_code
+        exec_ms = (time.monotonic() - call.call_started) * 1000
+        ok = why is None and 200 <= status < 300
+        text = why or ("" if ok else f"upstream answered {status}")
+        real = cost.cost(lower(self.answer.headers)) if why is None else None
+        acked = await call.finish("completed" if ok else "failed", text, status, exec_ms, real)
+        if why is not None:
+            log.info("proxied call ended early: %s", why,
+                     extra={"task_id": call.task_id, "endpoint": call.endpoint.id})
+        elif not acked:
+            log.warning("lease lost before the proxied call was finished",
+                        extra={"task_id": call.task_id, "endpoint": call.endpoint.id})
+
+
+def _failure(exc: BaseException | None) -> str | None:
+    if exc is None:
+        return None
+    if isinstance(exc, OSError) and "disconnect" in type(exc).__name__.lower():
+        return CALLER_LOST
+    if isinstance(exc, TimeoutError):
+        return "upstream answer stalled past the endpoint's timeout"
+    return f"upstream answer broke off: {type(exc).__name__}: {exc}"

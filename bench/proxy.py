@@ -1,0 +1,235 @@
+"""The drop-in proxy against calling directly and against LiteLLM's proxy, in one run, on one
+mock upstream (`qgw mock-upstream --openai`: 20 ms before its answer, then a stream of 50 events).
+
+1. Added latency: streamed chat completions at a fixed rate (open loop: 50 and 200 requests a
+   second, `--seconds` each), straight to the mock, through ours (`qgw serve`: API, dispatcher
+   and embedded Redis in one process tree) and through LiteLLM's proxy (its `model_list` names the
+   mock as an OpenAI-compatible model). Latency is to the stream's last byte (and its first
+   event, "ttft"); the table shows each gateway's p50/p99 minus direct's. CPU per request is each
+   gateway's process tree's utime + stime over the phase (/proc), divided by its requests.
+2. Oversubscription: callers at 3x an upstream limit of 20/s for `--over-seconds`; the mock
+   refuses (429) past 20 requests in a clock second. Ours: the endpoint's `rate` 20 per 1000 ms;
+   LiteLLM: its deployment's `rpm` 1200. Shows the share of the limit delivered, the upstream's
+   429s, and the answers callers got (errors; ours answers 503 past a caller's max wait, here
+   `--max-wait` s).
+LiteLLM runs from a virtualenv of its own (`--litellm`: its `litellm` executable; made with
+`pip install 'litellm[proxy]'`); without it that column is left out. Loopback only, bounded.
+Usage: python bench/proxy.py [--seconds 10] [--over-seconds 60] [--litellm /tmp/ll/bin/litellm]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench._load import spawn
+from bench.e2e_cpu import cpu_s
+from tests.servers import QGW, free_port, stop, wait_port
+
+ADMIN = "bench-admin-token-0123"
+CHAT = {"model": "mock", "stream": True, "messages": [{"role": "user", "content": "hello"}]}
+LIMIT_PER_S = 20
+LITELLM_KEY = "sk-" + "0123456789abcdef" * 4  # it refuses to start without one
+LITELLM_AUTH = {"Authorization": f"Bearer {LITELLM_KEY}"}
+
+
+@dataclass
+class Phase:
+    latency: list[float] = field(default_factory=list)  # to the last byte, s
+    ttft: list[float] = field(default_factory=list)  # to the first data: event, s
+    statuses: Counter[int] = field(default_factory=Counter)
+    cpu_s: float = 0.0
+    wall_s: float = 0.0  # from the first request to the last answer
+
+    def pct(self, q: float, values: list[float] | None = None) -> float:
+        data = sorted(self.latency if values is None else values)
+        return data[min(len(data) - 1, int(q * len(data)))] * 1000 if data else float("nan")
+
+
+async def one(http: aiohttp.ClientSession, url: str, headers: dict[str, str],
+              out: Phase) -> None:
+    started = time.perf_counter()
+    try:
+        async with http.post(url, json=CHAT, headers=headers) as r:
+            first = None
+            async for _ in r.content.iter_any():
+                if first is None:
+                    first = time.perf_counter() - started
+            out.statuses[r.status] += 1
+            if r.status == 200:
+                out.latency.append(time.perf_counter() - started)
+                out.ttft.append(first or 0.0)
+    except (aiohttp.ClientError, TimeoutError):
+        out.statuses[0] += 1
+
+
+async def run_rate(url: str, headers: dict[str, str], rate: float, seconds: float,
+                   pid: int | None, timeout_s: float = 30) -> Phase:
+    """Requests at `rate` a second for `seconds` (open loop), each awaited to its end."""
+    out = Phase()
+    cpu0 = cpu_s(pid) if pid else 0.0
+    conn = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=conn,
+                                     timeout=aiohttp.ClientTimeout(total=timeout_s)) as http:
+        start, calls = time.perf_counter(), []
+        for i in range(int(rate * seconds)):
+            delay = start + i / rate - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            calls.append(asyncio.create_task(one(http, url, headers, out)))
+        await asyncio.gather(*calls)
+        out.wall_s = time.perf_counter() - start
+    out.cpu_s = (cpu_s(pid) - cpu0) if pid else 0.0
+    return out
+
+
+async def mock_stats(mock: str) -> dict[str, object]:
+    async with httpx.AsyncClient() as http:
+        stats: dict[str, object] = (await http.get(f"{mock}/_mock/stats")).json()
+        return stats
+
+
+async def mock_config(mock: str, **settings: object) -> None:
+    async with httpx.AsyncClient() as http:
+        (await http.post(f"{mock}/_mock/reset")).raise_for_status()
+        (await http.post(f"{mock}/_mock/config", json=settings)).raise_for_status()
+
+
+async def start_ours(mock: str, data: Path) -> tuple[object, int, dict[str, str]]:
+    port = free_port()
+    env = {"QGW_ADMIN_TOKEN": ADMIN, "QGW_DATA_DIR": str(data), "QGW_LOG_LEVEL": "warning"}
+    proc = spawn([*QGW, "serve", "--port", str(port)], env)
+    await asyncio.to_thread(wait_port, port, 60.0, proc)
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", headers=admin) as http:
+        # Two endpoints in front of one mock: their URLs differ (one endpoint a URL) by host name.
+        for ep, base, fields in (
+                ("llm", mock, {}),
+                ("llm20", mock.replace("127.0.0.1", "localhost"),
+                 {"rate": LIMIT_PER_S, "interval_ms": 1000})):
+            (await http.post("/admin/v1/endpoints", json={
+                "id": ep, "target_url": f"{base}/v1", "proxy": True, "max_queue_len": 0,
+                **fields})).raise_for_status()
+        r = await http.post("/admin/v1/api-keys", json={"user_id": 1})
+        r.raise_for_status()
+        key = r.json()["key"]
+    await asyncio.sleep(1.5)  # the registry reaches every part of the process
+    return proc, port, {"Authorization": f"Bearer {key}"}
+
+
+async def start_litellm(exe: str, mock: str, data: Path, rpm: int | None) -> tuple[object, int]:
+    port = free_port()
+    params: dict[str, object] = {"model": "openai/mock", "api_base": f"{mock}/v1",
+                                 "api_key": "sk-mock"}
+    if rpm:
+        params["rpm"] = rpm
+    config = data / f"litellm-{port}.json"  # YAML is a superset of JSON
+    config.write_text(json.dumps({"model_list": [{"model_name": "mock",
+                                                  "litellm_params": params}],
+                                  "general_settings": {"master_key": LITELLM_KEY}}))
+    proc = spawn([exe, "--config", str(config), "--port", str(port), "--num_workers", "1"],
+                 {"LITELLM_LOG": "ERROR"})
+    await asyncio.to_thread(wait_port, port, 180.0, proc)
+    return proc, port
+
+
+async def latency_rows(targets: dict[str, tuple[str, dict[str, str], int | None]],
+                       seconds: float) -> list[str]:
+    rows = []
+    for rate in (50, 200):
+        phases = {}
+        for name, (url, headers, pid) in targets.items():
+            await run_rate(url, headers, rate, 2, pid)  # warm-up: connections, caches
+            phases[name] = await run_rate(url, headers, rate, seconds, pid)
+        d = phases["direct"]
+        for name, p in phases.items():
+            n = sum(p.statuses.values())
+            cpu = f"{p.cpu_s / n * 1000:.2f}" if name != "direct" and n else "-"
+            rows.append(
+                f"| {rate}/s | {name} | {p.pct(0.5):.2f} | {p.pct(0.99):.2f} | "
+                f"{p.pct(0.5) - d.pct(0.5):+.2f} | {p.pct(0.99) - d.pct(0.99):+.2f} | "
+                f"{p.pct(0.5, p.ttft) - d.pct(0.5, d.ttft):+.2f} | {cpu} | "
+                f"{dict(p.statuses)} |")
+    return rows
+
+
+async def over_row(name: str, url: str, headers: dict[str, str], mock: str,
+                   seconds: float, max_wait: float) -> str:
+    await mock_config(mock, rate_per_s=LIMIT_PER_S)
+    p = await run_rate(url, headers, 3 * LIMIT_PER_S, seconds, None, timeout_s=max_wait + 30)
+    stats = await mock_stats(mock)
+    upstream_429 = dict(stats["statuses"]).get("429", 0)  # type: ignore[call-overload]
+    ok = p.statuses.get(200, 0)
+    # Over the time answers kept coming (callers still in line when the load stops are served
+    # until their max wait): what the limit allowed in that time.
+    share = ok / (LIMIT_PER_S * p.wall_s)
+    errors = sum(v for k, v in p.statuses.items() if k != 200)
+    return (f"| {name} | {ok} | {share:.3f} | {upstream_429} | {errors} | "
+            f"{dict(p.statuses)} |")
+
+
+async def main(args: argparse.Namespace) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        data = Path(tmp)
+        mport = free_port()
+        mock_proc = spawn([*QGW, "mock-upstream", "--openai", "--port", str(mport),
+                           "--latency-ms", "20", "--chunks", "50"])
+        procs: list[object] = [mock_proc]
+        try:
+            await asyncio.to_thread(wait_port, mport, 30.0, mock_proc)
+            mock = f"http://127.0.0.1:{mport}"
+            ours, oport, auth = await start_ours(mock, data)
+            procs.append(ours)
+            targets: dict[str, tuple[str, dict[str, str], int | None]] = {
+                "direct": (f"{mock}/v1/chat/completions", {}, None),
+                "queue-gateway": (f"http://127.0.0.1:{oport}/proxy/llm/chat/completions", auth,
+                                  ours.pid)}  # type: ignore[attr-defined]
+            if args.litellm:
+                ll, lport = await start_litellm(args.litellm, mock, data, None)
+                procs.append(ll)
+                targets["litellm"] = (f"http://127.0.0.1:{lport}/v1/chat/completions",
+                                      LITELLM_AUTH,
+                                      ll.pid)  # type: ignore[attr-defined]
+            print("| rate | target | p50 ms | p99 ms | added p50 | added p99 | added ttft p50 "
+                  "| CPU ms/req | answers |\n|---|---|---|---|---|---|---|---|---|")
+            for row in await latency_rows(targets, args.seconds):
+                print(row, flush=True)
+            print(f"\noversubscription: {3 * LIMIT_PER_S}/s for {args.over_seconds:g} s against "
+                  f"{LIMIT_PER_S}/s\n| gateway | delivered | share of limit | upstream 429s | "
+                  "errors to callers | answers |\n|---|---|---|---|---|---|")
+            over = {"X-Queue-Max-Wait": str(args.max_wait), **auth}
+            print(await over_row("queue-gateway",
+                                 f"http://127.0.0.1:{oport}/proxy/llm20/chat/completions", over,
+                                 mock, args.over_seconds, args.max_wait), flush=True)
+            if args.litellm:
+                ll20, l20port = await start_litellm(args.litellm, mock, data, 60 * LIMIT_PER_S)
+                procs.append(ll20)
+                print(await over_row("litellm", f"http://127.0.0.1:{l20port}/v1/chat/"
+                                     "completions", LITELLM_AUTH, mock, args.over_seconds,
+                                     args.max_wait),
+                      flush=True)
+        finally:
+            for proc in procs:
+                stop(proc)  # type: ignore[arg-type]
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--seconds", type=float, default=10)
+    parser.add_argument("--over-seconds", type=float, default=60)
+    parser.add_argument("--max-wait", type=float, default=30)
+    parser.add_argument("--litellm", default=os.environ.get("LITELLM_BIN"))
+    asyncio.run(main(parser.parse_args()))

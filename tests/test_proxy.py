@@ -1,0 +1,135 @@
+"""The drop-in proxy (app/proxy/, app/routes/proxy.py): one line and one budget with queued
+tasks, the caller's key kept, paths kept under target_url, the queue headers."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from app.runtime import Runtime
+from tests.conftest import Gateway
+from tests.servers import mock_log, mock_upstream
+
+StartApi = Callable[[], Awaitable[str]]
+StartDispatcher = Callable[[], Awaitable[Runtime]]
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello there"}]}
+
+
+@pytest.fixture(scope="module")
+def openai_server() -> Iterator[str]:
+    with mock_upstream("--openai", "--chunks", "5") as base:
+        yield base
+
+
+@pytest.fixture
+def llm(openai_server: str) -> str:
+    httpx.post(f"{openai_server}/_mock/reset").raise_for_status()
+    return openai_server
+
+
+def mock_stats(base: str) -> dict[str, Any]:
+    stats: dict[str, Any] = httpx.get(f"{base}/_mock/stats").json()
+    return stats
+
+
+async def raw_status(base: str, path: str, key: str) -> int:
+    """The status of a POST to `path` sent as it is (an HTTP client would normalise it)."""
+    host, port = base.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nX-API-Key: {key}\r\n"
+                 "Content-Length: 2\r\nConnection: close\r\n\r\n{}".encode())
+    line = await reader.readline()
+    writer.close()
+    return int(line.split()[1])
+
+
+async def proxied(gateway: Gateway, llm: str, **fields: Any) -> dict[str, str]:
+    """An endpoint `llm` open to the proxy in front of the mock's /v1; a key for it."""
+    await gateway.add_endpoint("llm", f"{llm}/v1", proxy=True, forward_headers=[], **fields)
+    return await gateway.new_key(max_priority=10)
+
+
+@pytest.mark.backends("single", "cluster")
+async def test_queued_tasks_and_proxied_calls_share_the_cap(
+    gateway: Gateway, llm: str, start_api: StartApi, start_dispatcher: StartDispatcher
+) -> None:
+    auth = await proxied(gateway, llm, max_concurrency=4)
+    httpx.post(f"{llm}/_mock/config", json={"latency_ms": 150}).raise_for_status()
+    base = await start_api()
+    await start_dispatcher()
+    queued = [(await gateway.submit(auth, f"{llm}/v1"))["task_id"] for _ in range(8)]
+    async with httpx.AsyncClient(base_url=base, headers=auth, timeout=30) as http:
+        answers = await asyncio.gather(*(
+            http.post("/proxy/llm/chat/completions", json=CHAT) for _ in range(8)))
+    assert [r.status_code for r in answers] == [200] * 8, answers[0].text
+    assert answers[0].json()["object"] == "chat.completion"
+    done = await gateway.wait_finished(auth, queued)
+    assert {d["task_status"] for d in done} == {"completed"}
+    assert mock_stats(llm)["peak_in_flight"] == 4  # reached, never passed
+    # Each proxied request was a task of the endpoint, finished through the ack path.
+    tid = answers[0].headers["x-queue-task-id"]
+    assert int(answers[0].headers["x-queue-waited-ms"]) >= 0
+    view = await gateway.status(auth, tid)
+    assert view["task_type"] == "proxy" and view["task_status"] == "completed"
+    assert view["result_status_code"] == 200
+
+
+async def test_key_consumed_headers_forwarded_and_paths_kept_under_target(
+    gateway: Gateway, llm: str, start_api: StartApi, start_dispatcher: StartDispatcher
+) -> None:
+    auth = await proxied(gateway, llm, upstream_headers={"Authorization": "Bearer sk-provider"})
+    base = await start_api()
+    await start_dispatcher()
+    key = auth["Authorization"].removeprefix("Bearer ")
+    async with httpx.AsyncClient(base_url=base, timeout=30) as http:
+        r = await http.post("/proxy/llm/embeddings?x=1", json={"input": "a b"},
+                            headers={"X-API-Key": key, "OpenAI-Beta": "v2",
+                                     "X-Queue-Priority": "3", "Cookie": "gw=1"})
+        assert r.status_code == 200, r.text
+        (entry,) = mock_log(llm)
+        assert entry["path"] == "/v1/embeddings" and entry["query"] == {"x": "1"}
+        sent = entry["headers"]
+        assert isinstance(sent, dict)
+        assert "x-api-key" not in sent and "cookie" not in sent
+        assert sent["authorization"] == "Bearer sk-provider"  # the endpoint's, not the caller's
+        assert sent["openai-beta"] == "v2" and "x-queue-priority" not in sent
+        assert entry["idempotency_key"] == r.headers["x-queue-task-id"]
+        for bad in ("../x", "a/../../x", "a%2Fb", "a%2fb", "a;b", "a%5Cb", "a\\b", "%2e%2e/x",
+                    "a%00", "./x"):
+            assert await raw_status(base, f"/proxy/llm/{bad}", key) == 404, bad
+        assert len(mock_log(llm)) == 1  # none of them was called
+        r = await http.post("/proxy/llm/chat/completions", json=CHAT,
+                            headers={**auth, "X-Queue-Priority": "11"})
+        assert r.status_code == 403 and r.json()["error"]["code"] == "priority_not_allowed"
+        for name, value in (("X-Queue-Priority", "x"), ("X-Queue-Max-Wait", "0"),
+                            ("X-Queue-Cost", "-1")):
+            r = await http.post("/proxy/llm/chat/completions", json=CHAT,
+                                headers={**auth, name: value})
+            assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_header"
+        r = await http.get("/proxy/llm/models", headers=auth)
+        assert r.status_code == 405 and r.headers["allow"] == "POST"
+        r = await http.post("/proxy/llm/embeddings", json={}, headers={"X-API-Key": "nope"})
+        assert r.status_code == 401
+    await gateway.add_endpoint("plain", f"{llm}/plain")
+    async with httpx.AsyncClient(base_url=base, headers=auth, timeout=30) as http:
+        await asyncio.sleep(1.2)  # the api process hears of the new endpoint
+        r = await http.post("/proxy/plain/x", json={})
+        assert r.status_code == 404 and r.json()["error"]["code"] == "endpoint_not_registered"
+
+
+async def test_max_wait_ends_in_503_with_retry_after(
+    gateway: Gateway, llm: str, start_api: StartApi
+) -> None:
+    auth = await proxied(gateway, llm)
+    base = await start_api()  # no dispatcher: nothing is admitted
+    async with httpx.AsyncClient(base_url=base, headers=auth, timeout=30) as http:
+        r = await http.post("/proxy/llm/chat/completions", json=CHAT,
+                            headers={"X-Queue-Max-Wait": "0.5"})
+    assert r.status_code == 503, r.text
+    assert r.json()["error"]["code"] == "wait_exceeded"
+    assert int(r.headers["retry-after"]) >= 1 and r.json()["error"]["wait_time"] >= 1
+    assert mock_log(llm) == []

@@ -1,0 +1,204 @@
+"""The drop-in proxy when a caller or its API process goes away, and how it streams: headers at
+once, events as they come, the cost read from the stream."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import time
+from typing import Any
+
+import httpx
+import pytest
+
+from app.proxy.cost import CostReader
+from tests.conftest import Gateway
+from tests.servers import QGW, free_port, mock_log, stop, wait_port
+from tests.test_proxy import (
+    CHAT,
+    StartApi,
+    StartDispatcher,
+    llm,
+    mock_stats,
+    openai_server,
+    proxied,
+)
+
+__all__ = ["llm", "openai_server"]
+
+
+async def tasks_of(gateway: Gateway, status: str) -> list[dict[str, Any]]:
+    r = await gateway.http.get("/admin/v1/endpoints/llm/tasks", params={"status": status},
+                               headers=gateway.admin)
+    assert r.status_code == 200, r.text
+    items: list[dict[str, Any]] = r.json()["tasks"]
+    return items
+
+
+async def until(check: Any, timeout: float = 10) -> Any:
+    deadline = time.monotonic() + timeout
+    while not (value := await check()):
+        assert time.monotonic() < deadline, "condition never held"
+        await asyncio.sleep(0.05)
+    return value
+
+
+@pytest.mark.backends("single", "cluster")
+async def test_caller_gone_while_waiting_cancels_its_task(
+    gateway: Gateway, llm: str, start_api: StartApi, start_dispatcher: StartDispatcher
+) -> None:
+    auth = await proxied(gateway, llm)
+    base = await start_api()  # no dispatcher yet: the request waits in line
+    host, port = base.removeprefix("http://").split(":")
+    _, writer = await asyncio.open_connection(host, int(port))
+    writer.write(f"POST /proxy/llm/chat/completions HTTP/1.1\r\nHost: {host}\r\n"
+                 f"Authorization: {auth['Authorization']}\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: 2\r\n\r\n{{}}".encode())
+    await writer.drain()
+    (pending,) = await until(lambda: tasks_of(gateway, "pending"), timeout=30)
+    writer.close()
+    await until(lambda: tasks_of(gateway, "cancelled"), timeout=3)
+    await start_dispatcher()
+    await asyncio.sleep(1)
+    assert mock_log(llm) == []  # never called
+    assert await tasks_of(gateway, "pending") == []
+    assert (await tasks_of(gateway, "cancelled"))[0]["task_id"] == pending["task_id"]
+
+
+async def test_headers_at_once_then_events_as_they_come(
+    gateway: Gateway, llm: str, start_api: StartApi, start_dispatcher: StartDispatcher
+) -> None:
+    auth = await proxied(gateway, llm)
+    base = await start_api()
+    await start_dispatcher()
+    httpx.post(f"{llm}/_mock/config", json={"chunks": 6, "chunk_ms": 300}).raise_for_status()
+    arrivals = []
+    async with httpx.AsyncClient(base_url=base, headers=auth, timeout=30) as http:
+        started = time.monotonic()
+        async with http.stream("POST", "/proxy/llm/chat/completions",
+                               json={**CHAT, "stream": True}) as r:
+            headed = time.monotonic() - started
+            assert r.headers["content-type"].startswith("text/event-stream")
+            assert "transfer-encoding" not in r.headers or r.headers["transfer-encoding"] == \
+                "chunked"  # ours, not the upstream's relayed
+            async for line in r.aiter_lines():
+                if line.startswith("data:"):
+                    arrivals.append(time.monotonic() - started)
+    assert headed < 1.0  # before the first of the 300 ms pauses was over twice
+    assert arrivals[-1] - arrivals[1] > 1.0  # spread as the upstream spaced them, not bunched
+    assert len(arrivals) == 1 + 6 + 1 + 1  # role, six tokens, stop, [DONE]
+
+
+async def test_api_killed_mid_stream_fails_the_task_once_its_lease_lapses(
+    gateway: Gateway, llm: str, env: dict[str, str], start_dispatcher: StartDispatcher
+) -> None:
+    auth = await proxied(gateway, llm, max_concurrency=1)
+    await start_dispatcher()  # its reaper ends the task
+    port = free_port()
+    proc = subprocess.Popen([*QGW, "api", "--port", str(port)], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        await asyncio.to_thread(wait_port, port, 30.0, proc)
+        httpx.post(f"{llm}/_mock/config", json={"chunks": 200, "chunk_ms": 100}).raise_for_status()
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", headers=auth,
+                                     timeout=30) as http:
+            async with http.stream("POST", "/proxy/llm/chat/completions",
+                                   json={**CHAT, "stream": True}) as r:
+                task_id = r.headers["x-queue-task-id"]
+                async for _ in r.aiter_lines():
+                    break
+                os.kill(proc.pid, signal.SIGKILL)
+        killed = time.monotonic()
+
+        async def ended() -> dict[str, Any] | None:
+            view = await gateway.status(auth, task_id)
+            return view if view["task_status"] != "processing" else None
+
+        view = await until(ended, timeout=15)
+        assert view["task_status"] == "failed" and view["task_result"] == "caller connection lost"
+        assert time.monotonic() - killed < 3.0 + 2.0  # the lease (3 s here) and a reap
+        await until(lambda: _async(mock_stats(llm)["in_flight"] == 0))
+        await asyncio.sleep(1.5)
+        assert len(mock_log(llm)) == 1  # never run again
+    finally:
+        stop(proc)
+
+
+async def _async(value: Any) -> Any:
+    return value
+
+
+def test_cost_read_from_openai_and_anthropic_streams() -> None:
+    openai = (b'data: {"choices":[{"delta":{"content":"a"}}]}\n\n'
+              b'data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":5,'
+              b'"total_tokens":8}}\n\ndata: [DONE]\n\n')
+    reader = CostReader("sse:usage.total_tokens")
+    for i in range(0, len(openai), 7):  # events cut anywhere between reads
+        reader.feed(openai[i:i + 7])
+    assert reader.cost({}) == 8
+    anthropic = (b'event: message_start\ndata: {"type":"message_start","message":{"usage":'
+                 b'{"input_tokens":12,"output_tokens":1}}}\n\n'
+                 b'event: content_block_delta\ndata: {"type":"content_block_delta"}\n\n'
+                 b'event: message_delta\ndata: {"type":"message_delta","usage":'
+                 b'{"output_tokens":40}}\n\n')
+    reader = CostReader("sse:message.usage.input_tokens+usage.output_tokens")
+    reader.feed(anthropic)
+    assert reader.cost({}) == 52
+    missing = CostReader("sse:usage.total_tokens")
+    missing.feed(b'data: {"choices":[]}\n\n')
+    assert missing.cost({}) is None  # the reservation stands
+    body = CostReader("json:usage.total_tokens")
+    body.feed(b'{"usage": {"total_tokens": 9}}')
+    assert body.cost({}) == 9
+
+
+async def test_caller_gone_before_the_upstream_answers_aborts_the_call(
+    gateway: Gateway, llm: str, start_api: StartApi, start_dispatcher: StartDispatcher
+) -> None:
+    auth = await proxied(gateway, llm)
+    base = await start_api()
+    await start_dispatcher()
+    httpx.post(f"{llm}/_mock/config", json={"hold": True}).raise_for_status()
+    host, port = base.removeprefix("http://").split(":")
+    _, writer = await asyncio.open_connection(host, int(port))
+    writer.write(f"POST /proxy/llm/embeddings HTTP/1.1\r\nHost: {host}\r\n"
+                 f"Authorization: {auth['Authorization']}\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: 2\r\n\r\n{{}}".encode())
+    await writer.drain()
+    await until(lambda: _async(mock_stats(llm)["in_flight"] == 1))
+    writer.close()
+    left = time.monotonic()
+    await until(lambda: _async(mock_stats(llm)["in_flight"] == 0), timeout=3)
+    assert time.monotonic() - left < 2.0  # at once; a loaded CI machine is given a second more
+    (failed,) = await until(lambda: tasks_of(gateway, "failed"), timeout=3)
+    view = await gateway.status(auth, failed["task_id"])
+    assert view["task_result"] == "caller connection lost"
+
+
+async def test_a_stream_settles_its_cost_from_its_usage_event(
+    gateway: Gateway, llm: str, start_api: StartApi, start_dispatcher: StartDispatcher
+) -> None:
+    """20 units a minute (a fixed window: a sliding per-cost one would pace them). The first
+    request reserves all 20 (X-Queue-Cost) and really spends 7
+    (2 prompt words + 5 streamed tokens, its last event's usage): the 13 left let the second
+    in at once, and nothing is left for a third."""
+    auth = await proxied(gateway, llm, cost_from="sse:usage.total_tokens", limits=[
+        {"limiter": "fixed_window", "rate": 20, "interval_ms": 60_000, "per": "cost"}])
+    base = await start_api()
+    await start_dispatcher()
+    stream = {**CHAT, "stream": True, "stream_options": {"include_usage": True}}
+    async with httpx.AsyncClient(base_url=base, headers=auth, timeout=30) as http:
+        first = await http.post("/proxy/llm/chat/completions", json=stream,
+                                headers={"X-Queue-Cost": "20"})
+        assert first.status_code == 200 and '"total_tokens": 7' in first.text
+        # Its max wait is past the estimate (which takes the recent average cost, 20, for the
+        # next admission): it is let in line, and the settled window lets it through at once.
+        second = await http.post("/proxy/llm/chat/completions", json=CHAT,
+                                 headers={"X-Queue-Cost": "13", "X-Queue-Max-Wait": "120"})
+        assert second.status_code == 200, second.text
+        assert int(second.headers["x-queue-waited-ms"]) < 3000
+        third = await http.post("/proxy/llm/chat/completions", json=CHAT,
+                                headers={"X-Queue-Cost": "1", "X-Queue-Max-Wait": "2"})
+        assert third.status_code == 503  # 7 + 13 spent (the JSON answer kept its estimate)
