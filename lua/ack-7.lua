@@ -54,8 +54,14 @@ for i = 0, n - 1 do
       for _, l in ipairs(limits) do
         lim_settle(l, token, tonumber(f[3]) or 1, real, started or now, now)
       end
-      -- What this caller's calls really cost, for its next reservations (claim-12.lua).
-      if status == 'completed' then stats_ema(stats, 'rc:' .. (f[5] or ''), real) end
+      -- What this caller's calls really cost, for its next reservations (claim-12.lua); an
+      -- absurd figure counts as the largest limit's whole rate, as its settle does, or one
+      -- answer would hold the caller to a call an interval for hundreds of calls.
+      if status == 'completed' then
+        local most = 1
+        for _, l in ipairs(limits) do if l.rate > most then most = l.rate end end
+        stats_ema(stats, 'rc:' .. (f[5] or ''), math.min(real, most))
+      end
     end
     local pause = tonumber(ARGV[a + 6]) or 0
     if pause > 0 then

@@ -215,3 +215,9 @@ async def test_the_cli_lists_shows_and_retries_dead_letters(
     res = answer(qgw(env, "tasks", "retry", "--status", "failed", "--endpoint", "dead-api"))
     assert res["matched"] == 1 and res["retried"] == 1
     assert len(await _calls(fresh_upstream, "again", 2)) == 2
+
+
+async def test_a_bulk_cancel_without_a_filter_is_refused(gateway: Gateway) -> None:
+    """An empty filter would cancel every task of every endpoint: the API refuses it."""
+    r = await gateway.http.post("/admin/v1/tasks/cancel", headers=gateway.admin, json={})
+    assert r.status_code == 422 and r.json()["error"]["code"] == "bad_filter", r.text

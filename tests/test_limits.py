@@ -281,6 +281,10 @@ async def test_a_huge_reported_cost_holds_the_endpoint_one_interval_at_most(
     assert second - first <= 2000 + 1500  # one interval (and the guard), with slack for load
     warned = [r for r in caplog.records if "1000000000000" in r.getMessage()]
     assert warned and getattr(warned[0], "endpoint", None) == "huge"
+    # Nor does the caller's real-cost average (its later reservations) keep the figure.
+    stats = await gateway.rt.redis.hgetall(gateway.rt.keys.stats("huge"))
+    costs = {f: float(v) for f, v in stats.items() if str(f).startswith("rc:")}
+    assert costs and max(costs.values()) <= 1000, costs
 
 
 async def test_an_edit_of_a_limit_resets_its_pacing(

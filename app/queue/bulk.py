@@ -51,6 +51,9 @@ async def retry(queue: TaskQueue, registry: EndpointRegistry, f: TaskFilter) -> 
 
 async def cancel(queue: TaskQueue, registry: EndpointRegistry, f: TaskFilter) -> dict[str, Any]:
     """Cancel every pending and running task `f` matches (a running call is aborted)."""
+    if f.empty:  # never "everything": an operator must say what to cancel
+        raise ApiError(422, "bad_filter", "a bulk cancel needs a filter (endpoint, status, "
+                       "since, until or id); an empty one would cancel every task")
     if f.status not in (None, "pending", "processing"):
         raise ApiError(422, "bad_filter",
                        "a bulk cancel takes status 'pending' or 'processing' (or none: both)")
