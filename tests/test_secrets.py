@@ -275,6 +275,9 @@ BAD = [
     ({"X-Queue-Priority": "1"}, "X-Queue-Priority"),
     ({"Idempotency-Key": "k"}, "Idempotency-Key"),
     ({"Authorization: Bearer": SECRET}, "header name"), ({"Bad Name": "v"}, "header name"),
+    # Over 128 characters: the name (here holding the value) is not echoed either.
+    ({f"Authorization: Bearer {SECRET}{'x' * 80}": "x"}, "header name"),
+    ({f"Authorization: Bearer {SECRET}": 5}, "upstream_headers"),
     ({"X-Ok": f"{SECRET}\r\nX-Injected: 1"}, "control character"),
     ({"X-Ok": f"{SECRET}\n"}, "control character"), ({"X-Ok": f"a\x00{SECRET}"}, "control"),
     ({"X-Ok": ""}, "at least 1"), ({"X-Ok": "a", "x-ok": "b"}, "twice"),
