@@ -188,8 +188,12 @@ def _stored_secret(data_dir: Path, name: str,
         return path.read_text().strip()
     data_dir.mkdir(parents=True, exist_ok=True)
     draft = data_dir / f".{name}.{os.getpid()}"
-    draft.write_text(make() + "\n")
-    draft.chmod(0o600)
+    draft.unlink(missing_ok=True)  # left by a crashed process that had this pid
+    # Created private (0600), never written first and restricted after: there is no moment
+    # another user could open it.
+    fd = os.open(draft, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write(make() + "\n")
     try:
         os.link(draft, path)
     except FileExistsError:  # another process was first: its secret stands

@@ -465,3 +465,23 @@ async def test_a_dispatcher_without_the_key_fails_the_call_and_says_which_key(
     said = done["task_result"]
     assert key_id(gateway.rt.settings.keyring.current) in said and "does not hold" in said
     assert SECRET not in said
+
+
+def test_a_generated_secret_file_is_created_private(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """No moment when the file holds the secret and others may read it: with every chmod
+    skipped and a umask that restricts nothing, what is created is already 0600."""
+    from app import settings as settings_module
+    monkeypatch.setattr(Path, "chmod", lambda *a, **k: None)
+    monkeypatch.setattr(settings_module.os, "chmod", lambda *a, **k: None)
+    old = settings_module.os.umask(0)
+    try:
+        for name in ("secrets_key", "admin_token", "permit_secret"):
+            value = settings_module._stored_secret(tmp_path / "data", name, new_key)
+            path = tmp_path / "data" / name
+            assert path.read_text().strip() == value
+            assert path.stat().st_mode & 0o777 == 0o600, oct(path.stat().st_mode)
+    finally:
+        settings_module.os.umask(old)
+    assert sorted(p.name for p in (tmp_path / "data").iterdir()) == [
+        "admin_token", "permit_secret", "secrets_key"]  # no draft left behind
