@@ -12,6 +12,7 @@ from typing import Literal
 from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from app import logs
 from app.redis_url import parse as parse_redis_url
 from app.secrets import Keyring, new_key, parse_key
 
@@ -169,12 +170,15 @@ class Settings(BaseSettings):
     def keyring(self) -> Keyring:
         """The keys that seal and open upstream_headers (app/secrets.py)."""
         previous = parse_key(self.secrets_key_previous) if self.secrets_key_previous else None
+        # The keys as written (hex or base64) never go into a log line either.
+        logs.redact(*(k.strip() for k in (self.secrets_key, self.secrets_key_previous) if k))
         if self.secrets_key:
             return Keyring(parse_key(self.secrets_key), previous)
         path = self.data_dir / "secrets_key"
         try:
-            return Keyring(parse_key(_stored_secret(self.data_dir, path.name, new_key)),
-                           previous)
+            text = _stored_secret(self.data_dir, path.name, new_key)
+            logs.redact(text)
+            return Keyring(parse_key(text), previous)
         except ValueError as exc:
             raise SettingsError(f"bad key file {path.resolve()}: {exc}") from None
 

@@ -18,7 +18,7 @@ import pytest
 import redis
 from redis.cluster import ClusterNode, RedisCluster
 
-from app import migrate
+from app import logs, migrate, secrets
 from app.redis_url import parse as parse_redis_url
 from app.secrets import key_id, new_key, parse_key, sealed_by
 from app.settings import Settings
@@ -485,3 +485,23 @@ def test_a_generated_secret_file_is_created_private(tmp_path: Path,
         settings_module.os.umask(old)
     assert sorted(p.name for p in (tmp_path / "data").iterdir()) == [
         "admin_token", "permit_secret", "secrets_key"]  # no draft left behind
+
+
+def test_opened_values_and_the_keys_are_scrubbed_from_log_lines(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A value with no credential shape (Ocp-Apim-Subscription-Key), echoed by an upstream's
+    error, is scrubbed once this process opened it; so are the keys as configured."""
+    value = "azure" + uuid.uuid4().hex
+    current, previous = new_key(), bytes(range(32)).hex()
+    keyring = Settings(data_dir=tmp_path, secrets_key=current,
+                       secrets_key_previous=previous).keyring
+    token = keyring.seal("azure", "Ocp-Apim-Subscription-Key", value)
+    line = json.dumps({"msg": "upstream answered 401", "body": f"key {value} is not valid"})
+    assert value in logs.scrub(line)  # nothing in its shape gives it away
+    monkeypatch.setattr(secrets, "_keyring", keyring)
+    sent = secrets.outgoing([], secrets.Credentials(
+        "azure", (("Ocp-Apim-Subscription-Key", token),)))
+    assert sent == [("Ocp-Apim-Subscription-Key", value)]
+    assert value not in logs.scrub(line) and logs.REDACTED in logs.scrub(line)
+    for key in (current, previous):
+        assert key not in logs.scrub(f"started with QGW_SECRETS_KEY {key} in its environment")
