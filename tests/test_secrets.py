@@ -451,20 +451,30 @@ def test_values_open_once_per_endpoint_version_and_only_where_they_were_sealed()
         assert "Bearer" not in str(err.value)
 
 
-async def test_a_dispatcher_without_the_key_fails_the_call_and_says_which_key(
-    gateway: Any, dispatcher_process: Any, raw_upstream: tuple[RawUpstream, str]
+async def test_a_dispatcher_without_the_key_fails_the_call_and_tells_the_operator_which_key(
+    gateway: Any, env: dict[str, str], raw_upstream: tuple[RawUpstream, str], tmp_path: Path
 ) -> None:
     up, base = raw_upstream
     await gateway.add_endpoint("llm", f"{base}/v1/nokey", max_retries=0,
-                               upstream_headers={"Authorization": f"Bearer {SECRET}"})
+                               upstream_headers={"X-Provider-Key": f"Bearer {SECRET}"})
     auth = await gateway.new_key()
     task = await gateway.submit(auth, f"{base}/v1/nokey", body="{}")
-    dispatcher_process(QGW_SECRETS_KEY=new_key())  # not the key the API sealed with
-    (done,) = await gateway.wait_finished(auth, [task["task_id"]])
+    log_file = tmp_path / "dispatcher.log"
+    with log_file.open("wb") as err:  # not the key the API sealed with
+        proc = subprocess.Popen([*QGW, "dispatcher"], env={**env, "QGW_SECRETS_KEY": new_key()},
+                                stdout=subprocess.DEVNULL, stderr=err)
+    try:
+        (done,) = await gateway.wait_finished(auth, [task["task_id"]])
+    finally:
+        stop(proc)
     assert done["task_status"] == "failed" and up.requests == []
-    said = done["task_result"]
-    assert key_id(gateway.rt.settings.keyring.current) in said and "does not hold" in said
-    assert SECRET not in said
+    kid = key_id(gateway.rt.settings.keyring.current)
+    # The caller learns that much and no more: no endpoint, header name or key id.
+    assert done["task_result"] == "upstream credentials unavailable", done
+    assert kid not in json.dumps(done) and "X-Provider-Key" not in json.dumps(done)
+    logged = log_file.read_text()  # the operator learns which key is missing, where
+    assert kid in logged and "does not hold" in logged and "X-Provider-Key" in logged
+    assert task["task_id"] in logged and not found_in(logged.encode())
 
 
 def test_a_generated_secret_file_is_created_private(tmp_path: Path,
