@@ -325,6 +325,29 @@ def test_cli_update_sets_and_removes_one_header_and_keeps_the_others(
     assert bad.returncode == 2 and "Name: value" in bad.stderr
 
 
+async def test_cli_takes_a_value_from_the_environment_or_a_file_not_the_command_line(
+    gateway: Any, env: dict[str, str], tmp_path: Path
+) -> None:
+    key_file = tmp_path / "provider-key"
+    key_file.write_text(f"{SECRET}-from-file\n")
+    key_file.chmod(0o600)
+    args = ["endpoints", "add", "llm", "http://127.0.0.1:9/v1",
+            "--upstream-header", "Authorization: @env:PROVIDER_KEY",
+            "--upstream-header", f"X-Org: @file:{key_file}"]
+    assert not any(SECRET in a for a in args)  # nothing for ps or the shell history to keep
+    add = qgw(env, *args, PROVIDER_KEY=f"Bearer {SECRET}")
+    assert add.returncode == 0, add.stderr
+    assert not found_in((add.stdout + add.stderr).encode())
+    stored = (await gateway.rt.endpoints.get("llm")).upstream_headers
+    ring = gateway.rt.settings.keyring
+    assert ring.open("llm", "Authorization", stored["Authorization"]) == f"Bearer {SECRET}"
+    assert ring.open("llm", "X-Org", stored["X-Org"]) == f"{SECRET}-from-file"
+    for value, says in (("@env:NOT_SET_ANYWHERE", "NOT_SET_ANYWHERE"),
+                        (f"@file:{tmp_path / 'missing'}", "missing")):
+        bad = qgw(env, "endpoints", "update", "llm", "--upstream-header", f"X-Org: {value}")
+        assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and says in bad.stderr
+
+
 def test_keys_are_hex_or_base64_of_32_bytes() -> None:
     raw = bytes(range(32))
     for text in (raw.hex(), base64.b64encode(raw).decode(), base64.urlsafe_b64encode(raw)
