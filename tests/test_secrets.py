@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
 import subprocess
 import uuid
@@ -538,3 +539,42 @@ def test_opened_values_and_the_keys_are_scrubbed_from_log_lines(
     assert value not in logs.scrub(line) and logs.REDACTED in logs.scrub(line)
     for key in (current, previous):
         assert key not in logs.scrub(f"started with QGW_SECRETS_KEY {key} in its environment")
+
+
+async def test_a_rotation_racing_an_edit_leaves_the_newest_row_in_the_mirror(
+    gateway: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`qgw secrets rotate` and a PATCH of the same endpoint: whichever commits last is what
+    the Redis mirror holds, however late the rotation's publication is (here held up to 1 s,
+    until the edit has answered)."""
+    from app.endpoints import EndpointConfig
+    from app.secrets import Keyring
+
+    store = gateway.rt.endpoints
+    old, new = parse_key(new_key()), parse_key(new_key())
+    monkeypatch.setattr(store, "keyring", Keyring(old))
+    await store.create(EndpointConfig.model_validate({
+        "id": "llm", "target_url": "http://127.0.0.1:9/v1",
+        "upstream_headers": {"Authorization": "Bearer one"}}))
+    monkeypatch.setattr(store, "keyring", Keyring(new, old))  # restarted with the new key
+    publishing, edited = asyncio.Event(), asyncio.Event()
+    put = store.mirror.put
+
+    async def late_put(item_id: str, value: Any, hold_s: float = 0) -> None:
+        if not publishing.is_set():  # the rotation's publication
+            publishing.set()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(edited.wait(), 1)
+        await put(item_id, value, hold_s)
+
+    monkeypatch.setattr(store.mirror, "put", late_put)
+    rotating = asyncio.create_task(store.reseal())
+    await publishing.wait()
+    await store.update("llm", {"upstream_headers": {"Authorization": "Bearer two"}})
+    edited.set()
+    assert await rotating == {"endpoints": 1, "resealed": 1}
+    sql = (await store.get("llm")).upstream_headers["Authorization"]
+    held = json.loads(await gateway.rt.redis.hget(store.mirror.hash_key, "llm"))
+    assert held["upstream_headers"]["Authorization"] == sql
+    ring = Keyring(new, old)
+    assert ring.open("llm", "Authorization", sql) == "Bearer two"
