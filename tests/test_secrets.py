@@ -216,15 +216,20 @@ async def test_the_upstream_gets_the_credentials_and_nobody_reads_them_back(
             "/admin/v1/endpoints", "/admin/v1/endpoints/llm", "/admin/v1/queues",
             f"/admin/v1/tasks/{task_id}", "/admin/v1/endpoints/llm/tasks?status=completed",
             "/admin/v1/overview", "/admin/v1/history?endpoints=llm", "/dashboard",
-            "/dashboard/app.js", "/metrics", "/openapi.json")]
+            "/dashboard/app.js", "/metrics", "/openapi.json",
+            # The operator's search across endpoints, which shows each task's request.
+            "/admin/v1/tasks", "/admin/v1/tasks?status=completed&endpoint=llm",
+            f"/admin/v1/tasks?id={task_id[:8]}")]
+        hook = await _webhook_delivery(client, up, base, target)
     assert [(a.url.path, a.status_code) for a in answers if a.status_code != 200] == []
+    assert task_id in answers[-1].text  # the search found the task, request and all
     assert answers[1].json()["upstream_headers"] == {"Authorization": "<set>",
                                                      "anthropic-version": "<set>"}
     cli = [qgw(env, *args) for args in (("endpoints", "list"), ("endpoints", "show", "llm"),
                                         ("tasks", "show", task_id))]
     assert all(c.returncode == 0 for c in cli), [c.stderr for c in cli]
     serve.stop()  # its logs complete
-    seen = {f"answer {a.url}": a.content for a in answers}
+    seen = {f"answer {a.url}": a.content for a in answers} | {"webhook delivery": hook}
     seen |= {f"cli {c.args[3:]}": (c.stdout + c.stderr).encode() for c in [added, *cli]}
     seen |= {f"redis {k!r}": v for k, v in redis_dumps(env["QGW_REDIS_URL"],
                                                         settings.key_prefix).items()}
@@ -235,6 +240,25 @@ async def test_the_upstream_gets_the_credentials_and_nobody_reads_them_back(
     for prefix in (b"", b"a", b"ab"):  # the search finds it wherever base64 puts it
         line = prefix + f"Authorization: Bearer {SECRET}".encode()
         assert found_in(base64.b64encode(line)) and found_in(base64.urlsafe_b64encode(line))
+
+
+async def _webhook_delivery(client: httpx.AsyncClient, up: RawUpstream, base: str,
+                            target: str) -> bytes:
+    """The webhook a finished task of the endpoint sends its caller, as it came (the raw
+    upstream takes it: a path of its own)."""
+    r = await client.post("/admin/v1/api-keys", headers=ADMIN_AUTH,
+                          json={"user_id": 8, "callback_urls": [f"{base}/hooks/"]})
+    auth = {"Authorization": f"Bearer {r.json()['key']}"}
+    r = await client.post("/api/v1/tasks", headers=auth, json={
+        "target_url": target, "body": "{}", "callback_url": f"{base}/hooks/done"})
+    assert r.status_code == 202, r.text
+    for _ in range(300):
+        hooks = [raw for raw in up.requests if raw.startswith(b"POST /hooks/done ")]
+        if hooks:
+            assert r.json()["task_id"].encode() in hooks[0]
+            return hooks[0]
+        await asyncio.sleep(0.1)
+    raise AssertionError("no webhook delivered")
 
 
 def _files(root: Path) -> dict[Path, bytes]:
