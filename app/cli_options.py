@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import types
 import typing
@@ -87,7 +88,10 @@ def given(args: argparse.Namespace, model: type[BaseModel]) -> dict[str, Any]:
 
 
 _UPSTREAM_HEADER_HELP = ("a header sent on every call to this endpoint (e.g. 'Authorization: "
-                         "Bearer sk-...'), repeatable; stored encrypted, shown as <set>")
+                         "Bearer sk-...'), repeatable; stored encrypted, shown as <set>. "
+                         "'NAME: @env:VAR' takes the value from the environment variable VAR, "
+                         "'NAME: @file:PATH' from the file PATH (its last newline dropped), so "
+                         "it is not on the command line (ps, shell history)")
 
 
 def header_lines(lines: list[str]) -> dict[str, str]:
@@ -99,8 +103,29 @@ def header_lines(lines: list[str]) -> dict[str, str]:
         if not colon or not name.strip():
             raise Refused("--upstream-header: say 'Name: value' (a name, a colon, the value)",
                           exit_code=2)
-        out[name.strip()] = value.strip()
+        out[name.strip()] = _value(name.strip(), value.strip())
     return out
+
+
+def _value(name: str, value: str) -> str:
+    """The value itself, or read from where `@env:VAR` / `@file:PATH` says (an error names
+    the variable or the file, never what they hold)."""
+    if value.startswith("@env:"):
+        var = value[len("@env:"):]
+        if not var or var not in os.environ:
+            raise Refused(f"--upstream-header {name}: the environment variable {var!r} is not "
+                          "set", exit_code=2)
+        return os.environ[var].strip()
+    if value.startswith("@file:"):
+        path = value[len("@file:"):]
+        try:
+            with open(path, encoding="utf-8") as f:
+                return f.read().rstrip("\r\n")
+        except (OSError, UnicodeDecodeError) as exc:
+            reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
+            raise Refused(f"--upstream-header {name}: cannot read {path}: {reason}",
+                          exit_code=2) from None
+    return value
 
 
 _UNITS_MS = {"ms": 1, "s": 1000, "sec": 1000, "min": 60_000, "h": 3_600_000,

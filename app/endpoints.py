@@ -72,7 +72,9 @@ _BAD_VALUE = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
 MAX_UPSTREAM_HEADERS = 32
 
 
-HeaderNameText = Annotated[str, StringConstraints(max_length=128)]
+#: Its length is checked by `_settable` (HEADER_NAME), which never echoes a name: a bound here
+#: would have pydantic print the whole name, which may hold the value, in the error.
+HeaderNameText = str
 #: Long enough for a sealed value of MAX_VALUE_BYTES (app/secrets.py checks the plain one).
 HeaderValueText = Annotated[str, StringConstraints(min_length=1, max_length=6000)]
 TargetUrl = Annotated[
@@ -193,8 +195,9 @@ class EndpointSettings(StrictInput):
         seen: set[str] = set()
         for name, value in v.items():
             if not HEADER_NAME.match(name):  # not echoed: a mistake may hold the value
-                raise ValueError("a name holds characters a header name cannot (a space, ':' "
-                                 "...); give names and values apart")
+                raise ValueError("a name is not a header name: over 128 characters, or "
+                                 "holding characters one cannot (a space, ':' ...); give "
+                                 "names and values apart")
             low = name.lower()
             if low in _NEVER_FORWARD or low.startswith(("x-queue-", "proxy-")):
                 raise ValueError(f"{name} is the gateway's own and cannot be set")

@@ -77,6 +77,8 @@ def describe(exc: ValidationError | RequestValidationError) -> str:
             where = loc.pop(0)
             if not loc:
                 loc = [f"the {where}" if where == "body" else where]
+        if "upstream_headers" in loc:  # the next part is a header name: it may hold a value
+            loc = loc[:loc.index("upstream_headers") + 1]
         name = ".".join(str(p) for p in loc) or "the body"
         parts.append(f"{name}: {_message(err)}")
     return "; ".join(parts[:5])

@@ -21,6 +21,8 @@ from functools import lru_cache
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
+from app import logs
+
 #: What every answer, listing, page and log line shows in place of a value.
 MASK = "<set>"
 #: `model_dump(context=AS_IS)` gives upstream_headers as held (sealed in the stores, plain in
@@ -116,10 +118,15 @@ class Keyring:
         blob = token.rsplit(".", 1)[1]
         try:
             raw = base64.urlsafe_b64decode(blob + "=" * (-len(blob) % 4))
-            return cipher.decrypt(raw[:12], raw[12:], _aad(endpoint_id, name)).decode()
+            value = cipher.decrypt(raw[:12], raw[12:], _aad(endpoint_id, name)).decode()
         except (InvalidTag, ValueError, binascii.Error):
             raise Undecryptable(f"{where} does not open with key id {kid}: altered, or sealed "
                                 "for another endpoint") from None
+        # A value has no shape the log patterns know (Ocp-Apim-Subscription-Key, x-goog-...):
+        # once this process holds it in plain text, no log line it writes may show it (an
+        # upstream's error body may echo it back).
+        logs.redact(value)
+        return value
 
     def seal_given(self, endpoint_id: str, given: Mapping[str, str],
                    stored: Mapping[str, str]) -> dict[str, str]:

@@ -12,6 +12,7 @@ from typing import Literal
 from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from app import logs
 from app.redis_url import parse as parse_redis_url
 from app.secrets import Keyring, new_key, parse_key
 
@@ -169,12 +170,15 @@ class Settings(BaseSettings):
     def keyring(self) -> Keyring:
         """The keys that seal and open upstream_headers (app/secrets.py)."""
         previous = parse_key(self.secrets_key_previous) if self.secrets_key_previous else None
+        # The keys as written (hex or base64) never go into a log line either.
+        logs.redact(*(k.strip() for k in (self.secrets_key, self.secrets_key_previous) if k))
         if self.secrets_key:
             return Keyring(parse_key(self.secrets_key), previous)
         path = self.data_dir / "secrets_key"
         try:
-            return Keyring(parse_key(_stored_secret(self.data_dir, path.name, new_key)),
-                           previous)
+            text = _stored_secret(self.data_dir, path.name, new_key)
+            logs.redact(text)
+            return Keyring(parse_key(text), previous)
         except ValueError as exc:
             raise SettingsError(f"bad key file {path.resolve()}: {exc}") from None
 
@@ -188,8 +192,12 @@ def _stored_secret(data_dir: Path, name: str,
         return path.read_text().strip()
     data_dir.mkdir(parents=True, exist_ok=True)
     draft = data_dir / f".{name}.{os.getpid()}"
-    draft.write_text(make() + "\n")
-    draft.chmod(0o600)
+    draft.unlink(missing_ok=True)  # left by a crashed process that had this pid
+    # Created private (0600), never written first and restricted after: there is no moment
+    # another user could open it.
+    fd = os.open(draft, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write(make() + "\n")
     try:
         os.link(draft, path)
     except FileExistsError:  # another process was first: its secret stands

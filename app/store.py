@@ -15,9 +15,10 @@ from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from redis.exceptions import RedisError
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 
 from app.core.loop import STORE_ERRORS
 from app.core.registry import Mirror
@@ -150,9 +151,7 @@ class EndpointStore(_Store):
 
     async def update(self, endpoint_id: str, changes: dict[str, Any]) -> EndpointConfig:
         """`changes` as an admin gave them (plain upstream_headers, `<set>` keeping one)."""
-        config = await self._write(self._update(endpoint_id, changes))
-        await self.mirror.put(endpoint_id, _held(config))
-        return config
+        return await self._write(self._update(endpoint_id, changes))
 
     async def _update(self, endpoint_id: str, changes: dict[str, Any]) -> EndpointConfig:
         async with self.sessions.begin() as s:
@@ -167,6 +166,28 @@ class EndpointStore(_Store):
             self._check_url_free(config)
             for field, value in _held(config).items():
                 setattr(row, field, value)
+            return await self._publish_locked(s, endpoint_id, config)
+
+    async def _publish_locked(self, s: AsyncSession, endpoint_id: str,
+                              config: EndpointConfig) -> EndpointConfig:
+        """Publish the row to the mirror while its SQL lock is held, so the writes of one
+        endpoint (an admin's PATCH, `qgw secrets rotate`) reach the mirror in the order they
+        commit: the newest row wins, never a stale credential until the next reconcile. A
+        mirror that cannot be written lets the SQL write commit (the reconcile brings the
+        mirror level, as before); one written ahead of a commit that fails is reconciled."""
+        await s.flush()  # the row is written (and locked) before anyone sees it
+        failed: RedisError | OSError | None = None
+        try:
+            await self.mirror.put(endpoint_id, _held(config))
+        except (RedisError, OSError) as exc:  # put() marked the mirror stale
+            failed = exc
+        try:
+            await s.commit()
+        except BaseException:
+            self.mirror.mark_stale()
+            raise
+        if failed is not None:
+            raise failed
         return config
 
     async def reseal(self) -> dict[str, int]:
@@ -176,10 +197,8 @@ class EndpointStore(_Store):
         async with self.sessions() as s:
             ids = list((await s.scalars(select(EndpointRow.id))).all())
         count = {"endpoints": len(ids), "resealed": 0}
-        for endpoint_id in ids:
-            config = await self._write(self._reseal(endpoint_id, count))
-            if config is not None:  # deleted meanwhile otherwise
-                await self.mirror.put(endpoint_id, _held(config))
+        for endpoint_id in ids:  # each published under its row lock (_publish_locked)
+            await self._write(self._reseal(endpoint_id, count))
         return count
 
     async def _reseal(self, endpoint_id: str, count: dict[str, int]) -> EndpointConfig | None:
@@ -195,7 +214,7 @@ class EndpointStore(_Store):
             if again is not None:
                 row.upstream_headers = again
                 count["resealed"] += 1
-            return _endpoint(row)
+            return await self._publish_locked(s, endpoint_id, _endpoint(row))
 
     async def delete(self, endpoint_id: str) -> None:
         await self._write(self._delete(endpoint_id))

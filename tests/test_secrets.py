@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
 import subprocess
 import uuid
@@ -18,7 +19,7 @@ import pytest
 import redis
 from redis.cluster import ClusterNode, RedisCluster
 
-from app import migrate
+from app import logs, migrate, secrets
 from app.redis_url import parse as parse_redis_url
 from app.secrets import key_id, new_key, parse_key, sealed_by
 from app.settings import Settings
@@ -215,15 +216,20 @@ async def test_the_upstream_gets_the_credentials_and_nobody_reads_them_back(
             "/admin/v1/endpoints", "/admin/v1/endpoints/llm", "/admin/v1/queues",
             f"/admin/v1/tasks/{task_id}", "/admin/v1/endpoints/llm/tasks?status=completed",
             "/admin/v1/overview", "/admin/v1/history?endpoints=llm", "/dashboard",
-            "/dashboard/app.js", "/metrics", "/openapi.json")]
+            "/dashboard/app.js", "/metrics", "/openapi.json",
+            # The operator's search across endpoints, which shows each task's request.
+            "/admin/v1/tasks", "/admin/v1/tasks?status=completed&endpoint=llm",
+            f"/admin/v1/tasks?id={task_id[:8]}")]
+        hook = await _webhook_delivery(client, up, base, target)
     assert [(a.url.path, a.status_code) for a in answers if a.status_code != 200] == []
+    assert task_id in answers[-1].text  # the search found the task, request and all
     assert answers[1].json()["upstream_headers"] == {"Authorization": "<set>",
                                                      "anthropic-version": "<set>"}
     cli = [qgw(env, *args) for args in (("endpoints", "list"), ("endpoints", "show", "llm"),
                                         ("tasks", "show", task_id))]
     assert all(c.returncode == 0 for c in cli), [c.stderr for c in cli]
     serve.stop()  # its logs complete
-    seen = {f"answer {a.url}": a.content for a in answers}
+    seen = {f"answer {a.url}": a.content for a in answers} | {"webhook delivery": hook}
     seen |= {f"cli {c.args[3:]}": (c.stdout + c.stderr).encode() for c in [added, *cli]}
     seen |= {f"redis {k!r}": v for k, v in redis_dumps(env["QGW_REDIS_URL"],
                                                         settings.key_prefix).items()}
@@ -234,6 +240,25 @@ async def test_the_upstream_gets_the_credentials_and_nobody_reads_them_back(
     for prefix in (b"", b"a", b"ab"):  # the search finds it wherever base64 puts it
         line = prefix + f"Authorization: Bearer {SECRET}".encode()
         assert found_in(base64.b64encode(line)) and found_in(base64.urlsafe_b64encode(line))
+
+
+async def _webhook_delivery(client: httpx.AsyncClient, up: RawUpstream, base: str,
+                            target: str) -> bytes:
+    """The webhook a finished task of the endpoint sends its caller, as it came (the raw
+    upstream takes it: a path of its own)."""
+    r = await client.post("/admin/v1/api-keys", headers=ADMIN_AUTH,
+                          json={"user_id": 8, "callback_urls": [f"{base}/hooks/"]})
+    auth = {"Authorization": f"Bearer {r.json()['key']}"}
+    r = await client.post("/api/v1/tasks", headers=auth, json={
+        "target_url": target, "body": "{}", "callback_url": f"{base}/hooks/done"})
+    assert r.status_code == 202, r.text
+    for _ in range(300):
+        hooks = [raw for raw in up.requests if raw.startswith(b"POST /hooks/done ")]
+        if hooks:
+            assert r.json()["task_id"].encode() in hooks[0]
+            return hooks[0]
+        await asyncio.sleep(0.1)
+    raise AssertionError("no webhook delivered")
 
 
 def _files(root: Path) -> dict[Path, bytes]:
@@ -275,6 +300,9 @@ BAD = [
     ({"X-Queue-Priority": "1"}, "X-Queue-Priority"),
     ({"Idempotency-Key": "k"}, "Idempotency-Key"),
     ({"Authorization: Bearer": SECRET}, "header name"), ({"Bad Name": "v"}, "header name"),
+    # Over 128 characters: the name (here holding the value) is not echoed either.
+    ({f"Authorization: Bearer {SECRET}{'x' * 80}": "x"}, "header name"),
+    ({f"Authorization: Bearer {SECRET}": 5}, "upstream_headers"),
     ({"X-Ok": f"{SECRET}\r\nX-Injected: 1"}, "control character"),
     ({"X-Ok": f"{SECRET}\n"}, "control character"), ({"X-Ok": f"a\x00{SECRET}"}, "control"),
     ({"X-Ok": ""}, "at least 1"), ({"X-Ok": "a", "x-ok": "b"}, "twice"),
@@ -320,6 +348,29 @@ def test_cli_update_sets_and_removes_one_header_and_keeps_the_others(
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1, bad.stderr  # not text
     bad = qgw(env, "endpoints", "update", "llm", "--upstream-header", "no colon")
     assert bad.returncode == 2 and "Name: value" in bad.stderr
+
+
+async def test_cli_takes_a_value_from_the_environment_or_a_file_not_the_command_line(
+    gateway: Any, env: dict[str, str], tmp_path: Path
+) -> None:
+    key_file = tmp_path / "provider-key"
+    key_file.write_text(f"{SECRET}-from-file\n")
+    key_file.chmod(0o600)
+    args = ["endpoints", "add", "llm", "http://127.0.0.1:9/v1",
+            "--upstream-header", "Authorization: @env:PROVIDER_KEY",
+            "--upstream-header", f"X-Org: @file:{key_file}"]
+    assert not any(SECRET in a for a in args)  # nothing for ps or the shell history to keep
+    add = qgw(env, *args, PROVIDER_KEY=f"Bearer {SECRET}")
+    assert add.returncode == 0, add.stderr
+    assert not found_in((add.stdout + add.stderr).encode())
+    stored = (await gateway.rt.endpoints.get("llm")).upstream_headers
+    ring = gateway.rt.settings.keyring
+    assert ring.open("llm", "Authorization", stored["Authorization"]) == f"Bearer {SECRET}"
+    assert ring.open("llm", "X-Org", stored["X-Org"]) == f"{SECRET}-from-file"
+    for value, says in (("@env:NOT_SET_ANYWHERE", "NOT_SET_ANYWHERE"),
+                        (f"@file:{tmp_path / 'missing'}", "missing")):
+        bad = qgw(env, "endpoints", "update", "llm", "--upstream-header", f"X-Org: {value}")
+        assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and says in bad.stderr
 
 
 def test_keys_are_hex_or_base64_of_32_bytes() -> None:
@@ -448,17 +499,106 @@ def test_values_open_once_per_endpoint_version_and_only_where_they_were_sealed()
         assert "Bearer" not in str(err.value)
 
 
-async def test_a_dispatcher_without_the_key_fails_the_call_and_says_which_key(
-    gateway: Any, dispatcher_process: Any, raw_upstream: tuple[RawUpstream, str]
+async def test_a_dispatcher_without_the_key_fails_the_call_and_tells_the_operator_which_key(
+    gateway: Any, env: dict[str, str], raw_upstream: tuple[RawUpstream, str], tmp_path: Path
 ) -> None:
     up, base = raw_upstream
     await gateway.add_endpoint("llm", f"{base}/v1/nokey", max_retries=0,
-                               upstream_headers={"Authorization": f"Bearer {SECRET}"})
+                               upstream_headers={"X-Provider-Key": f"Bearer {SECRET}"})
     auth = await gateway.new_key()
     task = await gateway.submit(auth, f"{base}/v1/nokey", body="{}")
-    dispatcher_process(QGW_SECRETS_KEY=new_key())  # not the key the API sealed with
-    (done,) = await gateway.wait_finished(auth, [task["task_id"]])
+    log_file = tmp_path / "dispatcher.log"
+    with log_file.open("wb") as err:  # not the key the API sealed with
+        proc = subprocess.Popen([*QGW, "dispatcher"], env={**env, "QGW_SECRETS_KEY": new_key()},
+                                stdout=subprocess.DEVNULL, stderr=err)
+    try:
+        (done,) = await gateway.wait_finished(auth, [task["task_id"]])
+    finally:
+        stop(proc)
     assert done["task_status"] == "failed" and up.requests == []
-    said = done["task_result"]
-    assert key_id(gateway.rt.settings.keyring.current) in said and "does not hold" in said
-    assert SECRET not in said
+    kid = key_id(gateway.rt.settings.keyring.current)
+    # The caller learns that much and no more: no endpoint, header name or key id.
+    assert done["task_result"] == "upstream credentials unavailable", done
+    assert kid not in json.dumps(done) and "X-Provider-Key" not in json.dumps(done)
+    logged = log_file.read_text()  # the operator learns which key is missing, where
+    assert kid in logged and "does not hold" in logged and "X-Provider-Key" in logged
+    assert task["task_id"] in logged and not found_in(logged.encode())
+
+
+def test_a_generated_secret_file_is_created_private(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """No moment when the file holds the secret and others may read it: with every chmod
+    skipped and a umask that restricts nothing, what is created is already 0600."""
+    from app import settings as settings_module
+    monkeypatch.setattr(Path, "chmod", lambda *a, **k: None)
+    monkeypatch.setattr(settings_module.os, "chmod", lambda *a, **k: None)
+    old = settings_module.os.umask(0)
+    try:
+        for name in ("secrets_key", "admin_token", "permit_secret"):
+            value = settings_module._stored_secret(tmp_path / "data", name, new_key)
+            path = tmp_path / "data" / name
+            assert path.read_text().strip() == value
+            assert path.stat().st_mode & 0o777 == 0o600, oct(path.stat().st_mode)
+    finally:
+        settings_module.os.umask(old)
+    assert sorted(p.name for p in (tmp_path / "data").iterdir()) == [
+        "admin_token", "permit_secret", "secrets_key"]  # no draft left behind
+
+
+def test_opened_values_and_the_keys_are_scrubbed_from_log_lines(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A value with no credential shape (Ocp-Apim-Subscription-Key), echoed by an upstream's
+    error, is scrubbed once this process opened it; so are the keys as configured."""
+    value = "azure" + uuid.uuid4().hex
+    current, previous = new_key(), bytes(range(32)).hex()
+    keyring = Settings(data_dir=tmp_path, secrets_key=current,
+                       secrets_key_previous=previous).keyring
+    token = keyring.seal("azure", "Ocp-Apim-Subscription-Key", value)
+    line = json.dumps({"msg": "upstream answered 401", "body": f"key {value} is not valid"})
+    assert value in logs.scrub(line)  # nothing in its shape gives it away
+    monkeypatch.setattr(secrets, "_keyring", keyring)
+    sent = secrets.outgoing([], secrets.Credentials(
+        "azure", (("Ocp-Apim-Subscription-Key", token),)))
+    assert sent == [("Ocp-Apim-Subscription-Key", value)]
+    assert value not in logs.scrub(line) and logs.REDACTED in logs.scrub(line)
+    for key in (current, previous):
+        assert key not in logs.scrub(f"started with QGW_SECRETS_KEY {key} in its environment")
+
+
+async def test_a_rotation_racing_an_edit_leaves_the_newest_row_in_the_mirror(
+    gateway: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`qgw secrets rotate` and a PATCH of the same endpoint: whichever commits last is what
+    the Redis mirror holds, however late the rotation's publication is (here held up to 1 s,
+    until the edit has answered)."""
+    from app.endpoints import EndpointConfig
+    from app.secrets import Keyring
+
+    store = gateway.rt.endpoints
+    old, new = parse_key(new_key()), parse_key(new_key())
+    monkeypatch.setattr(store, "keyring", Keyring(old))
+    await store.create(EndpointConfig.model_validate({
+        "id": "llm", "target_url": "http://127.0.0.1:9/v1",
+        "upstream_headers": {"Authorization": "Bearer one"}}))
+    monkeypatch.setattr(store, "keyring", Keyring(new, old))  # restarted with the new key
+    publishing, edited = asyncio.Event(), asyncio.Event()
+    put = store.mirror.put
+
+    async def late_put(item_id: str, value: Any, hold_s: float = 0) -> None:
+        if not publishing.is_set():  # the rotation's publication
+            publishing.set()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(edited.wait(), 1)
+        await put(item_id, value, hold_s)
+
+    monkeypatch.setattr(store.mirror, "put", late_put)
+    rotating = asyncio.create_task(store.reseal())
+    await publishing.wait()
+    await store.update("llm", {"upstream_headers": {"Authorization": "Bearer two"}})
+    edited.set()
+    assert await rotating == {"endpoints": 1, "resealed": 1}
+    sql = (await store.get("llm")).upstream_headers["Authorization"]
+    held = json.loads(await gateway.rt.redis.hget(store.mirror.hash_key, "llm"))
+    assert held["upstream_headers"]["Authorization"] == sql
+    ring = Keyring(new, old)
+    assert ring.open("llm", "Authorization", sql) == "Bearer two"

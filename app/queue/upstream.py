@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import random
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -15,6 +16,8 @@ from app.queue.answers import ResultMeta, external, inline
 from app.queue.http1 import Answer, BadAnswer, UpstreamClient
 from app.queue.objects import ObjectStore, StoreUnavailable
 from app.queue.signals import pause_s, remaining, retry_after
+
+log = logging.getLogger(__name__)
 
 
 def forwardable(headers: dict[str, list[str]], allowed: frozenset[str]) -> list[tuple[str, str]]:
@@ -85,7 +88,10 @@ async def call(
     try:
         headers = secrets.outgoing(headers, req.credentials)
     except secrets.Undecryptable as exc:  # retried: another process may hold the key
-        return Outcome(None, f"upstream credentials: {exc}")
+        # The caller reads the result: it learns no endpoint, header name or key id. The
+        # operator reads them here.
+        log.error("cannot open credentials: %s", exc, extra={"task_id": task_id})
+        return Outcome(None, "upstream credentials unavailable")
     headers.append(("Idempotency-Key", task_id))
     # Stored query parameters come on top of those in the URL.
     params = [(name, value) for name, values in json.loads(req.query or "{}").items()
