@@ -61,8 +61,8 @@ WRITE_AT = 4
 IDLE_S = 0.05
 
 
-#: The private parts of redis-py's asyncio connection read here, all set in its __init__
-#: (redis-py 8.1; pyproject.toml pins it). A release that renames one turns this module off.
+#: The private parts of redis-py's asyncio connection read here, slots of its class (redis-py
+#: 8.1; pyproject.toml pins it). A release that renames one turns this module off.
 PRIVATE = ("_reader", "_writer")
 #: The methods called, with the keyword arguments given to them.
 METHODS = {"read_response": ("timeout", "disconnect_on_error"), "disconnect": ("nowait",)}
@@ -70,13 +70,12 @@ METHODS = {"read_response": ("timeout", "disconnect_on_error"), "disconnect": ("
 
 def unsupported(pool: ConnectionPool) -> list[str]:
     """What this module reads of a connection that the pool's connection class does not
-    have (none: auto-pipelining works); checked on a connection never opened."""
-    conn = pool.connection_class(**pool.connection_kwargs)
-    missing = [name for name in PRIVATE if not hasattr(conn, name)]
-    if not hasattr(conn, "socket_timeout"):
-        missing.append("socket_timeout")
+    have (none: auto-pipelining works). Read from the class (redis-py declares these in
+    __slots__), never from a connection made for the purpose: building one has effects."""
+    cls = pool.connection_class
+    missing = [name for name in (*PRIVATE, "socket_timeout") if not hasattr(cls, name)]
     for name, keywords in METHODS.items():
-        method = getattr(conn, name, None)
+        method = getattr(cls, name, None)
         params = inspect.signature(method).parameters if callable(method) else {}
         missing += [f"{name}({k}=)" for k in keywords if k not in params]
     return missing
