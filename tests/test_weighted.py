@@ -3,12 +3,15 @@ many tasks a round as its key's tier weighs (`PUT /admin/v1/tiers/{tier}`)."""
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 from collections.abc import Callable
 
 import pytest
 
+from app.tiers import weight_of
 from tests.conftest import Gateway
+from tests.test_cli import answer, qgw, refusal
 from tests.test_fairness import _calls
 
 pytestmark = pytest.mark.backends("single", "cluster")
@@ -84,3 +87,17 @@ async def test_a_weight_is_checked(gateway: Gateway) -> None:
     assert r.status_code == 422
     r = await gateway.http.get("/admin/v1/tiers", headers=gateway.admin)
     assert r.status_code == 200 and r.json() == []
+
+
+async def test_qgw_tiers_set_reaches_every_process(gateway: Gateway, env: dict[str, str]) -> None:
+    assert answer(qgw(env, "tiers", "set", "gold", "--weight", "3")) == {
+        "tier": "gold", "weight": 3}
+    assert answer(qgw(env, "tiers", "list")) == [{"tier": "gold", "weight": 3}]
+    assert "weight" in refusal(qgw(env, "tiers", "set", "gold", "--weight", "0"), code=2)
+    r = await gateway.http.get("/admin/v1/tiers", headers=gateway.admin)
+    assert r.json() == [{"tier": "gold", "weight": 3}]
+    for _ in range(50):  # this process's mirror hears of it (what its submits weigh by)
+        if weight_of(gateway.rt.tiers.mirror, "gold") == 3:
+            break
+        await asyncio.sleep(0.1)
+    assert weight_of(gateway.rt.tiers.mirror, "gold") == 3
