@@ -12,7 +12,7 @@ KEYS[7] endpoints  Hash of the endpoint registry (app/core/registry.py): a proce
 KEYS[8] deadlines  ZSet of tasks whose deadline may come before that of tasks ahead (expire-5.lua)
 KEYS[9] stats      KEYS[10] active
 KEYS[11] turns     the fairness turns of the task's priority band (Keys.turns; per_user only)
-KEYS[12] arrivals  (only for an endpoint with max_starvation_s) ZSet id -> arrival (ms), for the
+KEYS[12..] arrivals  (only for an endpoint with max_starvation_s) ZSet id -> arrival (ms), for the
                    claim's starvation bound (lua/includes/starvation.lua)
 ARGV[1] task id    ARGV[2] endpoint id    ARGV[3] priority    ARGV[4] max queue length
 ARGV[5] pending TTL (ms)    ARGV[6] '1' to honour KEYS[5]    ARGV[7] idempotency TTL (ms)
@@ -67,9 +67,10 @@ redis.call('HSET', KEYS[2], 'status', 'pending', 'created_at', now, 'score', sco
   'attempts', 0, 'pexp', now + pending_ttl, unpack(ARGV, 13))
 redis.call('PEXPIRE', KEYS[2], pending_ttl + tonumber(ARGV[9]))
 redis.call('ZADD', KEYS[1], score, ARGV[1])
-if KEYS[12] then  -- arrival order across priorities; nothing waits longer than a pending TTL
-  redis.call('ZADD', KEYS[12], now, ARGV[1])
-  if redis.call('PTTL', KEYS[12]) < pending_ttl then redis.call('PEXPIRE', KEYS[12], pending_ttl) end
+local arrivals = unpack(KEYS, 12)  -- the optional tail: a starvation-bound endpoint's index
+if arrivals then  -- arrival order across priorities; nothing waits longer than a pending TTL
+  redis.call('ZADD', arrivals, now, ARGV[1])
+  if redis.call('PTTL', arrivals) < pending_ttl then redis.call('PEXPIRE', arrivals, pending_ttl) end
 end
 -- The caller's own deadline (max_wait_s), or turns (a band of a per_user endpoint is not in
 -- deadline order): tasks ahead may not be due before it, so expire-5.lua finds it there.

@@ -392,11 +392,14 @@ async def test_retries_count_against_the_limit(
 # -- small steps -----------------------------------------------------------------------------
 
 async def _patch(gateway: Gateway, endpoint_id: str, **changes: Any) -> int:
-    """PATCH an endpoint; the time (ms) the change was committed."""
+    """PATCH an endpoint; the time (ms) it was sent: the change is committed after it, and a
+    dispatcher may admit under it before the answer is back (an edit of a limit also resets
+    its pacing, a round trip more)."""
+    sent = int(time.time() * 1000)
     r = await gateway.http.patch(f"/admin/v1/endpoints/{endpoint_id}", headers=gateway.admin,
                                  json=changes)
     assert r.status_code == 200, r.text
-    return int(time.time() * 1000)
+    return sent
 
 
 async def _until_sent(gateway: Gateway, endpoint_id: str, timeout: float = 15) -> None:
