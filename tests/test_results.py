@@ -71,6 +71,23 @@ class TestInline:
                                    headers={"X-Mock-Binary": ["5000;seed=3"]})
         await _check_ranges(gateway, auth, done["task_id"], expected(5000, 3))
 
+    async def test_a_malformed_range_is_ignored_or_416_never_500(
+        self, gateway: Gateway, upstream: str, start_dispatcher: Callable[[], Awaitable[Runtime]]
+    ) -> None:
+        auth, done = await run_one(gateway, start_dispatcher, upstream, "/badrange",
+                                   headers={"X-Mock-Binary": ["5000;seed=3"]})
+        url, want = f"/api/v1/tasks/{done['task_id']}/result", expected(5000, 3)
+        for header in ("bytes=" + "9" * 5000 + "-", "bytes=-" + "9" * 5000, "bytes=0-" + "9" * 200,
+                       "bytes=x-y", "items=0-5", "bytes=5-3", "bytes=0-1,5-6", "bytes=-",
+                       "bytes=٣-"):
+            r = await gateway.http.get(url, headers={**auth, "Range": header.encode("utf-8")})
+            assert r.status_code == 200 and r.content == want, header[:20]
+        r = await gateway.http.get(url, headers={**auth, "Range": "BYTES = 10-19"})
+        assert r.status_code == 206 and r.content == want[10:20]
+        for header in ("bytes=-0", "bytes=" + "9" * 80 + "-"):
+            r = await gateway.http.get(url, headers={**auth, "Range": header})
+            assert r.status_code == 416 and r.headers["content-range"] == "bytes */5000"
+
     async def test_a_json_answer_stays_text(
         self, gateway: Gateway, upstream: str, start_dispatcher: Callable[[], Awaitable[Runtime]]
     ) -> None:

@@ -22,7 +22,8 @@ from app.routes.tasks import ERRORS, _checked
 from app.sending import HeldStream
 
 router = APIRouter(prefix="/api/v1", tags=["tasks"])
-RANGE = re.compile(r"^bytes=(\d*)-(\d*)$")
+RANGE = re.compile(r"^bytes[ \t]*=[ \t]*(\d*)[ \t]*-[ \t]*(\d*)$", re.IGNORECASE | re.ASCII)
+RANGE_MAX_CHARS = 100  # a longer Range header is ignored (the whole body is served)
 SIGNED_S = 300  # how long a presigned URL of `?redirect=1` stays valid
 
 
@@ -105,10 +106,12 @@ class _Unsatisfiable(Exception):
 
 def _range(header: str | None, size: int) -> tuple[int, int] | None:
     """One `bytes=` range as (start, end exclusive); None to serve the whole body (no range,
-    or one we do not serve: several ranges, another unit); _Unsatisfiable outside it."""
-    if not header:
+    one we do not serve: several ranges, another unit, or an invalid one, which RFC 9110
+    says to ignore); _Unsatisfiable outside it. A header longer than any sane range is
+    ignored before a digit is read: int() of thousands of digits raises (a 500 otherwise)."""
+    if not header or len(header) > RANGE_MAX_CHARS:
         return None
-    m = RANGE.match(header.strip().replace(" ", ""))
+    m = RANGE.match(header.strip())
     if m is None or (not m[1] and not m[2]):
         return None
     if not m[1]:  # the last N bytes
@@ -117,7 +120,8 @@ def _range(header: str | None, size: int) -> tuple[int, int] | None:
             raise _Unsatisfiable
         return max(0, size - n), size
     start = int(m[1])
-    end = min(size, int(m[2]) + 1) if m[2] else size
-    if start >= size or (m[2] and int(m[2]) < start):
+    if m[2] and int(m[2]) < start:  # invalid (last before first): ignored
+        return None
+    if start >= size:
         raise _Unsatisfiable
-    return start, end
+    return start, min(size, int(m[2]) + 1) if m[2] else size
