@@ -34,6 +34,8 @@ from obstore.store import LocalStore, S3Store
 PART_BYTES = 5 << 20  # an S3 part (5 MiB at least); two in flight bound an upload's memory
 PARTS_IN_FLIGHT = 2
 READ_CHUNK = 64 << 10  # what a read hands on at a time: about what a stalled reader pins
+SIGNED_S = 300  # how long a presigned URL (`/result?redirect=1`) stays valid
+SIGNED_MARGIN_S = 60  # a download that began just before its URL expired, to finish
 
 
 class StoreUnavailable(Exception):

@@ -17,14 +17,13 @@ from fastapi.responses import Response
 from app.auth import api_key, runtime_of
 from app.errors import ApiError
 from app.queue.answers import EXTERNAL, ResultMeta, body_of
-from app.queue.objects import ObjectStore, StoreUnavailable
+from app.queue.objects import SIGNED_S, ObjectStore, StoreUnavailable
 from app.routes.tasks import ERRORS, _checked
 from app.sending import HeldStream
 
 router = APIRouter(prefix="/api/v1", tags=["tasks"])
 RANGE = re.compile(r"^bytes[ \t]*=[ \t]*(\d*)[ \t]*-[ \t]*(\d*)$", re.IGNORECASE | re.ASCII)
 RANGE_MAX_CHARS = 100  # a longer Range header is ignored (the whole body is served)
-SIGNED_S = 300  # how long a presigned URL of `?redirect=1` stays valid
 
 
 @router.get("/tasks/{task_id}/result", responses={
