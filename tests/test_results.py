@@ -88,6 +88,26 @@ class TestInline:
             r = await gateway.http.get(url, headers={**auth, "Range": header})
             assert r.status_code == 416 and r.headers["content-range"] == "bytes */5000"
 
+    @pytest.mark.parametrize("ctype, body, encoding", [
+        ("text/plain; charset=utf-16", b"\xfe\xff" + "héllo".encode("utf-16-be"), "base64"),
+        # 7-bit bytes, so valid UTF-8: kept as that text, which gives the same bytes back
+        ("text/plain; charset=iso-2022-jp", b"\x1b(B" + "日本".encode("iso-2022-jp"), None),
+        ("text/plain; charset=iso-8859-1", b"caf\xe9", "base64"),
+    ])
+    async def test_text_in_another_charset_comes_back_byte_exact(
+        self, gateway: Gateway, upstream: str, start_dispatcher: Callable[[], Awaitable[Runtime]],
+        ctype: str, body: bytes, encoding: str | None,
+    ) -> None:
+        auth, done = await run_one(gateway, start_dispatcher, upstream, "/charset", headers={
+            "X-Mock-Body-Base64": [base64.b64encode(body).decode()],
+            "X-Mock-Reply-Headers": [json.dumps({"Content-Type": ctype})]})
+        assert done["result_content_type"] == ctype and done["result_bytes"] == len(body)
+        assert done["result_encoding"] == encoding  # not UTF-8: never kept as decoded text
+        assert (base64.b64decode(done["task_result"]) if encoding else
+                done["task_result"].encode()) == body
+        r = await gateway.http.get(f"/api/v1/tasks/{done['task_id']}/result", headers=auth)
+        assert r.status_code == 200 and r.content == body
+
     async def test_a_json_answer_stays_text(
         self, gateway: Gateway, upstream: str, start_dispatcher: Callable[[], Awaitable[Runtime]]
     ) -> None:
