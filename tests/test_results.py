@@ -62,6 +62,7 @@ class TestInline:
         assert r.headers["x-queue-result-status"] == "200"
         assert r.headers["etag"] == f'"{MB}-7"'
         assert r.headers["content-disposition"] == 'attachment; filename="out.bin"'
+        assert r.headers["x-content-type-options"] == "nosniff"
         assert stored_files(gateway.rt.settings) == []  # inline: nothing in the store
 
     async def test_ranges_of_an_inline_answer(
@@ -107,6 +108,30 @@ class TestInline:
                 done["task_result"].encode()) == body
         r = await gateway.http.get(f"/api/v1/tasks/{done['task_id']}/result", headers=auth)
         assert r.status_code == 200 and r.content == body
+
+    @pytest.mark.parametrize("reply, disposition", [
+        ({"Content-Type": "text/html; charset=utf-8"}, "attachment"),
+        ({"Content-Type": "IMAGE/SVG+XML"}, "attachment"),
+        ({"Content-Type": "application/xhtml+xml"}, "attachment"),
+        ({"Content-Type": "text/xml"}, "attachment"),
+        ({"Content-Type": "image/svg+xml", "Content-Disposition": "inline"}, "inline"),
+        ({"Content-Type": "text/plain"}, None),
+    ])
+    async def test_upstream_bytes_are_served_confined(
+        self, gateway: Gateway, upstream: str, start_dispatcher: Callable[[], Awaitable[Runtime]],
+        reply: dict[str, str], disposition: str | None,
+    ) -> None:
+        """Served from our origin: never sniffed, never run as our page; a document type is
+        downloaded unless the upstream said otherwise."""
+        body = b"<svg xmlns='http://www.w3.org/2000/svg'><script>alert(1)</script></svg>"
+        auth, done = await run_one(gateway, start_dispatcher, upstream, "/active", headers={
+            "X-Mock-Body-Base64": [base64.b64encode(body).decode()],
+            "X-Mock-Reply-Headers": [json.dumps(reply)]})
+        r = await gateway.http.get(f"/api/v1/tasks/{done['task_id']}/result", headers=auth)
+        assert r.status_code == 200 and r.content == body
+        assert r.headers["x-content-type-options"] == "nosniff"
+        assert r.headers["content-security-policy"] == "sandbox"
+        assert r.headers.get("content-disposition") == disposition
 
     async def test_a_json_answer_stays_text(
         self, gateway: Gateway, upstream: str, start_dispatcher: Callable[[], Awaitable[Runtime]]

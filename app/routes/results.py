@@ -23,6 +23,12 @@ from app.sending import HeldStream
 
 router = APIRouter(prefix="/api/v1", tags=["tasks"])
 RANGE = re.compile(r"^bytes[ \t]*=[ \t]*(\d*)[ \t]*-[ \t]*(\d*)$", re.IGNORECASE | re.ASCII)
+#: The upstream's bytes are served from our origin: a browser must not sniff them into
+#: something else, nor run a script in them with our origin's rights (cookies, storage).
+CONFINED = {"X-Content-Type-Options": "nosniff", "Content-Security-Policy": "sandbox"}
+#: Types a browser would render as a document (scripts included): downloaded instead, unless
+#: the upstream said how to show them (its own Content-Disposition).
+ACTIVE_TYPES = frozenset({"text/html", "image/svg+xml", "application/xhtml+xml", "text/xml"})
 RANGE_MAX_CHARS = 100  # a longer Range header is ignored (the whole body is served)
 
 
@@ -48,12 +54,14 @@ async def task_result(
                        task_status=status)
     size = meta.size if meta else len((text or "").encode())
     headers = {"X-Queue-Result-Status": fields.get("result_status_code") or "",
-               "Accept-Ranges": "bytes", "Cache-Control": "private, no-store"}
+               "Accept-Ranges": "bytes", "Cache-Control": "private, no-store", **CONFINED}
     if meta is not None:
         headers.update({k: v for k, v in (("Content-Disposition", meta.disposition),
                                           ("ETag", meta.etag)) if v})
     ctype = (meta.content_type if meta else None) or (
         "text/plain; charset=utf-8" if meta is None else "application/octet-stream")
+    if "Content-Disposition" not in headers and _active(ctype):
+        headers["Content-Disposition"] = "attachment"
     try:
         span = _range(request.headers.get("range"), size)
     except _Unsatisfiable:
@@ -92,6 +100,10 @@ async def _read(objects: ObjectStore, tid: str, status: str, ref: str, start: in
     except StoreUnavailable as exc:
         raise ApiError(503, "result_store_unavailable", f"the result store did not answer: "
                        f"{exc}", {"Retry-After": "5"}) from None
+
+
+def _active(ctype: str) -> bool:
+    return ctype.split(";", 1)[0].strip().lower() in ACTIVE_TYPES
 
 
 async def _empty() -> AsyncIterator[bytes]:
