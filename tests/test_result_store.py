@@ -161,3 +161,10 @@ async def test_an_error_of_the_body_is_the_upstreams_and_one_of_the_store_the_st
     (tmp_path / "results").write_bytes(b"")  # the store's directory is no directory now
     with pytest.raises(StoreUnavailable):
         await store.put("t/2", body(), None)
+
+
+def test_the_results_directory_is_the_gateways_alone(tmp_path: Path) -> None:
+    from app.queue.objects import ObjectStore
+
+    ObjectStore(f"file://{tmp_path}/data/results")
+    assert (tmp_path / "data" / "results").stat().st_mode & 0o777 == 0o700

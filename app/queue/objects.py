@@ -72,7 +72,8 @@ class ObjectStore:
                                                "retry_timeout": timedelta(seconds=10)})
         else:
             self.root = Path(parts.path)
-            self.root.mkdir(parents=True, exist_ok=True)
+            # Only the gateway's user may read the answers (one existing is left as it is).
+            self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
             self.store = LocalStore(self.root)
 
     @staticmethod
