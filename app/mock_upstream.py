@@ -6,7 +6,8 @@ for a status, a latency, a cookie or a body of N bytes with `X-Mock-Status` /
 `X-Mock-Latency-Ms` / `X-Mock-Set-Cookie` / `X-Mock-Body-Bytes` / `X-Mock-Reply-Headers`
 (a JSON object of headers to answer with) / `X-Mock-Binary` (`<bytes>[;seed=<n>][;type=<content
 type>][;chunked=1]`: that many pseudo-random bytes, the same for the same seed (`binary_body`),
-streamed in chunks so that even gigabytes cost the mock no memory); `X-Mock-Status-Times: N` keeps
+streamed in chunks so that even gigabytes cost the mock no memory) / `X-Mock-Body-Base64` (exactly
+those bytes, typed by a `content-type` of X-Mock-Reply-Headers); `X-Mock-Status-Times: N` keeps
 that status and those headers to the first N requests of one Idempotency-Key (a refusal that
 passes) (CONTROL_HEADERS: a task carries them only to an endpoint that lists them in
 `forward_headers`).  It records every request: `GET /_mock/stats` gives counts (and `in_flight`,
@@ -28,6 +29,7 @@ OpenAI wire format; every other path answers as above.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import json
 import random
@@ -43,7 +45,8 @@ from app.mock_openai import send_json as _send_json
 
 Scope = dict[str, Any]
 CONTROL_HEADERS = ("X-Mock-Status", "X-Mock-Latency-Ms", "X-Mock-Set-Cookie", "X-Mock-Body-Bytes",
-                   "X-Mock-Reply-Headers", "X-Mock-Status-Times", "X-Mock-Binary")
+                   "X-Mock-Reply-Headers", "X-Mock-Status-Times", "X-Mock-Binary",
+                   "X-Mock-Body-Base64")
 BINARY_CHUNK = 1 << 20
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -174,6 +177,10 @@ class MockUpstream:
             if binary := headers.get("x-mock-binary"):
                 await _send_binary(send, status, *_binary_spec(binary))
                 return
+            if raw := headers.get("x-mock-body-base64"):
+                await _send_raw(send, status, base64.b64decode(raw),
+                                json.loads(headers.get("x-mock-reply-headers", "{}")))
+                return
             reply: Any = {"ok": 200 <= status < 300, "n": len(self.log), "path": scope["path"],
                           "echo": entry["body"]}
             if size := int(headers.get("x-mock-body-bytes", 0)):
@@ -255,6 +262,17 @@ CONFIG: dict[str, Any] = {"latency_ms": float, "chunks": int, "chunk_ms": float,
 async def _disconnected(receive: Any) -> None:
     while (await receive())["type"] != "http.disconnect":
         pass
+
+
+async def _send_raw(send: Any, status: int, body: bytes, reply_headers: dict[str, str]
+                    ) -> None:
+    """Exactly `body`, with the reply headers asked for (their content-type, if any)."""
+    head = {"content-type": "application/octet-stream",
+            **{k.lower(): str(v) for k, v in reply_headers.items()},
+            "content-length": str(len(body))}
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(k.encode(), v.encode()) for k, v in head.items()]})
+    await send({"type": "http.response.body", "body": body})
 
 
 async def _send_binary(send: Any, status: int, size: int, seed: int, ctype: str,

@@ -7,6 +7,8 @@ retention, read or not.
 KEYS[1] task    KEYS[2] queue    KEYS[3] stats of the endpoint    KEYS[4] outbox (ZSet)
 KEYS[5] delivered (ZSet of ids whose SQL row may go; score = from when)    KEYS[6] active
 ARGV[1] task id    ARGV[2] user id    ARGV[3] read TTL (ms); 0 = a peek that delivers nothing
+ARGV[4] read TTL (ms) of a result in the result store (`"enc":"external"` in result_meta):
+longer, as it is fetched in pieces after the read (Range, a presigned URL)
 Returns {rank or false, measured, field, value, ...}, or {} when missing or not this user's;
 measured = {exec ms, slot ms, tasks in flight, last admission, upstream pause until, now, limited
 until, average cost, adaptive limit} of the endpoint while the task waits in line (else {}), for the wait
@@ -15,10 +17,13 @@ estimate (app/queue/tasks.py estimate_wait; in flight from the active set, KEYS[
 --@include now.lua
 
 local fields = redis.call('HGETALL', KEYS[1])
-local owner, hook
+local owner, hook, external
 for i = 1, #fields, 2 do
   if fields[i] == 'user_id' then owner = fields[i + 1] end
   if fields[i] == 'hook' then hook = true end
+  if fields[i] == 'result_meta' and string.find(fields[i + 1], '"enc":"external"', 1, true) then
+    external = true
+  end
 end
 if owner ~= ARGV[2] then return {} end
 local rank = redis.call('ZRANK', KEYS[2], ARGV[1])
@@ -26,6 +31,7 @@ if not rank then
   local status = redis.call('HGET', KEYS[1], 'status')
   if (status == 'completed' or status == 'cancelled') and not hook then
     local ttl = tonumber(ARGV[3])
+    if ttl > 0 and external then ttl = math.max(ttl, tonumber(ARGV[4])) end
     local left = redis.call('PTTL', KEYS[1])  -- -1: no TTL, still waiting for SQL
     if ttl > 0 and (left > ttl or left == -1) then
       redis.call('PEXPIRE', KEYS[1], ttl)

@@ -70,14 +70,42 @@ async def test_a_read_result_goes_with_its_task_and_a_kept_one_with_its_row(
             break
         await asyncio.sleep(0.1)
     assert row is not None and len(await _objects(gateway)) == 2
-    await asyncio.sleep(1.5)  # the read TTL of the first: Redis and SQL let it go
-    await gateway.rt.redis.delete(gateway.rt.keys.task(read))  # as its TTL would, sooner
-    assert await _sweep(gateway).run_once(grace_s=0) == 1
+    # An external result is kept past the read for minutes (Ttls.read_external_ms): make its
+    # row due now, and let its hash go as its TTL would, sooner.
+    await gateway.rt.redis.zadd(gateway.rt.keys.delivered("life"), {read: 0})
+    await gateway.rt.redis.delete(gateway.rt.keys.task(read))
+    for _ in range(100):
+        if await gateway.rt.queue.results.get(read, 1) is None:  # type: ignore[union-attr]
+            break
+        await asyncio.sleep(0.1)
+    assert await _sweep(gateway).run_once(grace_s=0) in (0, 1)  # the writer may have done it
+    assert len(await _objects(gateway)) == 1
     (left,) = await _objects(gateway)
     assert left.startswith(unread)
     janitor = Janitor(gateway.rt.engine, 1, objects=gateway.rt.objects)
     stats = await janitor.purge(cutoff=utcnow().replace(year=2100))
     assert stats.rows >= 1 and await _objects(gateway) == []
+
+
+async def test_an_external_result_outlives_the_read_ttl_for_a_resumed_download(
+    gateway: Gateway, upstream: str, dispatcher_process: Any
+) -> None:
+    """A result in the store is fetched in pieces after the status read that delivers it (a
+    resumed Range download, a presigned URL): it stays well past QGW_READ_TTL_S (1 s here),
+    where an inline one read alike is gone."""
+    auth, big = await _finished(gateway, upstream, "keep", 2 * MB, dispatcher_process)
+    small = (await gateway.submit(auth, f"{upstream}/keep", headers={
+        "X-Mock-Binary": ["1000;seed=2"]}))["task_id"]
+    done = await gateway.wait_finished(auth, [big, small], timeout=60)  # read: delivered
+    assert [d["result_encoding"] for d in done] == ["external", "base64"]
+    url = f"/api/v1/tasks/{big}/result"
+    r = await gateway.http.get(url, headers={**auth, "Range": "bytes=0-999"})
+    assert r.status_code == 206
+    await asyncio.sleep(4)  # the read TTL and the writer's deletion of delivered rows
+    assert (await gateway.http.get(f"/api/v1/tasks/{small}", headers=auth)).status_code == 404
+    r = await gateway.http.get(url, headers={**auth, "Range": f"bytes=1000-{2 * MB - 1}"})
+    assert r.status_code == 206 and len(r.content) == 2 * MB - 1000
+    assert 300_000 < await gateway.rt.redis.pttl(gateway.rt.keys.task(big)) <= 360_000
 
 
 @pytest.mark.parametrize("store_kind", ["file", "s3"])

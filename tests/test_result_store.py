@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import shutil
 import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -133,3 +136,35 @@ async def test_an_answer_over_the_limit_midway_fails_and_leaves_no_object(
     assert done["task_status"] == "failed" and done["attempts"] == 1
     assert "QGW_MAX_RESULT_BYTES" in done["task_result"]
     assert await _objects(gateway) == []
+
+
+async def test_an_error_of_the_body_is_the_upstreams_and_one_of_the_store_the_stores(
+    tmp_path: Path,
+) -> None:
+    """Both raise OSError: the upstream's connection reset while the body streams in passes
+    through as itself (a call failure, tried again as one), never `result_store_unavailable`;
+    a store that cannot write is StoreUnavailable. Nothing is left either way."""
+    from app.queue.objects import ObjectStore, StoreUnavailable
+
+    async def reset() -> AsyncIterator[bytes]:
+        yield b"x" * 1000
+        raise ConnectionResetError("reset by the upstream")
+
+    async def body() -> AsyncIterator[bytes]:
+        yield b"x" * 1000
+
+    store = ObjectStore(f"file://{tmp_path}/results")
+    with pytest.raises(ConnectionResetError, match="by the upstream"):
+        await store.put("t/1", reset(), None)
+    assert [p for p in (tmp_path / "results").rglob("*") if p.is_file()] == []
+    shutil.rmtree(tmp_path / "results")
+    (tmp_path / "results").write_bytes(b"")  # the store's directory is no directory now
+    with pytest.raises(StoreUnavailable):
+        await store.put("t/2", body(), None)
+
+
+def test_the_results_directory_is_the_gateways_alone(tmp_path: Path) -> None:
+    from app.queue.objects import ObjectStore
+
+    ObjectStore(f"file://{tmp_path}/data/results")
+    assert (tmp_path / "data" / "results").stat().st_mode & 0o777 == 0o700

@@ -62,6 +62,7 @@ class TestInline:
         assert r.headers["x-queue-result-status"] == "200"
         assert r.headers["etag"] == f'"{MB}-7"'
         assert r.headers["content-disposition"] == 'attachment; filename="out.bin"'
+        assert r.headers["x-content-type-options"] == "nosniff"
         assert stored_files(gateway.rt.settings) == []  # inline: nothing in the store
 
     async def test_ranges_of_an_inline_answer(
@@ -70,6 +71,67 @@ class TestInline:
         auth, done = await run_one(gateway, start_dispatcher, upstream, "/rng",
                                    headers={"X-Mock-Binary": ["5000;seed=3"]})
         await _check_ranges(gateway, auth, done["task_id"], expected(5000, 3))
+
+    async def test_a_malformed_range_is_ignored_or_416_never_500(
+        self, gateway: Gateway, upstream: str, start_dispatcher: Callable[[], Awaitable[Runtime]]
+    ) -> None:
+        auth, done = await run_one(gateway, start_dispatcher, upstream, "/badrange",
+                                   headers={"X-Mock-Binary": ["5000;seed=3"]})
+        url, want = f"/api/v1/tasks/{done['task_id']}/result", expected(5000, 3)
+        for header in ("bytes=" + "9" * 5000 + "-", "bytes=-" + "9" * 5000, "bytes=0-" + "9" * 200,
+                       "bytes=x-y", "items=0-5", "bytes=5-3", "bytes=0-1,5-6", "bytes=-",
+                       "bytes=٣-"):
+            r = await gateway.http.get(url, headers={**auth, "Range": header.encode("utf-8")})
+            assert r.status_code == 200 and r.content == want, header[:20]
+        r = await gateway.http.get(url, headers={**auth, "Range": "BYTES = 10-19"})
+        assert r.status_code == 206 and r.content == want[10:20]
+        for header in ("bytes=-0", "bytes=" + "9" * 80 + "-"):
+            r = await gateway.http.get(url, headers={**auth, "Range": header})
+            assert r.status_code == 416 and r.headers["content-range"] == "bytes */5000"
+
+    @pytest.mark.parametrize("ctype, body, encoding", [
+        ("text/plain; charset=utf-16", b"\xfe\xff" + "héllo".encode("utf-16-be"), "base64"),
+        # 7-bit bytes, so valid UTF-8: kept as that text, which gives the same bytes back
+        ("text/plain; charset=iso-2022-jp", b"\x1b(B" + "日本".encode("iso-2022-jp"), None),
+        ("text/plain; charset=iso-8859-1", b"caf\xe9", "base64"),
+    ])
+    async def test_text_in_another_charset_comes_back_byte_exact(
+        self, gateway: Gateway, upstream: str, start_dispatcher: Callable[[], Awaitable[Runtime]],
+        ctype: str, body: bytes, encoding: str | None,
+    ) -> None:
+        auth, done = await run_one(gateway, start_dispatcher, upstream, "/charset", headers={
+            "X-Mock-Body-Base64": [base64.b64encode(body).decode()],
+            "X-Mock-Reply-Headers": [json.dumps({"Content-Type": ctype})]})
+        assert done["result_content_type"] == ctype and done["result_bytes"] == len(body)
+        assert done["result_encoding"] == encoding  # not UTF-8: never kept as decoded text
+        assert (base64.b64decode(done["task_result"]) if encoding else
+                done["task_result"].encode()) == body
+        r = await gateway.http.get(f"/api/v1/tasks/{done['task_id']}/result", headers=auth)
+        assert r.status_code == 200 and r.content == body
+
+    @pytest.mark.parametrize("reply, disposition", [
+        ({"Content-Type": "text/html; charset=utf-8"}, "attachment"),
+        ({"Content-Type": "IMAGE/SVG+XML"}, "attachment"),
+        ({"Content-Type": "application/xhtml+xml"}, "attachment"),
+        ({"Content-Type": "text/xml"}, "attachment"),
+        ({"Content-Type": "image/svg+xml", "Content-Disposition": "inline"}, "inline"),
+        ({"Content-Type": "text/plain"}, None),
+    ])
+    async def test_upstream_bytes_are_served_confined(
+        self, gateway: Gateway, upstream: str, start_dispatcher: Callable[[], Awaitable[Runtime]],
+        reply: dict[str, str], disposition: str | None,
+    ) -> None:
+        """Served from our origin: never sniffed, never run as our page; a document type is
+        downloaded unless the upstream said otherwise."""
+        body = b"<svg xmlns='http://www.w3.org/2000/svg'><script>alert(1)</script></svg>"
+        auth, done = await run_one(gateway, start_dispatcher, upstream, "/active", headers={
+            "X-Mock-Body-Base64": [base64.b64encode(body).decode()],
+            "X-Mock-Reply-Headers": [json.dumps(reply)]})
+        r = await gateway.http.get(f"/api/v1/tasks/{done['task_id']}/result", headers=auth)
+        assert r.status_code == 200 and r.content == body
+        assert r.headers["x-content-type-options"] == "nosniff"
+        assert r.headers["content-security-policy"] == "sandbox"
+        assert r.headers.get("content-disposition") == disposition
 
     async def test_a_json_answer_stays_text(
         self, gateway: Gateway, upstream: str, start_dispatcher: Callable[[], Awaitable[Runtime]]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from app.queue.objects import SIGNED_MARGIN_S, SIGNED_S
 from app.settings import Settings
 
 
@@ -19,8 +20,13 @@ class Ttls:
     pending_ms: int
     done_ms: int
     read_ms: int
+    #: A read result in the result store (`external`) stays longer: it is fetched in pieces
+    #: after the read (a resumed Range download, a presigned URL valid SIGNED_S), which a
+    #: row and object gone at the read TTL would cut short with a 404.
+    read_external_ms: int
 
     @classmethod
     def of(cls, settings: Settings) -> Ttls:
-        return cls(settings.pending_ttl_s * 1000, settings.done_ttl_s * 1000,
-                   settings.read_ttl_s * 1000)
+        read_ms = settings.read_ttl_s * 1000
+        return cls(settings.pending_ttl_s * 1000, settings.done_ttl_s * 1000, read_ms,
+                   max(read_ms, (SIGNED_S + SIGNED_MARGIN_S) * 1000))

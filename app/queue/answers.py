@@ -1,7 +1,7 @@
 """A finished call's answer as the task keeps it: its bytes and what describes them.
 
 The bytes stay what the upstream sent. In the task hash (and the SQL row) a body that is text
-(valid in its charset, of a textual type) stays text, as the go-zero clients read
+(valid UTF-8, of a textual type) stays text, as the go-zero clients read
 `task_result`; any other is kept in base64 (the Redis connections decode replies as UTF-8, and
 the SQL column is text), and one larger than QGW_RESULT_INLINE_BYTES lives in the result store
 (app/queue/results.py), the task keeping only its key. What describes the body travels as one
@@ -90,15 +90,11 @@ def external(ref: str, size: int, headers: dict[str, str]) -> ResultMeta:
 
 
 def as_text(body: bytes, content_type: str | None) -> str | None:
-    """The body as text when it is text: a textual type, valid in its declared charset (UTF-8
-    when none is declared). None otherwise: never a character replaced."""
+    """The body as text when it is valid UTF-8 of a textual type, whatever charset it
+    declares; None otherwise (kept in base64). Text in another charset is not kept decoded:
+    its encoder does not always give back the bytes its decoder read (UTF-16's BOM and byte
+    order, ISO-2022-JP's escape sequences), and a reader of `task_result` expects UTF-8."""
     if not textual(content_type):
-        return None
-    try:
-        return body.decode(charset(content_type) or "utf-8")
-    except LookupError:  # a charset Python does not know: the bytes may still be UTF-8
-        pass
-    except UnicodeDecodeError:
         return None
     try:
         return body.decode("utf-8")
@@ -107,16 +103,10 @@ def as_text(body: bytes, content_type: str | None) -> str | None:
 
 
 def body_of(text: str | None, meta: ResultMeta | None) -> bytes:
-    """The inline body's bytes back from the task's fields."""
+    """The inline body's bytes back from the task's fields (text is kept only when it was
+    UTF-8: as_text)."""
     if text is None:
         return b""
     if meta is not None and meta.encoding == BASE64:
         return base64.b64decode(text)
-    if meta is not None and meta.content_type:
-        cs = charset(meta.content_type)
-        if cs:
-            try:
-                return text.encode(cs)
-            except (LookupError, UnicodeEncodeError):
-                pass
     return text.encode("utf-8")

@@ -34,6 +34,8 @@ from obstore.store import LocalStore, S3Store
 PART_BYTES = 5 << 20  # an S3 part (5 MiB at least); two in flight bound an upload's memory
 PARTS_IN_FLIGHT = 2
 READ_CHUNK = 64 << 10  # what a read hands on at a time: about what a stalled reader pins
+SIGNED_S = 300  # how long a presigned URL (`/result?redirect=1`) stays valid
+SIGNED_MARGIN_S = 60  # a download that began just before its URL expired, to finish
 
 
 class StoreUnavailable(Exception):
@@ -70,7 +72,8 @@ class ObjectStore:
                                                "retry_timeout": timedelta(seconds=10)})
         else:
             self.root = Path(parts.path)
-            self.root.mkdir(parents=True, exist_ok=True)
+            # Only the gateway's user may read the answers (one existing is left as it is).
+            self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
             self.store = LocalStore(self.root)
 
     @staticmethod
@@ -83,12 +86,15 @@ class ObjectStore:
         store is StoreUnavailable; one raised by `chunks` passes through; either way no
         object is left (a multipart upload is aborted, else the sweep takes it)."""
         attrs: Any = {"Content-Type": content_type} if content_type and self.s3 else None
+        producer = _Producer(chunks)
         try:
-            await obstore.put_async(self.store, key, chunks, attributes=attrs,
+            await obstore.put_async(self.store, key, producer, attributes=attrs,
                                     use_multipart=True, chunk_size=PART_BYTES,
                                     max_concurrency=PARTS_IN_FLIGHT)
         except BaseException as exc:  # a timeout's cancellation too: nothing half-written
             await asyncio.shield(self.discard(key))
+            if producer.failed is not None:  # the body's own error (an OSError of the
+                raise producer.failed from None  # upstream's connection too): not the store's
             if isinstance(exc, Exception) and _ours(exc):
                 raise StoreUnavailable(f"{type(exc).__name__}: {exc}"[:500]) from exc
             raise
@@ -156,8 +162,31 @@ class ObjectStore:
             raise StoreUnavailable(f"{type(exc).__name__}: {exc}"[:500]) from exc
 
 
+class _Producer:
+    """The chunks of a put, remembering an error they raised. The store's I/O and the
+    upstream's connection both raise OSError, so its type cannot say whose an error is: one
+    raised while the body was being read is the upstream's (the call failed, and is tried
+    again as such), never `result_store_unavailable`."""
+
+    def __init__(self, chunks: AsyncIterable[bytes]) -> None:
+        self.chunks = aiter(chunks)
+        self.failed: BaseException | None = None
+
+    def __aiter__(self) -> _Producer:
+        return self
+
+    async def __anext__(self) -> bytes:
+        try:
+            return await anext(self.chunks)
+        except StopAsyncIteration:
+            raise
+        except BaseException as exc:
+            self.failed = exc
+            raise
+
+
 def _ours(exc: Exception) -> bool:
-    """An error of the store (obstore's own, or I/O), not one of the body's producer."""
+    """An error of the store (obstore's own, or its I/O), the body's excepted (_Producer)."""
     return type(exc).__module__.startswith("obstore") or isinstance(exc, OSError)
 
 

@@ -228,7 +228,8 @@ class TaskQueue:
         k, e = self.keys, endpoint_of(task_id)
         res = await self.scripts.status.repeatable(
             keys=[k.task(task_id), *k.of(e, "queue", "stats", "outbox", "delivered", "active")],
-            args=[task_id, user_id, self.ttls.read_ms if deliver else 0],
+            args=[task_id, user_id, self.ttls.read_ms if deliver else 0,
+                  self.ttls.read_external_ms],
         )
         if not res:
             return await self._finished_fields(user_id, task_id, deliver), None, None
@@ -345,7 +346,10 @@ class TaskQueue:
         copy: it goes once the read TTL has passed (NX: reading again does not postpone it)."""
         row = await self._finished_row(user_id, task_id)
         if deliver and row.status not in DEAD_LETTERS:  # those stay for operators
-            due = int(time.time() * 1000) + self.ttls.read_ms  # seconds of skew do not matter
+            meta = ResultMeta.loads(row.result_meta)
+            ttl = self.ttls.read_external_ms if meta and meta.encoding == EXTERNAL else \
+                self.ttls.read_ms
+            due = int(time.time() * 1000) + ttl  # seconds of skew do not matter
             await self.redis.zadd(self.keys.delivered(endpoint_of(task_id)), {task_id: due},
                                   nx=True)
         return fields_of(row)

@@ -17,13 +17,19 @@ from fastapi.responses import Response
 from app.auth import api_key, runtime_of
 from app.errors import ApiError
 from app.queue.answers import EXTERNAL, ResultMeta, body_of
-from app.queue.objects import ObjectStore, StoreUnavailable
+from app.queue.objects import SIGNED_S, ObjectStore, StoreUnavailable
 from app.routes.tasks import ERRORS, _checked
 from app.sending import HeldStream
 
 router = APIRouter(prefix="/api/v1", tags=["tasks"])
-RANGE = re.compile(r"^bytes=(\d*)-(\d*)$")
-SIGNED_S = 300  # how long a presigned URL of `?redirect=1` stays valid
+RANGE = re.compile(r"^bytes[ \t]*=[ \t]*(\d*)[ \t]*-[ \t]*(\d*)$", re.IGNORECASE | re.ASCII)
+#: The upstream's bytes are served from our origin: a browser must not sniff them into
+#: something else, nor run a script in them with our origin's rights (cookies, storage).
+CONFINED = {"X-Content-Type-Options": "nosniff", "Content-Security-Policy": "sandbox"}
+#: Types a browser would render as a document (scripts included): downloaded instead, unless
+#: the upstream said how to show them (its own Content-Disposition).
+ACTIVE_TYPES = frozenset({"text/html", "image/svg+xml", "application/xhtml+xml", "text/xml"})
+RANGE_MAX_CHARS = 100  # a longer Range header is ignored (the whole body is served)
 
 
 @router.get("/tasks/{task_id}/result", responses={
@@ -48,12 +54,14 @@ async def task_result(
                        task_status=status)
     size = meta.size if meta else len((text or "").encode())
     headers = {"X-Queue-Result-Status": fields.get("result_status_code") or "",
-               "Accept-Ranges": "bytes", "Cache-Control": "private, no-store"}
+               "Accept-Ranges": "bytes", "Cache-Control": "private, no-store", **CONFINED}
     if meta is not None:
         headers.update({k: v for k, v in (("Content-Disposition", meta.disposition),
                                           ("ETag", meta.etag)) if v})
     ctype = (meta.content_type if meta else None) or (
         "text/plain; charset=utf-8" if meta is None else "application/octet-stream")
+    if "Content-Disposition" not in headers and _active(ctype):
+        headers["Content-Disposition"] = "attachment"
     try:
         span = _range(request.headers.get("range"), size)
     except _Unsatisfiable:
@@ -94,6 +102,10 @@ async def _read(objects: ObjectStore, tid: str, status: str, ref: str, start: in
                        f"{exc}", {"Retry-After": "5"}) from None
 
 
+def _active(ctype: str) -> bool:
+    return ctype.split(";", 1)[0].strip().lower() in ACTIVE_TYPES
+
+
 async def _empty() -> AsyncIterator[bytes]:
     return
     yield b""  # pragma: no cover - makes this an async generator
@@ -105,10 +117,12 @@ class _Unsatisfiable(Exception):
 
 def _range(header: str | None, size: int) -> tuple[int, int] | None:
     """One `bytes=` range as (start, end exclusive); None to serve the whole body (no range,
-    or one we do not serve: several ranges, another unit); _Unsatisfiable outside it."""
-    if not header:
+    one we do not serve: several ranges, another unit, or an invalid one, which RFC 9110
+    says to ignore); _Unsatisfiable outside it. A header longer than any sane range is
+    ignored before a digit is read: int() of thousands of digits raises (a 500 otherwise)."""
+    if not header or len(header) > RANGE_MAX_CHARS:
         return None
-    m = RANGE.match(header.strip().replace(" ", ""))
+    m = RANGE.match(header.strip())
     if m is None or (not m[1] and not m[2]):
         return None
     if not m[1]:  # the last N bytes
@@ -117,7 +131,8 @@ def _range(header: str | None, size: int) -> tuple[int, int] | None:
             raise _Unsatisfiable
         return max(0, size - n), size
     start = int(m[1])
-    end = min(size, int(m[2]) + 1) if m[2] else size
-    if start >= size or (m[2] and int(m[2]) < start):
+    if m[2] and int(m[2]) < start:  # invalid (last before first): ignored
+        return None
+    if start >= size:
         raise _Unsatisfiable
-    return start, end
+    return start, min(size, int(m[2]) + 1) if m[2] else size
