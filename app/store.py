@@ -15,6 +15,7 @@ from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from pydantic import ValidationError
 from redis.exceptions import RedisError
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
@@ -24,7 +25,7 @@ from app.core.loop import STORE_ERRORS
 from app.core.registry import Mirror
 from app.db import SQL_JOB_TIMEOUT_S, ApiKeyRow, EndpointRow, bounded, sessions, utcnow
 from app.endpoints import EndpointConfig
-from app.errors import ApiError
+from app.errors import ApiError, describe
 from app.models import MAX_PRIORITY
 from app.secrets import AS_IS, Keyring, NotSealable, Undecryptable
 from app.webhooks import new_secret
@@ -162,7 +163,10 @@ class EndpointStore(_Store):
             if "upstream_headers" in changes:
                 merged["upstream_headers"] = self._sealed(
                     endpoint_id, changes["upstream_headers"], row.upstream_headers or {})
-            config = EndpointConfig.model_validate(merged)
+            try:  # each change was checked alone; together they may still disagree
+                config = EndpointConfig.model_validate(merged)
+            except ValidationError as exc:
+                raise ApiError(422, "invalid_request", describe(exc)) from None
             self._check_url_free(config)
             for field, value in _held(config).items():
                 setattr(row, field, value)

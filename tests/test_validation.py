@@ -236,3 +236,35 @@ async def test_validation_errors_name_the_field_and_say_what_is_expected(
     r = await gw.http.post("/admin/v1/endpoints", headers=gw.admin, content=b"[]")
     _is_error(r, 422)
     assert "pattern" not in r.json()["error"]["message"], r.text
+
+
+async def test_endpoint_changes_that_disagree_together_are_422_not_500(
+    ready: tuple[Gateway, dict[str, str], str]
+) -> None:
+    """Each field valid alone, the whole endpoint not (adaptive with no maximum): found by
+    schemathesis as a 500 on PUT and PATCH."""
+    gateway, _, _ = ready
+    admin, path = gateway.admin, "/admin/v1/endpoints/v"
+    r = await gateway.http.patch(path, headers=admin,
+                                 json={"concurrency": "adaptive", "max_concurrency": 0})
+    assert r.status_code == 422 and r.json()["error"]["code"] == "invalid_request", r.text
+    assert "max_concurrency" in r.json()["error"]["message"]
+    whole = (await gateway.http.get(path, headers=admin)).json()
+    whole.pop("id", None)
+    r = await gateway.http.put(path, headers=admin,
+                               json={**whole, "concurrency": "adaptive", "max_concurrency": 0})
+    assert r.status_code == 422, r.text
+    assert (await gateway.http.get(path, headers=admin)).json()["concurrency"] == "fixed"
+
+
+async def test_a_task_search_takes_times_only_as_iso_8601(
+    ready: tuple[Gateway, dict[str, str], str]
+) -> None:
+    gateway, _, _ = ready
+    for value in ("0.5", "1700000000", "-3"):
+        r = await gateway.http.get("/admin/v1/tasks", headers=gateway.admin,
+                                   params={"until": value})
+        assert r.status_code == 422, (value, r.text)
+    r = await gateway.http.get("/admin/v1/tasks", headers=gateway.admin,
+                               params={"since": "2026-11-25T10:00:00Z"})
+    assert r.status_code == 200, r.text

@@ -7,7 +7,7 @@ from datetime import datetime
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Query
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from app.auth import admin, runtime
 from app.errors import ApiError, expects
@@ -33,14 +33,27 @@ def _known(rt: Runtime, endpoint_id: str) -> None:
 ID_PREFIX = r"^[0-9a-z._-]{1,97}$"
 
 
+def _iso_only(value: object) -> object:
+    """A number is no time here: pydantic would read "0.5" as seconds since 1970, which the
+    OpenAPI document (a date-time string) does not allow."""
+    if isinstance(value, int | float) or (
+            isinstance(value, str) and value.strip().lstrip("+-").replace(".", "", 1).isdigit()):
+        raise ValueError("an ISO 8601 date-time is expected, e.g. 2026-11-25T10:00:00Z")
+    return value
+
+
+#: A time of the filter: ISO 8601 only.
+IsoTime = Annotated[datetime, BeforeValidator(_iso_only)]
+
+
 class TaskFilterIn(BaseModel):
     """The filter of a bulk retry or cancel (the search's query parameters, as JSON)."""
 
     model_config = ConfigDict(extra="forbid")
     status: Status | None = None
     endpoint: str | None = Field(None, min_length=1, max_length=64)
-    since: datetime | None = None
-    until: datetime | None = None
+    since: IsoTime | None = None
+    until: IsoTime | None = None
     id: str | None = Field(None, pattern=ID_PREFIX)
 
     def filter(self) -> TaskFilter:
@@ -54,7 +67,7 @@ class TaskFilterIn(BaseModel):
 async def search_tasks(
     rt: Rt, status: Status | None = None,
     endpoint: Annotated[str | None, Query(min_length=1, max_length=64)] = None,
-    since: datetime | None = None, until: datetime | None = None,
+    since: IsoTime | None = None, until: IsoTime | None = None,
     id: Annotated[str | None, Query(pattern=ID_PREFIX)] = None,
     limit: Annotated[int, Query(ge=1, le=listing.MAX_LIMIT)] = 50,
     cursor: Annotated[str | None, Query(max_length=200, pattern=r"^-?\d{1,19}:\S+$")] = None,
