@@ -38,7 +38,9 @@ def test_make_run_needs_only_a_python_that_can_make_a_venv(tmp_path: Path) -> No
     script = str(ROOT / "scripts" / "system-deps")
     runuser = shutil.which("runuser") or "/usr/sbin/runuser"
     as_user = [runuser, "-u", "nobody", "--"] if os.getuid() == 0 else []
-    done = subprocess.run([*as_user, "/bin/bash", script, "run"], capture_output=True,
+    # On stdin: `nobody` may not read a clone in a private directory (mktemp -d is 0700).
+    done = subprocess.run([*as_user, "/bin/bash", "-s", "run"], capture_output=True,
+                          input=Path(script).read_bytes(),
                           env={"PATH": str(tmp_path), "PYTHON": "/nonexistent/python3"},
                           cwd="/", timeout=30)
     assert done.returncode == 1
