@@ -187,7 +187,11 @@ def _query(status: str, f: TaskFilter, limit: int, after: Cursor | None, dialect
         q = q.where(T.c.task_id.op("GLOB")(f.id_prefix + "*") if dialect == "sqlite"
                     else T.c.task_id.like(f.id_prefix.replace("_", r"\_") + "%", escape="\\"))
     if after is not None:
-        at = from_ms(after.at)
+        try:  # a cursor of the Redis lists may lie outside what a datetime holds
+            at = from_ms(after.at)
+        except (OverflowError, ValueError):
+            raise ApiError(422, "bad_cursor", "cursor must be a next_cursor this route gave"
+                           ) from None
         # `ended_at <= at` on its own bounds the index range: with only the OR, SQLite walks
         # the status's rows from the newest down to the cursor (bench/search.py: 8x slower
         # a few pages in).
