@@ -9,7 +9,9 @@ other standard `OTEL_*` variables as the SDK reads them, each task makes one tra
 - `queued` (dispatcher): from the submit (the time in the task's uuid7 id) to the claim;
 - `call` (dispatcher, CLIENT): the business API call, with the `http.*` semantic conventions;
   the upstream gets this span's `traceparent`;
-- `ack` (dispatcher): the task's end written to Redis (or its retry set aside).
+- `ack` (dispatcher): the task's end written to Redis (or its retry set aside);
+- `outbox` (dispatcher): the SQL transaction that keeps the finished task's record, one span
+  per task of the batch (their times are the batch's).
 
 Unset, nothing is imported or allocated: the hot paths test the module-level ENABLED.
 """
@@ -160,6 +162,21 @@ class TaskTrace:
         with _tracer().start_as_current_span(name, context=self.parent,
                                              attributes=self.attributes) as span:
             yield span
+
+
+def outbox_spans(endpoint: str, db_system: str, contexts: Mapping[str, str | None],
+                 start_ns: int) -> None:
+    """The `outbox` spans of one committed batch: each task's, in its own trace (its stored
+    headers hold the `submit` span's context), ending now."""
+    end_ns = time.time_ns()
+    tracer = _tracer()
+    for task_id, headers_json in contexts.items():
+        span = tracer.start_span("outbox", context=_task_context(headers_json or ""),
+                                 start_time=start_ns, attributes={
+                                     "qgw.task_id": task_id, "qgw.endpoint": endpoint,
+                                     "db.system": db_system, "db.operation.name": "upsert",
+                                     "qgw.batch_tasks": len(contexts)})
+        span.end(end_time=end_ns)
 
 
 def with_headers(headers_json: str, trace_headers: dict[str, str]) -> str:

@@ -128,25 +128,26 @@ def test_one_trace_per_task_across_api_and_dispatcher(
             **auth, "traceparent": f"00-{caller_trace}-{caller_span}-01"}).json()["task_id"]
         alone = httpx.post(f"{base}/api/v1/tasks", json={"target_url": target},
                            headers=auth).json()["task_id"]
+        # Not read while running: a task its owner read skips the outbox (delivered).
+        _wait(lambda: sum(s.name == "outbox" for s in receiver.spans) >= 2)
         for tid in (joined, alone):
-            _wait(lambda t=tid: httpx.get(f"{base}/api/v1/tasks/{t}", headers=auth)
-                  .json()["task_status"] == "completed")
+            assert httpx.get(f"{base}/api/v1/tasks/{tid}", headers=auth
+                             ).json()["task_status"] == "completed"
         called = {c["idempotency_key"]: c["headers"] for c in mock_log(fresh_upstream)}
         stop(dispatcher)
     finally:
         stop(api)
-    _wait(lambda: sum(s.name == "ack" for s in receiver.spans) >= 2)
 
     by_task = {tid: [s for s in receiver.spans if s.attributes.get("qgw.task_id") == tid]
                for tid in (joined, alone)}
     for tid, spans in by_task.items():
         names = {s.name: s for s in spans}
-        assert set(names) == {"submit", "queued", "call", "ack"}, (tid, spans)
+        assert set(names) == {"submit", "queued", "call", "ack", "outbox"}, (tid, spans)
         submit = names["submit"]
         assert len({s.trace_id for s in spans}) == 1  # one trace per task
         assert submit.resource["qgw.role"] == "api"
         assert submit.resource["service.name"] == "qgw-test"
-        for name in ("queued", "call", "ack"):  # children of submit, from the other process
+        for name in ("queued", "call", "ack", "outbox"):  # children of submit, elsewhere
             s = names[name]
             assert s.parent == submit.span_id, name
             assert s.resource["qgw.role"] == "dispatcher"
@@ -157,6 +158,9 @@ def test_one_trace_per_task_across_api_and_dispatcher(
         assert call.attributes["url.full"] == target
         assert call.attributes["http.response.status_code"] == 200
         assert names["queued"].start_ns <= call.start_ns
+        outbox = names["outbox"]  # the SQL write of the finished task, after its ack
+        assert outbox.attributes["db.system"] == "sqlite"
+        assert names["ack"].start_ns <= outbox.end_ns and outbox.start_ns <= outbox.end_ns
         # The upstream got the call span's context, not the caller's nor the submit's.
         trace_id, parent = called[tid]["traceparent"].split("-")[1:3]
         assert (trace_id, parent) == (call.trace_id, call.span_id)

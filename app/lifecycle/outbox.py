@@ -102,6 +102,12 @@ class Outbox:
         return {t: dict(zip(REQUEST_FIELDS, r, strict=True))
                 for t, r in zip(task_ids, replies, strict=True)}
 
+    async def headers(self, task_ids: list[str]) -> dict[str, str | None]:
+        """The stored request headers of these tasks (their trace context), one reply."""
+        replies = await self._rows(keys=[self.keys.task(t) for t in task_ids],
+                                   args=["headers"])
+        return {t: r[0] for t, r in zip(task_ids, replies, strict=True)}
+
     async def saved(self, waiting: Waiting, task_ids: list[str], done_ms: int) -> None:
         """These tasks' rows committed (or they can never have one): out of the outbox."""
         if not task_ids:

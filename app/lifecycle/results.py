@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -28,6 +29,7 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.exc import DataError, DBAPIError, IntegrityError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from app import tracing
 from app.core.keys import Keys
 from app.core.loop import STORE_ERRORS
 from app.core.registry import EndpointRegistry
@@ -157,6 +159,7 @@ class OutboxWriter:
                 return written
 
     async def _write_batch(self, waiting: Waiting) -> int:
+        started_ns = time.time_ns() if tracing.ENABLED else 0
         records = await self.outbox.fetch(waiting)
         rows = []
         for task_id, rec in records.items():
@@ -189,6 +192,10 @@ class OutboxWriter:
                         # SQL has the row without the result, or no row at all.
                         await self.outbox.refused(row["endpoint"], row["task_id"],
                                                   records[row["task_id"]] or {})
+        if tracing.ENABLED and rows:  # before `saved` (which starts the hashes' done TTL)
+            contexts = await self.outbox.headers([row["task_id"] for row in rows])
+            tracing.outbox_spans(waiting.endpoint, self.store.engine.dialect.name, contexts,
+                                 started_ns)
         # Only now, after the commit: a crash before this line only repeats the upserts.
         await self.outbox.saved(waiting, list(records), self.done_ms)
         return len(rows)
