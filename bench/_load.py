@@ -70,6 +70,8 @@ async def hammer(
     return out
 
 
-def spawn(args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(args, env={**os.environ, **(env or {})}, cwd=ROOT,
+def spawn(args: list[str], env: dict[str, str] | None = None,
+          cwd: Path = ROOT) -> subprocess.Popen[bytes]:
+    """A process of the gateway (`cwd`: the tree whose `app` `python -m app` runs)."""
+    return subprocess.Popen(args, env={**os.environ, **(env or {})}, cwd=cwd,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -7,7 +7,12 @@ them, and ends when all N are completed. CPU time is the utime + stime delta of 
 (and its children) from /proc/<pid>/stat over the round, divided by N; the mock's is shown
 apart, as what the business API itself would spend. Median of the rounds.
 Loopback only, bounded: a round gives up after 120 s.
-Usage: python bench/e2e_cpu.py [--tasks N] [--rounds R] [--in-flight F]
+
+`--otel` runs the gateway a second time, in the same run, with OpenTelemetry on (spans exported
+over OTLP/HTTP to a sink in this process), and `--baseline REV` once more from another commit
+(a temporary git worktree, e.g. the one before a change): each configuration is printed with its
+ratio of gateway CPU to the first, tracing off at HEAD.
+Usage: python bench/e2e_cpu.py [--tasks N] [--rounds R] [--in-flight F] [--otel] [--baseline REV]
 """
 
 from __future__ import annotations
@@ -16,20 +21,22 @@ import argparse
 import asyncio
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
+from aiohttp import web
 from redis.asyncio import Redis
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from app import migrate
 from app.embedded import EmbeddedRedis
-from bench._load import spawn
+from bench._load import ROOT, spawn
 from bench.submit_dispatch import ADMIN, completed, setup_gateway
 from tests.servers import QGW, free_port, stop, wait_port
 
@@ -111,20 +118,29 @@ async def one_round(
     return out
 
 
-async def main(n: int, rounds: int, in_flight: int) -> None:
+@dataclass(frozen=True)
+class Config:
+    label: str
+    tree: Path = ROOT  # the checkout whose `app` runs
+    env: dict[str, str] = field(default_factory=dict)
+
+
+async def measure(cfg: Config, n: int, rounds: int, in_flight: int) -> dict[str, float]:
+    """The median of `rounds` rounds on a gateway of its own (Redis, database, processes)."""
     with tempfile.TemporaryDirectory(prefix="qgw-e2e-") as tmp:
         root = Path(tmp)
         embedded = EmbeddedRedis(root / "redis")
         redis_url = await embedded.start()
         assert embedded.proc is not None
-        db = f"sqlite+aiosqlite:///{root}/qgw.db"
-        await asyncio.to_thread(migrate.upgrade, db)
-        env = {"QGW_REDIS_URL": redis_url, "QGW_DATABASE_URL": db, "QGW_DATA_DIR": tmp,
-               "QGW_ADMIN_TOKEN": ADMIN, "QGW_LOG_LEVEL": "warning", "QGW_KEY_PREFIX": PREFIX}
+        env = {"QGW_REDIS_URL": redis_url, "QGW_DATABASE_URL": f"sqlite+aiosqlite:///{root}/qgw.db",
+               "QGW_DATA_DIR": tmp, "QGW_ADMIN_TOKEN": ADMIN, "QGW_LOG_LEVEL": "warning",
+               "QGW_KEY_PREFIX": PREFIX, **cfg.env}
+        if spawn([*QGW, "migrate"], env, cwd=cfg.tree).wait(120) != 0:
+            raise SystemExit(f"{cfg.label}: qgw migrate failed")
         mock_port, api_port = free_port(), free_port()
         mock = spawn([*QGW, "mock-upstream", "--port", str(mock_port)])
-        api = spawn([*QGW, "api", "--port", str(api_port)], env)
-        disp = spawn([*QGW, "dispatcher"], env)
+        api = spawn([*QGW, "api", "--port", str(api_port)], env, cwd=cfg.tree)
+        disp = spawn([*QGW, "dispatcher"], env, cwd=cfg.tree)
         try:
             wait_port(mock_port, 30, mock)
             wait_port(api_port, 30, api)
@@ -137,25 +153,67 @@ async def main(n: int, rounds: int, in_flight: int) -> None:
             results = []
             for i in range(rounds):
                 res = await one_round(*args, n, in_flight, redis_url)
-                print(f"  round {i + 1}: " + "  ".join(f"{k}={v:.1f}" for k, v in res.items()),
-                      flush=True)
+                print(f"  {cfg.label} round {i + 1}: "
+                      + "  ".join(f"{k}={v:.1f}" for k, v in res.items()), flush=True)
                 results.append(res)
         finally:
             for proc in (disp, api, mock):
                 stop(proc)
             await asyncio.to_thread(embedded.stop)
-    report(results, n, rounds, in_flight)
+    return {k: statistics.median(r[k] for r in results) for k in results[0]}
 
 
-def report(results: list[dict[str, float]], n: int, rounds: int, in_flight: int) -> None:
-    med = {k: statistics.median(r[k] for r in results) for k in results[0]}
-    gateway = med["api"] + med["dispatcher"] + med["redis"]
+async def otlp_sink() -> tuple[web.AppRunner, str]:
+    """An OTLP/HTTP endpoint that takes every export and keeps nothing."""
+    async def take(request: web.Request) -> web.Response:
+        await request.read()
+        return web.Response(status=200, content_type="application/x-protobuf")
+
+    app = web.Application(client_max_size=64 << 20)
+    app.router.add_post("/v1/traces", take)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return runner, f"http://127.0.0.1:{port}"
+
+
+async def main(n: int, rounds: int, in_flight: int, otel: bool, baseline: str | None) -> None:
+    configs = [Config("tracing off")]
+    runner = None
+    if otel:
+        runner, sink = await otlp_sink()
+        configs.append(Config("tracing on", env={"OTEL_EXPORTER_OTLP_ENDPOINT": sink}))
+    with tempfile.TemporaryDirectory(prefix="qgw-e2e-tree-") as tmp:
+        if baseline:
+            tree = Path(tmp) / "tree"
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "-q", "--detach",
+                            str(tree), baseline], check=True)
+            configs.append(Config(f"at {baseline}", tree))
+        try:
+            measured = [(c, await measure(c, n, rounds, in_flight)) for c in configs]
+        finally:
+            if baseline:
+                subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force",
+                                str(Path(tmp) / "tree")], check=False)
+            if runner is not None:
+                await runner.cleanup()
+    report(measured, n, rounds, in_flight)
+
+
+def report(measured: list[tuple[Config, dict[str, float]]], n: int, rounds: int,
+           in_flight: int) -> None:
     print(f"\nEnd to end over HTTP: {n:,} no-op tasks, {in_flight} submits in flight, mock "
           f"upstream at latency 0, embedded valkey; median of {rounds} rounds")
-    print(f"{'tasks/s':>8} | {'CPU us/task: api':>16} | {'dispatcher':>10} | {'redis':>6} | "
-          f"{'= gateway':>9} | {'mock (apart)':>12}")
-    print(f"{med['tasks_per_s']:>8.0f} | {med['api']:>16.0f} | {med['dispatcher']:>10.0f} | "
-          f"{med['redis']:>6.0f} | {gateway:>9.0f} | {med['mock']:>12.0f}")
+    print(f"{'':>14} | {'tasks/s':>8} | {'CPU us/task: api':>16} | {'dispatcher':>10} | "
+          f"{'redis':>6} | {'= gateway':>9} | {'ratio':>5} | {'mock (apart)':>12}")
+    first = None
+    for cfg, med in measured:
+        gateway = med["api"] + med["dispatcher"] + med["redis"]
+        first = first or gateway
+        print(f"{cfg.label:>14} | {med['tasks_per_s']:>8.0f} | {med['api']:>16.0f} | "
+              f"{med['dispatcher']:>10.0f} | {med['redis']:>6.0f} | {gateway:>9.0f} | "
+              f"{gateway / first:>5.2f} | {med['mock']:>12.0f}")
 
 
 if __name__ == "__main__":
@@ -163,5 +221,9 @@ if __name__ == "__main__":
     p.add_argument("--tasks", type=int, default=5000)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--in-flight", type=int, default=50)
+    p.add_argument("--otel", action="store_true",
+                   help="also with OpenTelemetry on, exporting to a sink in this process")
+    p.add_argument("--baseline", metavar="REV",
+                   help="also the gateway of another commit (e.g. before a change)")
     a = p.parse_args()
-    asyncio.run(main(a.tasks, a.rounds, a.in_flight))
+    asyncio.run(main(a.tasks, a.rounds, a.in_flight, a.otel, a.baseline))
