@@ -178,6 +178,31 @@ def cluster(manifests: dict[tuple[str, str], dict[str, Any]], tmp: Path, db_url:
             stop(proc)
 
 
+def test_the_first_apply_brings_everything_the_migrate_job_needs(
+    manifests: dict[tuple[str, str], dict[str, Any]],
+) -> None:
+    """Step 1 of a fresh install applies only `-l queue-gateway/first-apply=true`: the Job and
+    the ServiceAccount and ConfigMap its pod names (the Secret is the operator's, made before),
+    and for Argo CD these are PreSync hooks made in an earlier wave than the Job."""
+    first = {key for key, doc in manifests.items()
+             if doc["metadata"].get("labels", {}).get("queue-gateway/first-apply") == "true"}
+    job = manifests[("Job", "qgw-migrate")]
+    pod = _pod(job)
+    needed = {("Job", "qgw-migrate"), ("ServiceAccount", pod["serviceAccountName"])}
+    for container in pod["containers"]:
+        needed |= {("ConfigMap", ref["configMapRef"]["name"])
+                   for ref in container.get("envFrom", []) if "configMapRef" in ref}
+    assert len(needed) == 3 and needed <= first, (needed, first)
+
+    def wave(key: tuple[str, str]) -> int:
+        notes = manifests[key]["metadata"].get("annotations", {})
+        assert notes.get("argocd.argoproj.io/hook") == "PreSync", key
+        return int(notes.get("argocd.argoproj.io/sync-wave", "0"))
+
+    job_wave = wave(("Job", "qgw-migrate"))
+    assert all(wave(key) < job_wave for key in needed - {("Job", "qgw-migrate")})
+
+
 def test_every_container_and_probe_of_the_overlay_runs_and_carries_a_task(
     manifests: dict[tuple[str, str], dict[str, Any]], tmp_path: Path, mariadb: MariaDB,
     redis_server: RedisServer, upstream: str,
