@@ -30,7 +30,8 @@ from app.runtime import Runtime
 from app.sending import SendDeadline
 
 # FastAPI 0.165+ looks for OpenTelemetry providers (environment reads) on every request, a
-# tenth of a submit's CPU; the gateway exports its own /metrics and no spans.
+# tenth of a submit's CPU; the gateway exports its own /metrics and its own spans
+# (app/tracing.py).
 _NO_TELEMETRY: dict[str, Any] = (
     {"telemetry": {"tracing": False, "metrics": False, "logs": False}}
     if "telemetry" in inspect.signature(FastAPI.__init__).parameters else {})

@@ -42,7 +42,8 @@ _LE = [*(f"{b / 1000:g}" for b in BOUNDS_MS), "+Inf"]
 DATABASE_CHECK_EVERY_S = 5.0  # a scrape reuses a database check (its own or /readyz's) this new
 _HELP = {
     "submitted": "Tasks accepted into the queue",
-    "admitted": "Claims (a task retried or handed back is claimed again)",
+    "admitted": "Admissions: a task claimed for a call (one retried or handed back is "
+                "admitted again, so this can exceed the tasks submitted)",
     "completed": "Tasks completed", "failed": "Tasks failed for good",
     "retried": "Attempts made again (upstream error or an expired lease)",
     "expired": "Tasks that expired (pending past their TTL, or an unused online permit)",

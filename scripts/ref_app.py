@@ -156,7 +156,8 @@ def cli_page() -> str:
 
 def _example_scrape() -> str:
     """What /metrics writes for one endpoint that has every optional number (a rate, a further
-    limit, an upstream pause, a task waiting), so every family shows its labels."""
+    limit, an adaptive cap, an upstream pause, a task waiting), so every family shows its
+    labels."""
     from app import metrics
     from app.endpoints import EndpointConfig
     from app.queue.presence import Dispatchers
@@ -172,7 +173,7 @@ def _example_scrape() -> str:
     now = 1_800_000_000_000
     ep = EndpointConfig.model_validate({
         "id": "example", "target_url": "http://upstream.invalid/api", "rate": 5,
-        "max_concurrency": 2, "limits": [{"rate": 100, "interval_ms": 60_000}]})
+        "max_concurrency": 2, "concurrency": "adaptive", "limits": [{"rate": 100, "interval_ms": 60_000}]})
     stats = EndpointStats(
         endpoint=ep, pending=1, in_flight=1, counters=dict.fromkeys(COUNTERS, 0), exec_ms=1.0,
         slot_ms=1.0, histograms={h: Histogram([0] * (len(BOUNDS_MS) + 1), 0) for h in HISTOGRAMS},
