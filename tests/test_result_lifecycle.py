@@ -61,7 +61,7 @@ async def test_a_read_result_goes_with_its_task_and_a_kept_one_with_its_row(
     auth, read = await _finished(gateway, upstream, "life", 2 * MB, dispatcher_process)
     (done,) = await gateway.wait_finished(auth, [read], timeout=60)
     assert done["result_encoding"] == "external" and len(await _objects(gateway)) == 1
-    assert await _sweep(gateway).run_once(grace_s=0) == 0  # still its task's
+    assert await _sweep(gateway).sweep(grace_s=0) == 0  # still its task's
     unread = (await gateway.submit(auth, f"{upstream}/life",
                                    headers={"X-Mock-Binary": [f"{2 * MB};seed=3"]}))["task_id"]
     for _ in range(300):  # finished and moved to SQL, never read by its owner
@@ -78,7 +78,7 @@ async def test_a_read_result_goes_with_its_task_and_a_kept_one_with_its_row(
         if await gateway.rt.queue.results.get(read, 1) is None:  # type: ignore[union-attr]
             break
         await asyncio.sleep(0.1)
-    assert await _sweep(gateway).run_once(grace_s=0) in (0, 1)  # the writer may have done it
+    assert await _sweep(gateway).sweep(grace_s=0) in (0, 1)  # the writer may have done it
     assert len(await _objects(gateway)) == 1
     (left,) = await _objects(gateway)
     assert left.startswith(unread)
@@ -136,7 +136,7 @@ async def test_a_dispatcher_killed_mid_upload_leaves_nothing_after_the_sweep(
         assert time.monotonic() < deadline, "no upload began"
         await asyncio.sleep(0.05)
     _kill_dispatchers(gateway)
-    assert await _sweep(gateway).run_once(grace_s=0) >= 1
+    assert await _sweep(gateway).sweep(grace_s=0) >= 1
     assert await _objects(gateway) == [] and _staging(settings) == []
     if store_kind == "s3":
         assert await asyncio.to_thread(

@@ -12,7 +12,7 @@ makes those two S3 requests itself.
 
 An object's key is `<task id>/<random>`: each attempt writes its own, so an attempt that lost
 its lease never overwrites the answer of the one that won, and the sweep
-(app/lifecycle/sweep.py) knows from the key which task an object belongs to.
+(app/lifecycle/orphans.py) knows from the key which task an object belongs to.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ PARTS_IN_FLIGHT = 2
 READ_CHUNK = 64 << 10  # what a read hands on at a time: about what a stalled reader pins
 SIGNED_S = 300  # how long a presigned URL (`/result?redirect=1`) stays valid
 SIGNED_MARGIN_S = 60  # a download that began just before its URL expired, to finish
+LIST_BATCH = 1000  # objects a listing hands on at a time (S3 pages hold 1,000 keys)
 
 
 class StoreUnavailable(Exception):
@@ -74,7 +75,8 @@ class ObjectStore:
             self.root = Path(parts.path)
             # Only the gateway's user may read the answers (one existing is left as it is).
             self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
-            self.store = LocalStore(self.root)
+            # A task's directory goes with its last object: none is left per task ever run.
+            self.store = LocalStore(self.root, automatic_cleanup=True)
 
     @staticmethod
     def new_key(task_id: str) -> str:
@@ -140,17 +142,27 @@ class ObjectStore:
         except Exception:  # gone already, or the store is down: the sweep's
             pass
 
-    async def listing(self, older_than_s: float) -> AsyncIterator[StoredObject]:
-        """Every object last written more than `older_than_s` ago."""
+    async def batches(self, older_than_s: float, size: int = LIST_BATCH
+                      ) -> AsyncIterator[list[StoredObject]]:
+        """The objects last written more than `older_than_s` ago, `size` listed at a time (a
+        batch may hold fewer once the young ones are left out): the listing is a stream of
+        pages, never the whole store in memory. obstore walks a `file://` directory on its
+        own threads, off the event loop; deleting what a batch holds before asking for the
+        next one is safe (S3 continues after the last key it gave; a directory walk skips
+        what has gone)."""
         cutoff = datetime.now(UTC) - timedelta(seconds=older_than_s)
         try:
-            async for batch in obstore.list(self.store, chunk_size=1000):
-                for meta in batch:
-                    modified = meta["last_modified"]
-                    if modified < cutoff:
-                        yield StoredObject(meta["path"], meta["size"], modified)
+            async for page in obstore.list(self.store, chunk_size=size):
+                yield [StoredObject(meta["path"], meta["size"], meta["last_modified"])
+                       for meta in page if meta["last_modified"] < cutoff]
         except Exception as exc:
             raise StoreUnavailable(f"{type(exc).__name__}: {exc}"[:500]) from exc
+
+    async def listing(self, older_than_s: float) -> AsyncIterator[StoredObject]:
+        """Every object last written more than `older_than_s` ago, one at a time."""
+        async for batch in self.batches(older_than_s):
+            for obj in batch:
+                yield obj
 
     async def check(self) -> None:
         """Raise StoreUnavailable unless the store answers (a read of a key never written)."""
