@@ -33,7 +33,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from app.core.keys import Keys
 from app.db import TaskResultRow
 from app.queue.answers import EXTERNAL, ResultMeta
-from app.queue.objects import LIST_BATCH, ObjectStore, StoredObject, StoreUnavailable
+from app.queue.objects import LIST_BATCH, ObjectStore, StoredObject
 from app.queue.uploads import abort_stale_uploads
 
 log = logging.getLogger(__name__)
@@ -53,17 +53,15 @@ def refs(metas: Iterable[str | None]) -> list[str]:
 
 
 async def delete_objects_of(conn: AsyncConnection, objects: ObjectStore | None,
-                            task_ids: list[str]) -> None:
-    """Delete the objects of rows about to be deleted (in `conn`'s transaction). A store
-    that does not answer leaves them to the sweep rather than holding the rows back."""
+                            task_ids: list[str], known: Iterable[str] = ()) -> None:
+    """Delete the objects of rows about to be deleted (in `conn`'s transaction), and the
+    objects `known` besides. A store that does not answer leaves them to the sweep rather
+    than holding the rows back."""
     if objects is None or not task_ids:
         return
     metas = (await conn.scalars(select(T.c.result_meta).where(
-        T.c.task_id.in_(task_ids), T.c.result_meta.is_not(None)))).all()
-    try:
-        await objects.delete(refs(metas))
-    except StoreUnavailable as exc:
-        log.warning("result objects not deleted now (%s); the sweep will", exc)
+        T.c.task_id.in_(task_ids), T.c.result_meta.like('%"enc":"external"%')))).all()
+    await objects.drop(sorted({*refs(metas), *known}))
 
 
 @dataclass

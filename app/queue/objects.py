@@ -18,6 +18,7 @@ its lease never overwrites the answer of the one that won, and the sweep
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import secrets
 from collections.abc import AsyncIterable, AsyncIterator
@@ -31,16 +32,16 @@ import obstore
 from obstore.exceptions import NotFoundError
 from obstore.store import LocalStore, S3Store
 
+from app.queue.uploads import StoreUnavailable as StoreUnavailable  # theirs to import here
+from app.queue.uploads import abort_uploads_of
+
+log = logging.getLogger(__name__)
 PART_BYTES = 5 << 20  # an S3 part (5 MiB at least); two in flight bound an upload's memory
 PARTS_IN_FLIGHT = 2
 READ_CHUNK = 64 << 10  # what a read hands on at a time: about what a stalled reader pins
 SIGNED_S = 300  # how long a presigned URL (`/result?redirect=1`) stays valid
 SIGNED_MARGIN_S = 60  # a download that began just before its URL expired, to finish
 LIST_BATCH = 1000  # objects a listing hands on at a time (S3 pages hold 1,000 keys)
-
-
-class StoreUnavailable(Exception):
-    """The result store did not take or give an object (down, refused, misconfigured)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,7 +95,7 @@ class ObjectStore:
                                     use_multipart=True, chunk_size=PART_BYTES,
                                     max_concurrency=PARTS_IN_FLIGHT)
         except BaseException as exc:  # a timeout's cancellation too: nothing half-written
-            await asyncio.shield(self.discard(key))
+            await asyncio.shield(self._unwritten(key, cancelled=not isinstance(exc, Exception)))
             if producer.failed is not None:  # the body's own error (an OSError of the
                 raise producer.failed from None  # upstream's connection too): not the store's
             if isinstance(exc, Exception) and _ours(exc):
@@ -134,6 +135,26 @@ class ObjectStore:
             pass
         except Exception as exc:
             raise StoreUnavailable(f"{type(exc).__name__}: {exc}"[:500]) from exc
+
+    async def drop(self, keys: list[str]) -> None:
+        """Delete the objects of tasks that are gone, best effort: a store that does not
+        answer is logged, and the sweep (app/lifecycle/orphans.py) deletes them later."""
+        try:
+            await self.delete(keys)
+        except StoreUnavailable as exc:
+            log.warning("%d result objects not deleted now (%s); the sweep will", len(keys),
+                        exc)
+
+    async def _unwritten(self, key: str, cancelled: bool) -> None:
+        """Nothing of a put that did not finish is left: its object, and the multipart
+        upload of a put cancelled half-way on S3 (obstore aborts only one that failed)."""
+        await self.discard(key)
+        if cancelled and self.s3:
+            full = f"{self.prefix}/{key}" if self.prefix else key
+            try:
+                await asyncio.to_thread(abort_uploads_of, self.bucket, full)
+            except StoreUnavailable as exc:
+                log.warning("upload of %s not aborted (%s); the sweep will", key, exc)
 
     async def discard(self, key: str) -> None:
         """Delete one object if it is there, whatever the store says (a clean-up)."""
