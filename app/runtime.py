@@ -16,6 +16,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app import redis_url, secrets
 from app.core.keys import Keys
+from app.core.loop import STORE_ERRORS
 from app.core.registry import EndpointRegistry, Mirror, cancel_all
 from app.core.scripts import Scripts
 from app.db import bounded, make_engine
@@ -152,12 +153,20 @@ class Runtime:
             await self.queue.ensure_idle(endpoint_id)
             store = self.queue.results or ResultStore(self.engine)
             writer = OutboxWriter(self.redis, self.keys, self.registry, store,
-                                  done_ms=self.queue.ttls.done_ms)
+                                  done_ms=self.queue.ttls.done_ms, objects=self.objects)
             await bounded(writer.write(endpoint_id))
             await self.endpoints.delete(endpoint_id)
         except BaseException:
             await self.endpoints.restore(endpoint_id)
             raise
+        # What its owners read already goes now, rows and result objects: no writer serves
+        # the delivered tasks of an endpoint that is gone (its unread ones stay, as SQL rows,
+        # for the janitor's retention). Best effort: the endpoint is deleted either way.
+        try:
+            await bounded(writer.forget_delivered(endpoint_id))
+        except STORE_ERRORS as exc:
+            log.warning("endpoint %s deleted; its delivered tasks not yet (%s): the janitor "
+                        "and the result store's sweep will", endpoint_id, exc)
         # Its counters and history go with it: an endpoint created again under this id
         # starts from zero instead of showing the old one's numbers.
         await self.redis.delete(self.keys.stats(endpoint_id), self.keys.history(endpoint_id))

@@ -84,9 +84,12 @@ class Settings(BaseSettings):
     #: endpoint from AWS_* variables); unset: `file://<QGW_DATA_DIR>/results`.
     result_store: str | None = Field(None, pattern=r"^(file://|s3://[a-z0-9][a-z0-9.-]{1,62})")
     #: The result store's sweep deletes objects no task refers to once they are this old (an
-    #: answer stored just now is referenced by its ack a moment later), every
-    #: QGW_JANITOR_INTERVAL_S (app/lifecycle/orphans.py).
+    #: answer stored just now is referenced by its ack a moment later), and what a killed
+    #: process left of an upload begun that long ago (app/lifecycle/orphans.py).
     result_sweep_grace_s: float = Field(3600.0, ge=0)
+    #: How often the result store is swept: once per interval across all dispatchers (one
+    #: of them holds a Redis lock for the interval and sweeps).
+    result_sweep_interval_s: float = Field(300.0, gt=0)
     #: An answer's every write must complete within this many seconds, else the request ends
     #: and its connection closes (a client that stops reading pins nothing longer); 0: none.
     send_timeout_s: float = Field(30.0, ge=0, le=3600)

@@ -5,7 +5,8 @@ webhook is due (field `hook`): the webhook sender needs it, and sets its TTL aft
 letter (`failed`, `expired`) is never delivered: it stays for operators, in SQL for the
 retention, read or not.
 KEYS[1] task    KEYS[2] queue    KEYS[3] stats of the endpoint    KEYS[4] outbox (ZSet)
-KEYS[5] delivered (ZSet of ids whose SQL row may go; score = from when)    KEYS[6] active
+KEYS[5] delivered (ZSet of ids whose SQL row may go, or for a result in the store its object's
+key `<id>/<random>`, which goes with the row; score = from when)    KEYS[6] active
 ARGV[1] task id    ARGV[2] user id    ARGV[3] read TTL (ms); 0 = a peek that delivers nothing
 ARGV[4] read TTL (ms) of a result in the result store (`"enc":"external"` in result_meta):
 longer, as it is fetched in pieces after the read (Range, a presigned URL)
@@ -22,7 +23,8 @@ for i = 1, #fields, 2 do
   if fields[i] == 'user_id' then owner = fields[i + 1] end
   if fields[i] == 'hook' then hook = true end
   if fields[i] == 'result_meta' and string.find(fields[i + 1], '"enc":"external"', 1, true) then
-    external = true
+    local ok, meta = pcall(cjson.decode, fields[i + 1])
+    external = ok and type(meta) == 'table' and type(meta.ref) == 'string' and meta.ref or true
   end
 end
 if owner ~= ARGV[2] then return {} end
@@ -38,7 +40,11 @@ if not rank then
       redis.call('ZREM', KEYS[4], ARGV[1])
       -- Deleting the row only after the TTL also covers a writer that had already taken the
       -- outbox copy and commits it just after this read.
-      redis.call('ZADD', KEYS[5], now_ms() + ttl, ARGV[1])
+      -- A result in the store is scheduled by its object's key (`<task id>/<random>`): the
+      -- row may never have been written (read before the writer came), and the hash goes at
+      -- the same moment, so the key is kept here for the writer to delete the object by.
+      local member = type(external) == 'string' and external or ARGV[1]
+      redis.call('ZADD', KEYS[5], now_ms() + ttl, member)
     end
   end
 end

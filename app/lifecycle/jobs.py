@@ -1,7 +1,7 @@
 """The lifecycle jobs a dispatcher process runs beside its dispatcher: the outbox writer, the
-pending-expiry sweep, the janitor and the dashboard's history sampler, each its own loop, so
-one store being down stalls only the jobs that need it. Stopping flushes the outbox once more
-(if SQL answers in time)."""
+pending-expiry sweep, the janitor, the result store's sweep and the dashboard's history
+sampler, each its own loop, so one store being down stalls only the jobs that need it.
+Stopping flushes the outbox once more (if SQL answers in time)."""
 
 from __future__ import annotations
 
@@ -53,7 +53,8 @@ class LifecycleJobs:
             Janitor(engine, settings.db_retention_s, settings.janitor_batch, redis, keys,
                     objects),
             HistorySampler(redis, keys, registry),
-            OrphanSweep(objects, redis, keys, engine, settings.result_sweep_grace_s)
+            OrphanSweep(objects, redis, keys, engine, settings.result_sweep_grace_s,
+                        settings.result_sweep_interval_s)
             if objects is not None else None,
         )
 
@@ -64,7 +65,7 @@ class LifecycleJobs:
             ("pending expiry", s.expiry_interval_ms / 1000, self.sweep.sweep),
             ("janitor", s.janitor_interval_s, self.janitor.run_once),
             ("history", TICK_S, self.history.tick),
-            *([("result store sweep", s.janitor_interval_s, self.orphans.run_once)]
+            *([("result store sweep", s.result_sweep_interval_s, self.orphans.run_once)]
               if self.orphans is not None else []),
         ):
             self._loops.append(asyncio.create_task(every(name, interval_s, step), name=name))

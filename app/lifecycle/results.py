@@ -76,12 +76,14 @@ class ResultStore:
             for chunk in _chunks(rows):
                 await conn.execute(stmt, chunk)
 
-    async def delete(self, task_ids: list[str], objects: ObjectStore | None = None) -> int:
-        """Delete rows, and their objects in the result store with them."""
+    async def delete(self, task_ids: list[str], objects: ObjectStore | None = None,
+                     refs: list[str] | None = None) -> int:
+        """Delete rows, and their objects in the result store with them (and the objects
+        `refs`, of tasks whose row may never have been written)."""
         if not task_ids:
             return 0
         async with asyncio.timeout(SQL_JOB_TIMEOUT_S), self.engine.begin() as conn:
-            await delete_objects_of(conn, objects, task_ids)
+            await delete_objects_of(conn, objects, task_ids, refs or [])
             res = await conn.execute(delete(T).where(T.c.task_id.in_(task_ids)))
         return int(getattr(res, "rowcount", 0) or 0)
 
@@ -238,16 +240,28 @@ class OutboxWriter:
             return exc
         return None
 
-    async def _delete_delivered(self, endpoint_id: str) -> None:
+    async def _delete_delivered(self, endpoint_id: str, until: float | None = None) -> None:
+        """Delete the rows (and objects) of delivered tasks due by `until` (default: now, by
+        Redis's clock). A member is a task id, or the key of its object in the result store
+        (`<task id>/<random>`, status-6.lua), deleted here with the row."""
         key = self.keys.delivered(endpoint_id)
-        now_s, now_us = await self.redis.time()
-        now = now_s * 1000 + now_us // 1000
+        if until is None:
+            now_s, now_us = await self.redis.time()
+            until = now_s * 1000 + now_us // 1000
         while True:
-            ids: list[str] = await self.redis.zrangebyscore(  # type: ignore[assignment]
-                key, "-inf", now, start=0, num=self.batch)
-            if not ids:
+            members: list[str] = await self.redis.zrangebyscore(  # type: ignore[assignment]
+                key, "-inf", until, start=0, num=self.batch)
+            if not members:
                 return
-            await self.store.delete(ids, self.objects)
-            await self.redis.zrem(key, *ids)
-            if len(ids) < self.batch:
+            ids = [m.split("/", 1)[0] for m in members]
+            await self.store.delete(ids, self.objects, [m for m in members if "/" in m])
+            await self.redis.zrem(key, *members)
+            if len(members) < self.batch:
                 return
+
+    async def forget_delivered(self, endpoint_id: str) -> None:
+        """A deleted endpoint's delivered tasks, due or not, go now: no writer serves an
+        endpoint that is gone, and its results read already would otherwise stay until the
+        janitor's retention."""
+        await self._delete_delivered(endpoint_id, float("inf"))
+        await self.redis.delete(self.keys.delivered(endpoint_id))

@@ -379,6 +379,7 @@ class Dispatcher:
     async def _run(self, claim: Claim) -> None:
         """One attempt: a retry is set aside in Redis and claimed again, never slept on here."""
         ep, tid = claim.endpoint, claim.task_id
+        outcome: Outcome | None = None
         try:
             if claim.attempts > ep.max_retries + 1:  # max_retries lowered since queued
                 await self._finish(claim, Outcome(None, "no attempts left"), -1)
@@ -403,9 +404,11 @@ class Dispatcher:
         except asyncio.CancelledError:
             if tid not in self._aborted:
                 raise
-            # The cancel script ended the task and took its lease: nothing left to write.
+            # The cancel script ended the task and took its lease: nothing left to write,
+            # and an answer stored already (any ack of it is refused) is nobody's.
             log.info("call aborted: its task was cancelled", extra={"task_id": tid,
                                                                     "endpoint": ep.id})
+            await self._drop_answer(outcome)
         except Exception:
             log.exception("executor error", extra={"task_id": tid, "endpoint": ep.id})
         finally:
@@ -456,6 +459,15 @@ class Dispatcher:
             log.warning("task failed: %s", outcome.text[:200], extra=extra)
         else:
             log.warning("lease lost before ack; the newer attempt wins", extra=extra)
+            await self._drop_answer(outcome)
+
+    async def _drop_answer(self, outcome: Outcome | None) -> None:
+        """An answer in the result store whose task ended otherwise (cancelled, its lease
+        lost): no task refers to its object, which goes now rather than at the sweep. Only
+        such answers reach the store: every other ending costs no call to it."""
+        ref = outcome.meta.ref if outcome is not None and outcome.meta is not None else None
+        if ref and self.objects is not None:
+            await self.objects.drop([ref])
 
     async def release(self, claims: list[Claim]) -> int:
         """Hand claims back to their queues now; returns how many were re-queued."""

@@ -12,12 +12,13 @@ makes those two S3 requests itself.
 
 An object's key is `<task id>/<random>`: each attempt writes its own, so an attempt that lost
 its lease never overwrites the answer of the one that won, and the sweep
-(app/lifecycle/sweep.py) knows from the key which task an object belongs to.
+(app/lifecycle/orphans.py) knows from the key which task an object belongs to.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import secrets
 from collections.abc import AsyncIterable, AsyncIterator
@@ -31,15 +32,16 @@ import obstore
 from obstore.exceptions import NotFoundError
 from obstore.store import LocalStore, S3Store
 
+from app.queue.uploads import StoreUnavailable as StoreUnavailable  # theirs to import here
+from app.queue.uploads import abort_uploads_of
+
+log = logging.getLogger(__name__)
 PART_BYTES = 5 << 20  # an S3 part (5 MiB at least); two in flight bound an upload's memory
 PARTS_IN_FLIGHT = 2
 READ_CHUNK = 64 << 10  # what a read hands on at a time: about what a stalled reader pins
 SIGNED_S = 300  # how long a presigned URL (`/result?redirect=1`) stays valid
 SIGNED_MARGIN_S = 60  # a download that began just before its URL expired, to finish
-
-
-class StoreUnavailable(Exception):
-    """The result store did not take or give an object (down, refused, misconfigured)."""
+LIST_BATCH = 1000  # objects a listing hands on at a time (S3 pages hold 1,000 keys)
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,7 +76,8 @@ class ObjectStore:
             self.root = Path(parts.path)
             # Only the gateway's user may read the answers (one existing is left as it is).
             self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
-            self.store = LocalStore(self.root)
+            # A task's directory goes with its last object: none is left per task ever run.
+            self.store = LocalStore(self.root, automatic_cleanup=True)
 
     @staticmethod
     def new_key(task_id: str) -> str:
@@ -92,7 +95,7 @@ class ObjectStore:
                                     use_multipart=True, chunk_size=PART_BYTES,
                                     max_concurrency=PARTS_IN_FLIGHT)
         except BaseException as exc:  # a timeout's cancellation too: nothing half-written
-            await asyncio.shield(self.discard(key))
+            await asyncio.shield(self._unwritten(key, cancelled=not isinstance(exc, Exception)))
             if producer.failed is not None:  # the body's own error (an OSError of the
                 raise producer.failed from None  # upstream's connection too): not the store's
             if isinstance(exc, Exception) and _ours(exc):
@@ -133,6 +136,26 @@ class ObjectStore:
         except Exception as exc:
             raise StoreUnavailable(f"{type(exc).__name__}: {exc}"[:500]) from exc
 
+    async def drop(self, keys: list[str]) -> None:
+        """Delete the objects of tasks that are gone, best effort: a store that does not
+        answer is logged, and the sweep (app/lifecycle/orphans.py) deletes them later."""
+        try:
+            await self.delete(keys)
+        except StoreUnavailable as exc:
+            log.warning("%d result objects not deleted now (%s); the sweep will", len(keys),
+                        exc)
+
+    async def _unwritten(self, key: str, cancelled: bool) -> None:
+        """Nothing of a put that did not finish is left: its object, and the multipart
+        upload of a put cancelled half-way on S3 (obstore aborts only one that failed)."""
+        await self.discard(key)
+        if cancelled and self.s3:
+            full = f"{self.prefix}/{key}" if self.prefix else key
+            try:
+                await asyncio.to_thread(abort_uploads_of, self.bucket, full)
+            except StoreUnavailable as exc:
+                log.warning("upload of %s not aborted (%s); the sweep will", key, exc)
+
     async def discard(self, key: str) -> None:
         """Delete one object if it is there, whatever the store says (a clean-up)."""
         try:
@@ -140,17 +163,27 @@ class ObjectStore:
         except Exception:  # gone already, or the store is down: the sweep's
             pass
 
-    async def listing(self, older_than_s: float) -> AsyncIterator[StoredObject]:
-        """Every object last written more than `older_than_s` ago."""
+    async def batches(self, older_than_s: float, size: int = LIST_BATCH
+                      ) -> AsyncIterator[list[StoredObject]]:
+        """The objects last written more than `older_than_s` ago, `size` listed at a time (a
+        batch may hold fewer once the young ones are left out): the listing is a stream of
+        pages, never the whole store in memory. obstore walks a `file://` directory on its
+        own threads, off the event loop; deleting what a batch holds before asking for the
+        next one is safe (S3 continues after the last key it gave; a directory walk skips
+        what has gone)."""
         cutoff = datetime.now(UTC) - timedelta(seconds=older_than_s)
         try:
-            async for batch in obstore.list(self.store, chunk_size=1000):
-                for meta in batch:
-                    modified = meta["last_modified"]
-                    if modified < cutoff:
-                        yield StoredObject(meta["path"], meta["size"], modified)
+            async for page in obstore.list(self.store, chunk_size=size):
+                yield [StoredObject(meta["path"], meta["size"], meta["last_modified"])
+                       for meta in page if meta["last_modified"] < cutoff]
         except Exception as exc:
             raise StoreUnavailable(f"{type(exc).__name__}: {exc}"[:500]) from exc
+
+    async def listing(self, older_than_s: float) -> AsyncIterator[StoredObject]:
+        """Every object last written more than `older_than_s` ago, one at a time."""
+        async for batch in self.batches(older_than_s):
+            for obj in batch:
+                yield obj
 
     async def check(self) -> None:
         """Raise StoreUnavailable unless the store answers (a read of a key never written)."""

@@ -1,11 +1,13 @@
-"""S3 multipart uploads a killed process left behind: listed and aborted.
+"""S3 multipart uploads a killed process left behind, or a put cancelled half-way: listed and
+aborted. (StoreUnavailable lives here, below app/queue/objects.py, which uses both.)
 
-obstore aborts an upload that fails in the process, but one cut short by kill -9 stays in the
-bucket, invisible to listings and billed, until somebody aborts it; obstore has no call for
-that. These two requests (ListMultipartUploads, AbortMultipartUpload) are signed here with AWS
-Signature V4 and sent with the standard library, off the event loop: a sweep makes a handful
-an hour, so they need no client of their own. Credentials, region and endpoint come from the
-same AWS_* variables obstore reads.
+obstore aborts an upload that fails in the process, but one cut short by kill -9, or by the
+cancellation of its put (its task cancelled, a timeout), stays in the bucket, invisible to
+listings and billed, until somebody aborts it; obstore has no call for that. These two
+requests (ListMultipartUploads, AbortMultipartUpload) are signed here with AWS Signature V4
+and sent with the standard library, off the event loop: a sweep makes a handful an hour, a
+cancelled put one, so they need no client of their own. Credentials, region and endpoint
+come from the same AWS_* variables obstore reads.
 """
 
 from __future__ import annotations
@@ -17,12 +19,18 @@ import os
 import urllib.request
 import xml.etree.ElementTree as ET
 from datetime import UTC, datetime, timedelta
+from typing import TYPE_CHECKING
 from urllib.parse import quote, urlsplit
 
-from app.queue.objects import ObjectStore, StoreUnavailable
+if TYPE_CHECKING:
+    from app.queue.objects import ObjectStore
 
 EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
 TIMEOUT_S = 10
+
+
+class StoreUnavailable(Exception):
+    """The result store did not take or give an object (down, refused, misconfigured)."""
 
 
 async def abort_stale_uploads(objects: ObjectStore, older_than_s: float) -> int:
@@ -39,6 +47,18 @@ def _abort_stale(bucket: str, prefix: str, older_than_s: float) -> int:
     n = 0
     for key, upload_id, initiated in _uploads(body):
         if initiated < cutoff:
+            _request("DELETE", bucket, key, {"uploadId": upload_id})
+            n += 1
+    return n
+
+
+def abort_uploads_of(bucket: str, key: str) -> int:
+    """Abort the unfinished multipart uploads of one object (its full key): a put cancelled
+    half-way, its task cancelled or its process stopping. obstore aborts an upload that
+    fails, not one whose task is cancelled."""
+    n = 0
+    for found, upload_id, _ in list_uploads(bucket, key):
+        if found == key:
             _request("DELETE", bucket, key, {"uploadId": upload_id})
             n += 1
     return n
