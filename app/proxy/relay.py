@@ -21,7 +21,7 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
-from app import secrets
+from app import secrets, tracing
 from app.core.keys import Keys
 from app.endpoints import EndpointConfig
 from app.errors import ApiError
@@ -65,6 +65,7 @@ class ProxyCall:
     spent: int = 1  # what that admission spent of per-cost limits (the task's `cost`)
     call_started: float = 0.0
     _renewing: asyncio.Task[None] | None = None
+    trace: tracing.ProxyTrace | None = None  # its `proxy` span, when tracing is on
     lease_lost: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
@@ -102,6 +103,8 @@ class ProxyCall:
                 status, token = await self._state()
                 if status == "processing" and token:
                     self.token, self.admitted = token, time.monotonic()
+                    if self.trace is not None:
+                        self.trace.task(self.task_id, self.waited_ms)
                     self._renewing = asyncio.create_task(self._renew())
                     return
                 if status != "pending":  # expired (its max wait), cancelled by an operator
@@ -167,6 +170,11 @@ class ProxyCall:
                 self.lease_lost.set()
                 return
 
+    def traced(self, status_code: int | None, problem: str | None) -> None:
+        """End the `proxy` span (when tracing): the caller's status, what went wrong."""
+        if self.trace is not None:
+            self.trace.end(status_code, problem)
+
     def abandon(self) -> None:
         """Stop renewing a lease nothing will finish (an unexpected error): it lapses and the
         reaper ends the task, as if this process had died."""
@@ -187,6 +195,8 @@ class ProxyCall:
         try:
             # The endpoint's upstream_headers (the provider's key) replace any of the caller's.
             headers = secrets.outgoing(self.headers, ep.credentials)
+            if self.trace is not None:  # the upstream joins the trace under the proxy span
+                headers = self.trace.outgoing(headers)
             headers.append(("Idempotency-Key", self.task_id))
             answer = await self._unless_gone(open_call(self.method, self.url, headers,
                                                        self.body, ep.timeout_ms / 1000,
