@@ -20,6 +20,8 @@ SECURITY_SCHEMES: dict[str, dict[str, str]] = {
 # FastAPI dependency), so there is no dependency to read this from.
 SECURITY: tuple[tuple[str, list[dict[str, list[str]]]], ...] = (
     ("/api/", [{"apiKey": []}, {"apiKeyHeader": []}]),
+    # The drop-in proxy takes the same key (consumed there, never forwarded upstream).
+    ("/proxy/", [{"apiKey": []}, {"apiKeyHeader": []}]),
     ("/admin/", [{"adminToken": []}]),
 )
 

@@ -34,6 +34,7 @@ from app.queue.objects import ObjectStore
 from app.queue.tasks import TaskQueue
 from app.queue.upstream import upstream_client
 from app.queue.webhooks import WebhookSender
+from app.ratelimit.sent import SendTimes
 from app.sending import ReadSlots
 from app.settings import Settings
 from app.store import ApiKey, EndpointStore, KeyStore
@@ -71,6 +72,7 @@ class Runtime:
     tiers: TierStore = field(init=False)
     queue: TaskQueue = field(init=False)
     events: TaskEvents = field(init=False)  # waiters' status changes (?wait=, the SSE stream)
+    send_times: SendTimes = field(init=False)  # proxied calls' sliding-window entries
     dispatcher: Dispatcher | None = field(default=None, init=False)
     lifecycle: LifecycleJobs | None = field(default=None, init=False)
     webhooks: WebhookSender | None = field(default=None, init=False)
@@ -113,6 +115,9 @@ class Runtime:
         self.queue = TaskQueue(self.redis, self.keys, scripts, s, ResultStore(self.engine),
                                tiers)
         self.events = TaskEvents(self.redis, self.keys)
+        # When proxied calls really leave this process (app/proxy/relay.py), as a dispatcher
+        # records its own calls'.
+        self.send_times = SendTimes(self.redis, self.keys, scripts.sent)
         for mirror in (ep_mirror, self.api_keys, tiers):
             await mirror.refresh()
             self._watchers.append(asyncio.create_task(mirror.watch()))
@@ -185,6 +190,7 @@ class Runtime:
             await self.webhooks.stop()
         await cancel_all(self._watchers)
         await self.events.stop()
+        await self.send_times.close()
         if self.http:
             await self.http.close()
         for client in (self._blocking, self.redis):

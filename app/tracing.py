@@ -13,6 +13,10 @@ other standard `OTEL_*` variables as the SDK reads them, each task makes one tra
 - `outbox` (dispatcher): the SQL transaction that keeps the finished task's record, one span
   per task of the batch (their times are the batch's).
 
+A proxied request (`/proxy/...`, app/proxy/) is one `proxy` span (API, SERVER) over the whole
+relay: from the request read, through its wait in line, to its answer's last byte and the
+task's end; its parent is the caller's `traceparent`, and the upstream gets this span's context.
+
 Unset, nothing is imported or allocated: the hot paths test the module-level ENABLED.
 """
 
@@ -185,3 +189,43 @@ def with_headers(headers_json: str, trace_headers: dict[str, str]) -> str:
                if k.lower() not in _CONTEXT_HEADERS}
     headers.update({k: [v] for k, v in trace_headers.items()})
     return json.dumps(headers)
+
+
+class ProxyTrace:
+    """The `proxy` span of a proxied request: started once it is read, ended with the relay."""
+
+    def __init__(self, http_headers: Mapping[str, str], method: str, url: str,
+                 endpoint: str) -> None:
+        from opentelemetry.trace import SpanKind
+        from yarl import URL
+
+        carrier = {k: v for k in _CONTEXT_HEADERS if (v := http_headers.get(k))}
+        u = URL(url)
+        self.span = _tracer().start_span(
+            "proxy", context=_context_of(carrier), kind=SpanKind.SERVER, attributes={
+                "qgw.endpoint": endpoint, "http.request.method": method,
+                "http.route": "/proxy/{endpoint_id}/{path}", "url.full": url,
+                "server.address": u.host or "", "server.port": u.port or 0})
+
+    def outgoing(self, headers: list[tuple[str, str]]) -> list[tuple[str, str]]:
+        """The upstream's headers with this span's context in place of the caller's."""
+        kept = [(n, v) for n, v in headers if n.lower() not in _CONTEXT_HEADERS]
+        return kept + list(_carrier(self.span).items())
+
+    def task(self, task_id: str, waited_ms: int) -> None:
+        self.span.set_attributes({"qgw.task_id": task_id, "qgw.waited_ms": waited_ms})
+
+    def end(self, status_code: int | None, problem: str | None) -> None:
+        """Once: the status the caller got (None: none, the connection was lost) and what
+        went wrong, if anything."""
+        from opentelemetry.trace import Status, StatusCode
+
+        span = self.span
+        if not span.is_recording():
+            return
+        if status_code is not None:
+            span.set_attribute("http.response.status_code", status_code)
+        if problem is not None or status_code is None or status_code >= 500:
+            span.set_attribute("error.type", str(status_code) if status_code else "connection")
+            span.set_status(Status(StatusCode.ERROR, (problem or "")[:200]))
+        span.end()

@@ -6,15 +6,19 @@ KEYS[6] endpoints (the registry hash): no task goes back into the queue of a del
 ARGV[1] task id    ARGV[2] endpoint id    ARGV[3] pending TTL (ms)    ARGV[4] done TTL (ms)
 Its copy still waiting in the outbox (the old ending) is dropped, and it is taken off the
 delivered set, so the next ending reaches SQL and its owner like a first one.
-Returns {'retried', rank} | {'missing'} | {'conflict', current status} | {'gone'}.
+A proxied request (type `proxy`) never runs again: its answer had one reader, the caller's
+connection, which is gone.
+Returns {'retried', rank} | {'missing'} | {'conflict', current status} | {'gone'} |
+{'proxy', current status}.
 ]]
 --@include now.lua
 --@include stats.lua
 --@include events.lua
 
 if redis.call('HEXISTS', KEYS[6], ARGV[2]) == 0 then return {'gone'} end
-local f = redis.call('HMGET', KEYS[1], 'status', 'score')
+local f = redis.call('HMGET', KEYS[1], 'status', 'score', 'type')
 if not f[1] then return {'missing'} end
+if f[3] == 'proxy' then return {'proxy', f[1]} end
 if f[1] ~= 'failed' and f[1] ~= 'expired' then return {'conflict', f[1]} end
 local now = now_ms()
 local pending_ttl = tonumber(ARGV[3])

@@ -9,6 +9,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import httpx
 import pytest
 
 from app.runtime import Runtime
@@ -18,6 +19,7 @@ from tests.servers import mock_log
 from tests.test_cli import answer, qgw, refusal
 
 StartDispatcher = Callable[[], Awaitable[Runtime]]
+StartApi = Callable[[], Awaitable[str]]
 
 
 @pytest.fixture
@@ -84,6 +86,43 @@ async def test_a_failure_its_owner_read_stays_and_is_replayed_from_sql(
     assert len(await _calls(fresh_upstream, "payload", 2)) == 2  # it ran again, as sent
     (again,) = await gateway.wait_finished(auth, [tid])
     assert again["task_status"] == "failed" and again["attempts"] == 1
+
+
+@pytest.mark.backends("single", "cluster")
+async def test_a_failed_proxied_request_is_not_retried(
+    gateway: Gateway, fresh_upstream: str, start_dispatcher: StartDispatcher,
+    start_api: StartApi,
+) -> None:
+    """Its answer went to its caller's connection, long closed: an operator's retry (one task,
+    from Redis or from SQL, or in bulk) is a 409 that says so, and nothing is called again."""
+    await gateway.add_endpoint("dl-proxy", f"{fresh_upstream}/p", proxy=True, max_retries=0)
+    auth = await gateway.new_key(user_id=5)
+    base = await start_api()
+    await start_dispatcher()
+    async with httpx.AsyncClient(base_url=base, headers=auth, timeout=30) as http:
+        r = await http.post("/proxy/dl-proxy/x", content="proxied",
+                            headers={"X-Mock-Status": "500"})
+    assert r.status_code == 500
+    tid = r.headers["x-queue-task-id"]
+    assert (await gateway.status(auth, tid))["task_status"] == "failed"
+
+    async def refused(path: str, **kw: Any) -> dict[str, Any]:
+        r = await gateway.http.post(path, headers=gateway.admin, **kw)
+        assert r.status_code == 409, r.text
+        error: dict[str, Any] = r.json()["error"]
+        return error
+
+    err = await refused(f"/admin/v1/tasks/{tid}/retry")  # from Redis
+    assert err["code"] == "proxy_not_retryable" and err["task_status"] == "failed"
+    assert "caller" in err["message"]
+    await _gone_from_redis(gateway, tid)
+    err = await refused(f"/admin/v1/tasks/{tid}/retry")  # from its SQL row
+    assert err["code"] == "proxy_not_retryable" and err["task_type"] == "proxy"
+    res = await _admin(gateway, "POST", "/admin/v1/tasks/retry",
+                       json={"status": "failed", "endpoint": "dl-proxy"})
+    assert res == {"matched": 1, "retried": 0, "skipped": {"proxy_not_retryable": 1},
+                   "more": False}
+    assert len(await _calls(fresh_upstream, "proxied", 2, timeout=1)) == 1
 
 
 async def test_search_every_endpoint_and_retry_or_cancel_in_bulk(

@@ -49,10 +49,12 @@ async def test_openapi_declares_security_schemes_and_readable_operation_ids(
 
     api_key = [{"apiKey": []}, {"apiKeyHeader": []}]
     for (method, path), op in ops.items():
-        expected = (api_key if path.startswith("/api/") else
+        expected = (api_key if path.startswith(("/api/", "/proxy/")) else
                     [{"adminToken": []}] if path.startswith("/admin/") else None)
         assert op.get("security") == expected, (method, path)
         # The key is the security scheme's business, not an argument of every call.
         assert not any(p["name"].lower() == "authorization" for p in op.get("parameters", []))
+    proxy = [op for (_, path), op in ops.items() if path.startswith("/proxy/")]
+    assert len(proxy) == 7 and all(op["security"] == api_key for op in proxy)
     for path in ("/healthz", "/readyz", "/metrics", "/auth/check"):
         assert "security" not in next(iter(doc["paths"][path].values()))

@@ -170,6 +170,61 @@ def test_one_trace_per_task_across_api_and_dispatcher(
     assert alone_submit.parent == "" and alone_submit.trace_id != caller_trace
 
 
+def test_a_proxied_request_is_one_proxy_span_under_the_callers_trace(
+    env: dict[str, str], receiver: Receiver, fresh_upstream: str,
+    dispatcher_process: Callable[..., subprocess.Popen[bytes]],
+) -> None:
+    """The whole relay (its wait in line, the call, the answer to its last byte) is one `proxy`
+    span of the API process, the caller's `traceparent` its parent; the upstream is called
+    with the proxy span's context, not the caller's."""
+    otel = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.url, "OTEL_BSP_SCHEDULE_DELAY": "100"}
+    port = free_port()
+    api = subprocess.Popen([*QGW, "api", "--port", str(port)], env={**env, **otel},
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_port(port, 30, api)
+        dispatcher = dispatcher_process(**otel)
+        base, admin = f"http://127.0.0.1:{port}", {"Authorization": f"Bearer {ADMIN}"}
+        assert httpx.post(f"{base}/admin/v1/endpoints", headers=admin, json={
+            "id": "relayed", "target_url": f"{fresh_upstream}/v1", "proxy": True,
+            "forward_headers": ["X-Mock-Latency-Ms"]}).status_code == 201
+        key = httpx.post(f"{base}/admin/v1/api-keys", headers=admin,
+                         json={"user_id": 1}).json()["key"]
+        caller_trace, caller_span = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+        time.sleep(1.2)  # the API process hears of the new endpoint
+        started = time.time_ns()
+        r = httpx.post(f"{base}/proxy/relayed/chat?x=1", content=b"hi", timeout=30, headers={
+            "Authorization": f"Bearer {key}", "X-Mock-Latency-Ms": "200",
+            "traceparent": f"00-{caller_trace}-{caller_span}-01"})
+        ended = time.time_ns()
+        assert r.status_code == 200, r.text
+        tid = r.headers["x-queue-task-id"]
+        (called,) = [c for c in mock_log(fresh_upstream) if c["idempotency_key"] == tid]
+        stop(dispatcher)
+    finally:
+        stop(api)
+    _wait(lambda: any(s.name == "proxy" for s in receiver.spans))
+
+    (span,) = [s for s in receiver.spans if s.name == "proxy"]
+    assert (span.trace_id, span.parent) == (caller_trace, caller_span)
+    assert span.kind == 2  # SPAN_KIND_SERVER
+    assert span.resource["qgw.role"] == "api"
+    a = span.attributes
+    assert a["qgw.task_id"] == tid and a["qgw.endpoint"] == "relayed"
+    assert a["http.request.method"] == "POST" and a["http.response.status_code"] == 200
+    assert a["http.route"] == "/proxy/{endpoint_id}/{path}"
+    assert a["url.full"] == f"{fresh_upstream}/v1/chat?x=1"
+    assert a["server.address"] == "127.0.0.1" and "error.type" not in a
+    assert a["qgw.waited_ms"] >= 0
+    # The whole relay: from within the caller's request, the upstream's 200 ms inside it, to
+    # the task's end written after the answer's last byte went out.
+    assert started <= span.start_ns <= ended
+    assert span.end_ns - span.start_ns >= 200_000_000
+    headers = called["headers"]
+    assert isinstance(headers, dict)
+    assert headers["traceparent"].split("-")[1:3] == [span.trace_id, span.span_id]
+
+
 def test_off_by_default_nothing_is_set_up(env: dict[str, str]) -> None:
     """Without an OTLP endpoint no tracer provider or exporter exists: the app is built and
     the dispatcher loaded, `qgw` sets nothing up, and no exporter module is imported (FastAPI

@@ -182,6 +182,7 @@ class Scripts:
     expire: Lua
     oldest: Lua
     sent: Lua
+    turn: Lua
     retry: Lua
     requeue: Lua
     revive: Lua

@@ -15,13 +15,13 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
 from redis.exceptions import RedisError
 
-from app import secrets
+from app import secrets, tracing
 from app.core.keys import Keys
 from app.endpoints import EndpointConfig
 from app.errors import ApiError
@@ -31,6 +31,7 @@ from app.queue.acks import ACK_KEYS
 from app.queue.claims import settle_limits
 from app.queue.http1 import BadAnswer
 from app.queue.signals import pause_s
+from app.ratelimit.sent import sliding_logs
 from app.runtime import Runtime
 from app.store import ApiKey
 
@@ -60,8 +61,11 @@ class ProxyCall:
     task_id: str = ""
     token: str = ""
     admitted: float = 0.0
+    admitted_at: float = 0.0  # loop time its claim admitted it (the latest claim's)
+    spent: int = 1  # what that admission spent of per-cost limits (the task's `cost`)
     call_started: float = 0.0
     _renewing: asyncio.Task[None] | None = None
+    trace: tracing.ProxyTrace | None = None  # its `proxy` span, when tracing is on
     lease_lost: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
@@ -99,6 +103,8 @@ class ProxyCall:
                 status, token = await self._state()
                 if status == "processing" and token:
                     self.token, self.admitted = token, time.monotonic()
+                    if self.trace is not None:
+                        self.trace.task(self.task_id, self.waited_ms)
                     self._renewing = asyncio.create_task(self._renew())
                     return
                 if status != "pending":  # expired (its max wait), cancelled by an operator
@@ -117,9 +123,14 @@ class ProxyCall:
                     raise CallerGone
 
     async def _state(self) -> tuple[str | None, str | None]:
-        """The task's status and lease token (one HMGET)."""
-        got = await self.rt.redis.hmget(self.keys.task(self.task_id), ["status", "lease"])
-        return tuple(None if v is None else str(v) for v in got)  # type: ignore[return-value]
+        """The task's status and lease token; once admitted, when that was (turn-1.lua)."""
+        asked = asyncio.get_running_loop().time()
+        status, lease, age_ms, cost = await self.rt.queue.scripts.turn(
+            keys=[self.keys.task(self.task_id)], args=[])
+        # The admission's loop time, rather early than late: the script's way here counts as
+        # part of the delay, which moves the window's entry later (the safe side).
+        self.admitted_at, self.spent = asked - int(age_ms) / 1000, int(cost or 1)
+        return (None if status is None else str(status)), (None if lease is None else str(lease))
 
     async def _give_up(self) -> None:
         """Its max wait is over: withdrawn, 503; unless a claim took it just now."""
@@ -159,6 +170,11 @@ class ProxyCall:
                 self.lease_lost.set()
                 return
 
+    def traced(self, status_code: int | None, problem: str | None) -> None:
+        """End the `proxy` span (when tracing): the caller's status, what went wrong."""
+        if self.trace is not None:
+            self.trace.end(status_code, problem)
+
     def abandon(self) -> None:
         """Stop renewing a lease nothing will finish (an unexpected error): it lapses and the
         reaper ends the task, as if this process had died."""
@@ -179,9 +195,12 @@ class ProxyCall:
         try:
             # The endpoint's upstream_headers (the provider's key) replace any of the caller's.
             headers = secrets.outgoing(self.headers, ep.credentials)
+            if self.trace is not None:  # the upstream joins the trace under the proxy span
+                headers = self.trace.outgoing(headers)
             headers.append(("Idempotency-Key", self.task_id))
             answer = await self._unless_gone(open_call(self.method, self.url, headers,
-                                                       self.body, ep.timeout_ms / 1000))
+                                                       self.body, ep.timeout_ms / 1000,
+                                                       self._on_sent()))
         except secrets.Undecryptable as exc:
             await self.finish("failed", f"upstream credentials: {exc}", None, -1, None)
             raise ApiError(503, "credentials_unavailable", str(exc), {"Retry-After": "5"},
@@ -201,6 +220,17 @@ class ProxyCall:
         answer.close()
         await self._back_in_line(answer.status, pause, (time.monotonic() - started) * 1000)
         return None
+
+    def _on_sent(self) -> Callable[[], None] | None:
+        """Under sliding windows: once the request has left, its admission's entries move to
+        that moment (app/ratelimit/sent.py), so later admissions are checked against the calls
+        the upstream really saw (event, read and connect took a while since the claim)."""
+        ep, token, send_times = self.endpoint, self.token, self.rt.send_times
+        logs = sliding_logs(self.keys, ep, token, self.spent)
+        if not logs:
+            return None
+        admitted_at = self.admitted_at
+        return lambda: send_times.sent(ep.id, token, admitted_at, logs)
 
     async def _unless_gone(self, opening: Coroutine[Any, Any, Streamed]) -> Streamed:
         """The answer's head, unless the caller leaves first (a slow upstream may take long

@@ -58,7 +58,12 @@ class RelayResponse(Response):
             if why is None:
                 exc = pump.exception() if not pump.cancelled() else None
                 why = _failure(exc)
-            await asyncio.shield(self._finish(why, cost))
+            status = self.status_code
+            try:
+                await asyncio.shield(self._finish(why, cost))
+            finally:  # the status went out first; `why` says if the body did not follow
+                call.traced(status, why or (f"upstream answered {status}" if status >= 500
+                                            else None))
 
     async def _pump(self, send: Send, cost: CostReader) -> None:
         await send({"type": "http.response.start", "status": self.status_code,

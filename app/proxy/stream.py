@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import ssl
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from functools import lru_cache
 
 import httptools
@@ -111,10 +111,11 @@ class Streamed:
 
 
 async def open_call(method: str, url: str, headers: list[tuple[str, str]], body: bytes,
-                    timeout_s: float) -> Streamed:
+                    timeout_s: float, on_sent: Callable[[], None] | None = None) -> Streamed:
     """Send the request and wait for the answer's status and headers (within `timeout_s`,
-    which also bounds each wait for more of the body). ValueError for a request that cannot
-    be sent, OSError / BadAnswer / TimeoutError for an upstream that does not answer."""
+    which also bounds each wait for more of the body); `on_sent` is called once the request
+    has left. ValueError for a request that cannot be sent, OSError / BadAnswer /
+    TimeoutError for an upstream that does not answer."""
     where = target(url)
     given = "".join(name + value for name, value in headers)
     if "\r" in given or "\n" in given or "\0" in given:
@@ -132,6 +133,8 @@ async def open_call(method: str, url: str, headers: list[tuple[str, str]], body:
     answer = Streamed(reader, writer, timeout_s)
     try:
         writer.write("".join(lines).encode("latin-1") + body)
+        if on_sent is not None:
+            on_sent()
         await answer._head(method == "HEAD")
     except BaseException:
         answer.close()

@@ -72,11 +72,22 @@ async def retry(queue: TaskQueue, task_id: str) -> dict[str, Any]:
     if res[0] == "gone":
         raise ApiError(409, "endpoint_not_registered",
                        f"the endpoint of task {task_id!r} is deleted; nothing would run it")
+    if res[0] == "proxy":
+        raise _proxied(task_id, str(res[1]))
     if res[0] == "conflict":
         raise ApiError(409, "task_not_retryable",
                        f"task {task_id!r} is {res[1]}; only a failed or expired task can be "
                        "retried", task_status=res[1])
     return await _revive(queue, await _row(queue, task_id))  # 404 if unknown
+
+
+def _proxied(task_id: str, status: str) -> ApiError:
+    """A proxied request is answered on its caller's connection, gone by now: run again, its
+    answer would reach nobody (and its caller may well have sent it again meanwhile)."""
+    return ApiError(409, "proxy_not_retryable",
+                    f"task {task_id!r} is a proxied request ({status}); its answer went to its "
+                    "caller's connection, which is closed, so it cannot run again: the caller "
+                    "sends it again", task_status=status, task_type="proxy")
 
 
 def _kept_request(row: Any) -> dict[str, Any] | None:
@@ -93,6 +104,8 @@ def _kept_request(row: Any) -> dict[str, Any] | None:
 async def _revive(queue: TaskQueue, row: Any) -> dict[str, Any]:
     """Run again a dead letter only SQL holds, with its original request and priority."""
     task_id, e = str(row.task_id), str(row.endpoint)
+    if row.type == "proxy":
+        raise _proxied(task_id, str(row.status))
     if row.status not in DEAD_LETTERS:
         raise ApiError(409, "task_not_retryable",
                        f"task {task_id!r} is {row.status}; only a failed or expired task can "

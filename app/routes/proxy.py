@@ -12,11 +12,12 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from starlette.types import Receive
 
+from app import tracing
 from app.auth import api_key, runtime_of
 from app.errors import ApiError
 from app.models import MAX_PRIORITY
 from app.proxy.paths import upstream_url
-from app.proxy.relay import CallerGone, ProxyCall
+from app.proxy.relay import CALLER_LOST, CallerGone, ProxyCall
 from app.proxy.response import RelayResponse
 from app.routes.body import read_limited
 from app.routes.tasks import ERRORS, IDEM_KEY
@@ -56,17 +57,24 @@ async def proxy(request: Request, endpoint_id: str, path: str) -> Response:
     gone = asyncio.ensure_future(_until_disconnect(request.receive))
     call = ProxyCall(rt, caller, endpoint, request.method, url, _forwarded(request), body,
                      priority, max_wait_s, cost, idem, gone)
+    if tracing.ENABLED:
+        call.trace = tracing.ProxyTrace(request.headers, request.method, url, endpoint.id)
     try:
         await call.submit()
         while True:
             await call.wait_turn()
             answer = await call.call()
             if answer is not None:
-                return RelayResponse(call, answer)
+                return RelayResponse(call, answer)  # it ends the span with the relay
     except CallerGone:
+        call.traced(None, CALLER_LOST)
         return Response(status_code=499)  # nobody reads it
-    except BaseException:
+    except BaseException as exc:
         call.abandon()
+        if isinstance(exc, ApiError):
+            call.traced(exc.status, exc.message if exc.status >= 500 else None)
+        else:
+            call.traced(None, f"{type(exc).__name__}: {exc}")
         raise
     finally:
         if not call.token:  # no answer to relay: nothing watches the caller any more
