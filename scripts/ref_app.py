@@ -173,7 +173,8 @@ def _example_scrape() -> str:
     now = 1_800_000_000_000
     ep = EndpointConfig.model_validate({
         "id": "example", "target_url": "http://upstream.invalid/api", "rate": 5,
-        "max_concurrency": 2, "concurrency": "adaptive", "limits": [{"rate": 100, "interval_ms": 60_000}]})
+        "max_concurrency": 2, "concurrency": "adaptive",
+        "limits": [{"rate": 100, "interval_ms": 60_000}]})
     stats = EndpointStats(
         endpoint=ep, pending=1, in_flight=1, counters=dict.fromkeys(COUNTERS, 0), exec_ms=1.0,
         slot_ms=1.0, histograms={h: Histogram([0] * (len(BOUNDS_MS) + 1), 0) for h in HISTOGRAMS},
