@@ -91,7 +91,7 @@ class Settings(BaseSettings):
     #: and its connection is reset, unsent bytes dropped (a client that stops reading pins
     #: nothing longer); 0: none.
     send_timeout_s: float = Field(30.0, ge=0, le=3600)
-    #: Large reads (results from the result store, status answers with over 256 KiB of
+    #: Large reads (results from the result store, status answers with over 1 MiB of
     #: result inline) one API key may have at once on one API process; one more waits up to
     #: a second for a slot, then is answered 429 with Retry-After.
     max_large_reads_per_key: int = Field(8, ge=1, le=10_000)

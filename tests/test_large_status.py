@@ -16,12 +16,12 @@ from tests.conftest import Gateway
 from tests.test_events import events
 
 pytestmark = pytest.mark.backends("single", "cluster")
-SIZE = 1 << 20
+SIZE = 2 << 20
 
 
 @pytest.fixture
 def settings(settings: Settings) -> Settings:
-    settings.result_inline_bytes = 2 << 20
+    settings.result_inline_bytes = 4 << 20
     return settings
 
 

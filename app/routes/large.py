@@ -20,8 +20,10 @@ from app.runtime import Runtime
 from app.sending import HeldStream
 from app.store import ApiKey
 
-#: A status read leaves a result longer than this (bytes) out, as a large read.
-LARGE = 256 << 10
+#: A status read leaves a result longer than this (bytes) out, as a large read. Above what
+#: the default QGW_RESULT_INLINE_BYTES keeps inline (256 KiB, its base64 a third more), so a
+#: gateway with the defaults never takes this path.
+LARGE = 1 << 20
 #: What one write of a large answer sends.
 CHUNK = 256 << 10
 
