@@ -1,11 +1,14 @@
-"""One key's flood of reads of a large task must not slow anybody else down (issue "Hardening
-2", item 1): 96 connections of one key re-read an 8 MB task's status for 12 s while another
-user submits and reads status; against a `qgw api` process, the readers in a process of their
-own (tests/readers.py) so the test's CPU is not theirs.
+"""One key's flood of reads of a large result must not slow anybody else down (issue
+"Hardening 2", item 1): 96 connections of one key re-read an 8 MB result for 12 s while another
+user submits and reads status. `inline` (QGW_RESULT_INLINE_BYTES above 8 MB): the readers ask
+the status, which carries the 8 MB; `store` (the defaults): the status carries only the
+result's size, and the readers ask /result. Against a `qgw api` process, the readers in a
+process of their own (tests/readers.py), niced: an attacker's CPU is not the gateway's, and
+the test's own must not be what is measured.
 
 Run on one Redis: what is measured is the API process (its event loop, its writes, its per-key
-bound), which is the same whichever Redis it reads; the status script it calls runs on both
-kinds in tests/test_flow.py and tests/test_results.py."""
+bound), which is the same whichever Redis it reads; the status script's large-result path runs
+on both kinds in tests/test_large_status.py."""
 
 from __future__ import annotations
 
@@ -117,8 +120,9 @@ async def test_a_keys_flood_of_large_reads_leaves_other_users_latency_alone(
           f"{sorted(submits)[len(submits) // 2] * 1000:.1f} ms")
     assert counts.get("200", 0) > 0, counts  # the reader got its task, only not 96 at once
     assert set(counts) <= {"200", "429", "bytes"}, counts
-    # 50 ms, the issue's figure; on a machine whose own noise exceeds it (shared cores: the
-    # other user alone measured worse), no worse than half as much again as alone.
+    # 50 ms, the issue's figure; on a machine whose own noise is near it (two shared cores:
+    # the other user alone measured 10-70 ms), at most twice the p99 alone. Before the bound
+    # and the streaming, the figure was 250-400 ms (store) and 503s or 4 s (inline).
     for name, alone, flooded in (("submit", quiet[0], submits), ("status", quiet[1], statuses)):
-        bound = max(P99_MS, 1.5 * _p99(alone))
+        bound = max(P99_MS, 2 * _p99(alone))
         assert _p99(flooded) <= bound, f"{name} p99 {_p99(flooded):.1f} ms > {bound:.1f} ms"
