@@ -157,6 +157,7 @@ async def _serve_until_stopped(settings: Settings, sock: Any, dispatcher: bool) 
 
     from app.connections import uvicorn_limit
     from app.main import create_app
+    from app.sending import SendDeadline
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -177,7 +178,9 @@ async def _serve_until_stopped(settings: Settings, sock: Any, dispatcher: bool) 
               f"  redis: {hide_password(rt.redis_url)}\n"
               f"  database: {hide_password(settings.db_url)}", flush=True)
 
-    config = uvicorn.Config(create_app(rt, manage=False, on_started=banner), log_config=None,
+    # Every answer's writes have their deadline, around the whole app (app/sending.py).
+    app = SendDeadline(create_app(rt, manage=False, on_started=banner), settings.send_timeout_s)
+    config = uvicorn.Config(app, log_config=None,
                             access_log=False, timeout_graceful_shutdown=5,
                             limit_concurrency=uvicorn_limit(settings))
     try:

@@ -27,7 +27,6 @@ from app.routes import (
 )
 from app.routes.fastlane import fast_lane
 from app.runtime import Runtime
-from app.sending import SendDeadline
 
 # FastAPI 0.165+ looks for OpenTelemetry providers (environment reads) on every request, a
 # tenth of a submit's CPU; the gateway exports its own /metrics and its own spans
@@ -69,8 +68,6 @@ def create_app(
     # Added before the counter, so inside it: it counts the fast lane's answers too.
     fast_lane(app, tasks.router, {tasks.submit: tasks.submit, tasks.status: tasks.status_fast})
     app.add_middleware(HttpRequests, counts=runtime.scrapes.http)  # /metrics, by route
-    # Every answer's writes have their deadline (app/sending.py).
-    app.add_middleware(SendDeadline, timeout_s=runtime.settings.send_timeout_s)
     if (cap := max_requests(runtime.settings)) is not None:  # outermost: refuses before all
         app.add_middleware(RequestCap, limit=cap)
     # Patterns catch keys and permits; these two have no recognisable shape.

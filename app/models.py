@@ -9,6 +9,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
     StringConstraints,
     field_validator,
 )
@@ -153,6 +154,13 @@ class TaskView(BaseModel):
     result_encoding: Literal["base64", "external"] | None = None
     result_content_type: str | None = None  # the upstream's Content-Type
     result_bytes: int | None = None  # the body's size in bytes (set once the task finished)
+    #: Not in the answer: a read with a result limit left a longer inline result out
+    #: (app/routes/large.py serves those from an encoded copy).
+    _left_out: bool = PrivateAttr(False)
+
+    @property
+    def result_left_out(self) -> bool:
+        return self._left_out
 
 
 class CancelResponse(BaseModel):

@@ -15,6 +15,7 @@ from redis.exceptions import RedisError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app import redis_url, secrets
+from app.answer_cache import AnswerCache
 from app.core.keys import Keys
 from app.core.loop import STORE_ERRORS
 from app.core.registry import EndpointRegistry, Mirror, cancel_all
@@ -79,6 +80,7 @@ class Runtime:
     http: UpstreamClient | None = field(default=None, init=False)
     objects: ObjectStore = field(init=False)  # the result store (app/queue/objects.py)
     read_slots: ReadSlots = field(init=False)  # large reads per API key (app/sending.py)
+    answers: AnswerCache = field(default_factory=AnswerCache, init=False)  # large statuses
     scrapes: SharedScrape = field(default_factory=SharedScrape, init=False)  # GET /metrics
     _blocking: Redis | None = field(default=None, init=False)
     _embedded: EmbeddedRedis | None = field(default=None, init=False)

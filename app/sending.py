@@ -12,7 +12,10 @@ cannot take the process's bandwidth and CPU from everybody else (429 with Retry-
 from __future__ import annotations
 
 import asyncio
-from collections import Counter
+import contextlib
+import logging
+import socket
+import struct
 from typing import Any
 
 from starlette.responses import StreamingResponse
@@ -20,13 +23,21 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.errors import ApiError
 
+log = logging.getLogger(__name__)
+NO_LINGER = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close resets, unsent bytes dropped
+
 
 class SendTimeout(Exception):
     """A client accepted nothing for the write deadline: the request is abandoned."""
 
 
 class SendDeadline:
-    """ASGI middleware: every `send` of an HTTP answer within `timeout_s` (0: no deadline)."""
+    """ASGI middleware: every `send` of an HTTP answer within `timeout_s` (0: no deadline).
+
+    Wraps the whole app, as the server runs it (app/cli.py), so that the `send` it sees is the
+    server's own and its connection can be aborted: closing it would wait for the unread
+    answer to drain first, which a client that reads nothing never lets happen, and the
+    socket with everything written to it stayed open for as long as the client liked."""
 
     def __init__(self, app: ASGIApp, timeout_s: float) -> None:
         self.app, self.timeout_s = app, timeout_s
@@ -42,30 +53,73 @@ class SendDeadline:
                 async with asyncio.timeout(timeout):
                     await send(message)
             except TimeoutError:
+                _abort(send)
                 raise SendTimeout(f"the client accepted nothing for {timeout:g} s") from None
 
-        await self.app(scope, receive, bounded)
+        try:
+            await self.app(scope, receive, bounded)
+        except SendTimeout as exc:
+            log.info("answer abandoned: %s", exc, extra={"path": scope.get("path")})
+            # One turn of the loop: the server sees its connection lost (no error logged
+            # for an answer left unfinished).
+            await asyncio.sleep(0)
+
+
+def _abort(send: Send) -> None:
+    """Drop the connection now, its unsent bytes with it: uvicorn's `send` is a method of its
+    request cycle, which holds the transport. Lingering off, the kernel drops what its send
+    buffer still holds too (a reset, not megabytes delivered late). Any other server: left to
+    close it."""
+    transport = getattr(getattr(send, "__self__", None), "transport", None)
+    if transport is None or not hasattr(transport, "abort"):
+        return
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, NO_LINGER)
+    transport.abort()
 
 
 class ReadSlots:
-    """How many large results each API key is reading from this process right now."""
+    """How many large results each API key is reading from this process right now.
 
-    def __init__(self, per_key: int) -> None:
-        self.per_key = per_key
-        self._held: Counter[str] = Counter()
+    A read beyond the key's bound waits up to `wait_s` for a slot before its 429: answering at
+    once made the refusals a flood of their own (96 connections of one key re-asking as fast
+    as they were refused took the event loop from everybody else), while a refusal that comes
+    after a wait costs a connection a timer, not CPU."""
 
-    def take(self, key_id: str) -> None:
-        """A slot for one read; 429 when the key has none left. Give it back with `give`."""
-        if self._held[key_id] >= self.per_key:
+    def __init__(self, per_key: int, wait_s: float = 1.0) -> None:
+        self.per_key, self.wait_s = per_key, wait_s
+        self._keys: dict[str, tuple[asyncio.Semaphore, list[int]]] = {}
+
+    async def take(self, key_id: str) -> None:
+        """A slot for one read, within `wait_s`, else 429. Give it back with `give`."""
+        sem, users = self._keys.get(key_id) or self._keys.setdefault(
+            key_id, (asyncio.Semaphore(self.per_key), [0]))
+        users[0] += 1
+        if not sem.locked():
+            await sem.acquire()  # free: returns at once
+            return
+        try:
+            async with asyncio.timeout(self.wait_s):
+                await sem.acquire()
+        except BaseException as exc:
+            self._left(key_id, users)
+            if not isinstance(exc, TimeoutError):
+                raise
             raise ApiError(429, "too_many_reads",
                            f"this key already reads {self.per_key} large results at once; "
-                           "retry when one has finished", {"Retry-After": "1"})
-        self._held[key_id] += 1
+                           "retry when one has finished", {"Retry-After": "1"}) from None
 
     def give(self, key_id: str) -> None:
-        self._held[key_id] -= 1
-        if self._held[key_id] <= 0:
-            del self._held[key_id]
+        sem, users = self._keys[key_id]
+        sem.release()
+        self._left(key_id, users)
+
+    def _left(self, key_id: str, users: list[int]) -> None:
+        users[0] -= 1
+        if users[0] <= 0:
+            del self._keys[key_id]
 
 
 class HeldStream(StreamingResponse):

@@ -91,10 +91,12 @@ class Settings(BaseSettings):
     #: of them holds a Redis lock for the interval and sweeps).
     result_sweep_interval_s: float = Field(300.0, gt=0)
     #: An answer's every write must complete within this many seconds, else the request ends
-    #: and its connection closes (a client that stops reading pins nothing longer); 0: none.
+    #: and its connection is reset, unsent bytes dropped (a client that stops reading pins
+    #: nothing longer); 0: none.
     send_timeout_s: float = Field(30.0, ge=0, le=3600)
-    #: Large results (from the result store) one API key may read at once from one API
-    #: process; more are answered 429 with Retry-After.
+    #: Large reads (results from the result store, status answers with over 1 MiB of
+    #: result inline) one API key may have at once on one API process; one more waits up to
+    #: a second for a slot, then is answered 429 with Retry-After.
     max_large_reads_per_key: int = Field(8, ge=1, le=10_000)
     #: Upstream calls one dispatcher process keeps in flight, over all endpoints.
     dispatch_concurrency: int = Field(256, ge=1, le=100_000)

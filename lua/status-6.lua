@@ -10,6 +10,9 @@ key `<id>/<random>`, which goes with the row; score = from when)    KEYS[6] acti
 ARGV[1] task id    ARGV[2] user id    ARGV[3] read TTL (ms); 0 = a peek that delivers nothing
 ARGV[4] read TTL (ms) of a result in the result store (`"enc":"external"` in result_meta):
 longer, as it is fetched in pieces after the read (Range, a presigned URL)
+ARGV[5] optional: the largest `result` returned (bytes; absent or 0: any); a longer one is left
+out of the reply, which then has the field `result_omitted` = its length instead (a large read:
+the API serves its encoded answer from its own cache, app/routes/large.py)
 Returns {rank or false, measured, field, value, ...}, or {} when missing or not this user's;
 measured = {exec ms, slot ms, tasks in flight, last admission, upstream pause until, now, limited
 until, average cost, adaptive limit} of the endpoint while the task waits in line (else {}), for the wait
@@ -17,7 +20,22 @@ estimate (app/queue/tasks.py estimate_wait; in flight from the active set, KEYS[
 ]]
 --@include now.lua
 
-local fields = redis.call('HGETALL', KEYS[1])
+local limit = tonumber(ARGV[5] or '0') or 0
+local fields
+local size = limit > 0 and redis.call('HSTRLEN', KEYS[1], 'result') or 0
+if size > limit then  -- not copied out of the hash: each read would cost Redis its length
+  fields = {}
+  for _, name in ipairs(redis.call('HKEYS', KEYS[1])) do
+    if name ~= 'result' then
+      fields[#fields + 1] = name
+      fields[#fields + 1] = redis.call('HGET', KEYS[1], name)
+    end
+  end
+  fields[#fields + 1] = 'result_omitted'
+  fields[#fields + 1] = tostring(size)
+else
+  fields = redis.call('HGETALL', KEYS[1])
+end
 local owner, hook, external
 for i = 1, #fields, 2 do
   if fields[i] == 'user_id' then owner = fields[i + 1] end

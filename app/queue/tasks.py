@@ -215,24 +215,32 @@ class TaskQueue:
         return res
 
     async def status(self, user_id: int, task_id: str, endpoint: EndpointConfig | None,
-                     deliver: bool = True) -> TaskView:
+                     deliver: bool = True, result_limit: int = 0) -> TaskView:
         """The task as its owner sees it. A finished task read with `deliver` has reached its
-        owner (its copies go soon); a repeated submit only peeks: it carries no result."""
-        fields, rank, exec_ms = await self.fields(user_id, task_id, deliver)
+        owner (its copies go soon); a repeated submit only peeks: it carries no result.
+        With `result_limit`, a longer inline result is left out (`result_left_out`)."""
+        fields, rank, exec_ms = await self.fields(user_id, task_id, deliver, result_limit)
         return self._view(task_id, fields, rank, exec_ms, endpoint)
 
-    async def fields(self, user_id: int, task_id: str, deliver: bool = True
-                     ) -> tuple[dict[str, str], int | None, str | None]:
+    async def fields(self, user_id: int, task_id: str, deliver: bool = True,
+                     result_limit: int = 0) -> tuple[dict[str, str], int | None, str | None]:
         """The task's fields as its hash has them (from SQL once Redis has let it go), its
-        place in line and its endpoint's measured exec time (None for a finished task)."""
+        place in line and its endpoint's measured exec time (None for a finished task); with
+        `result_limit`, a longer `result` is replaced by `result_omitted` (its length)."""
         k, e = self.keys, endpoint_of(task_id)
         res = await self.scripts.status.repeatable(
             keys=[k.task(task_id), *k.of(e, "queue", "stats", "outbox", "delivered", "active")],
             args=[task_id, user_id, self.ttls.read_ms if deliver else 0,
-                  self.ttls.read_external_ms],
+                  self.ttls.read_external_ms, result_limit],
         )
         if not res:
-            return await self._finished_fields(user_id, task_id, deliver), None, None
+            fields = await self._finished_fields(user_id, task_id, deliver)
+            text = fields.get("result")
+            if result_limit and text is not None and len(text) > result_limit // 4 and (
+                    size := len(text.encode())) > result_limit:  # as the script does
+                del fields["result"]
+                fields["result_omitted"] = str(size)
+            return fields, None, None
         return dict(zip(res[2::2], res[3::2], strict=True)), res[0], res[1]
 
     def finished_view(self, task_id: str, fields: dict[str, str]) -> TaskView:
@@ -254,7 +262,9 @@ class TaskQueue:
         code = f.get("result_status_code")
         result, meta = f.get("result"), ResultMeta.loads(f.get("result_meta"))
         size = meta.size if meta else (len(result.encode()) if result is not None else None)
-        return TaskView(
+        if (omitted := f.get("result_omitted")) is not None and meta is None:
+            size = int(omitted)  # an inline text's size is its length
+        view = TaskView(
             task_id=task_id, task_type=ttype, task_status=status,
             task_result=None if meta and meta.encoding == EXTERNAL else result,
             wait_num=wait_num,
@@ -268,6 +278,8 @@ class TaskQueue:
             result_content_type=meta.content_type if meta else None,
             result_bytes=size if status.finished else None,
         )
+        view._left_out = omitted is not None
+        return view
 
     async def cancel(self, user_id: int, task_id: str) -> TaskStatus:
         k, e = self.keys, endpoint_of(task_id)

@@ -21,7 +21,9 @@ from app.core.keys import endpoint_of
 from app.errors import ApiError
 from app.models import TaskView
 from app.queue.events import TaskEvents
+from app.routes.large import LARGE, encoded, pieces
 from app.routes.tasks import ERRORS, _checked
+from app.sending import HeldStream
 
 router = APIRouter(prefix="/api/v1", tags=["tasks"])
 KEEPALIVE_S = 15.0  # a comment line this often: proxies keep the stream, clients see it live
@@ -36,15 +38,25 @@ async def follow_task(request: Request, task_id: str) -> StreamingResponse:
     """Server-sent events of a task's status until it ends."""
     caller, rt = api_key(request), runtime_of(request)
     tid = _checked(task_id)
-    read = partial(rt.queue.status, caller.user_id, tid, rt.registry.get(endpoint_of(tid)))
-    await read()  # unknown, not this caller's, or unavailable: a JSON error, not a stream
-    return StreamingResponse(_stream(rt.events, tid, read), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    endpoint = rt.registry.get(endpoint_of(tid))
+    read = partial(rt.queue.status, caller.user_id, tid, endpoint, result_limit=LARGE)
+    # Unknown, not this caller's, or unavailable: a JSON error, not a stream.
+    first = await read()
+    stream = _stream(rt.events, tid, read, partial(encoded, rt, caller.user_id, endpoint))
+    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    if not first.result_left_out:
+        return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
+    # An ended task with megabytes inline: a large read, as its status is (its slot taken
+    # here, where a 429 can still be answered; one that ends so later is sent without).
+    await rt.read_slots.take(caller.id)
+    return HeldStream(rt.read_slots, caller.id, stream, media_type="text/event-stream",
+                      headers=headers)
 
 
 async def _stream(
-    events: TaskEvents, task_id: str, read: Callable[[], Awaitable[TaskView]]
-) -> AsyncIterator[str]:
+    events: TaskEvents, task_id: str, read: Callable[[], Awaitable[TaskView]],
+    whole: Callable[[TaskView], Awaitable[bytes]],
+) -> AsyncIterator[str | bytes | memoryview]:
     # The watch is registered before each read it guards, so a change is never missed:
     # at worst it is read twice.
     with events.watch(task_id) as w:
@@ -64,7 +76,13 @@ async def _stream(
                 continue
             if view.task_status != last:
                 last = view.task_status
-                yield f"event: status\ndata: {json.dumps(view.model_dump(mode='json'))}\n\n"
+                if view.result_left_out:  # the kept encoding, piece by piece (large.py)
+                    yield b"event: status\ndata: "
+                    async for piece in pieces(await whole(view)):
+                        yield piece
+                    yield b"\n\n"
+                else:
+                    yield f"event: status\ndata: {json.dumps(view.model_dump(mode='json'))}\n\n"
             if view.task_status.finished:
                 return
             if not await w.changed(KEEPALIVE_S):

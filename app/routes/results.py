@@ -79,7 +79,7 @@ async def task_result(
         url = await objects.sign(meta.ref, SIGNED_S)
         return Response(status_code=302, headers={"Location": url or "",
                                                   "Cache-Control": "no-store"})
-    rt.read_slots.take(caller.id)  # given back once the answer has ended (HeldStream)
+    await rt.read_slots.take(caller.id)  # given back once the answer has ended (HeldStream)
     try:
         chunks = await _read(objects, tid, status, meta.ref, start, end)
     except BaseException:

@@ -8,7 +8,7 @@ from functools import partial
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Query, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 
 from app import tracing
 from app.auth import api_key, runtime, runtime_of
@@ -25,6 +25,7 @@ from app.models import (
 )
 from app.queue.events import next_change
 from app.routes.body import body_schema, parse, read_limited
+from app.routes.large import LARGE, large_answer
 from app.runtime import Runtime
 from app.store import ApiKey
 from app.webhooks import allowed
@@ -134,12 +135,12 @@ async def status(
     request: Request, task_id: str,
     wait: Annotated[float, Query(ge=0, le=MAX_WAIT_S,
                                  description="hold until the status changes")] = 0,
-) -> JSONResponse:
+) -> Response:
     """A task's status, place in line, estimated wait and result."""
     return await _status(request, task_id, wait)
 
 
-async def status_fast(request: Request) -> JSONResponse | None:
+async def status_fast(request: Request) -> Response | None:
     """`status` in the fast lane (app/routes/fastlane.py) for its usual forms, no query or a
     plain `wait` in range; any other is left to the route above, to be validated as ever."""
     wait = 0.0
@@ -157,15 +158,17 @@ async def status_fast(request: Request) -> JSONResponse | None:
     return await _status(request, request.path_params["task_id"], wait)
 
 
-async def _status(request: Request, task_id: str, wait: float) -> JSONResponse:
+async def _status(request: Request, task_id: str, wait: float) -> Response:
     caller, rt = api_key(request), runtime_of(request)
     tid = _checked(task_id)
     endpoint = rt.registry.get(tid.partition(".")[2])
+    read = partial(rt.queue.status, caller.user_id, tid, endpoint, result_limit=LARGE)
     if wait > 0:  # woken by the scripts' status events, not by polling Redis
-        view = await next_change(rt.events, tid,
-                                 partial(rt.queue.status, caller.user_id, tid, endpoint), wait)
+        view = await next_change(rt.events, tid, read, wait)
     else:
-        view = await rt.queue.status(caller.user_id, tid, endpoint)
+        view = await read()
+    if view.result_left_out:  # megabytes inline: a large read (app/routes/large.py)
+        return await large_answer(rt, caller, endpoint, view)
     return JSONResponse(view.model_dump(mode="json"))
 
 

@@ -1,0 +1,73 @@
+"""Status answers that carry a large inline result (QGW_RESULT_INLINE_BYTES raised to
+megabytes): read as large reads, like /result's from the store.
+
+The status call leaves a result longer than LARGE in Redis (status-6.lua, ARGV[5]); such an
+answer takes one of the key's read slots (QGW_MAX_LARGE_READS_PER_KEY, app/sending.py), is
+encoded once per task and process (app/answer_cache.py) and is sent in CHUNK pieces, so each
+write meets the send deadline on its own and a reader that stops reading pins a piece and the
+socket's buffers, never a copy of the answer."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+from fastapi.responses import JSONResponse, Response
+
+from app.endpoints import EndpointConfig
+from app.models import TaskView
+from app.runtime import Runtime
+from app.sending import HeldStream
+from app.store import ApiKey
+
+#: A status read leaves a result longer than this (bytes) out, as a large read. Above what
+#: the default QGW_RESULT_INLINE_BYTES keeps inline (256 KiB, its base64 a third more), so a
+#: gateway with the defaults never takes this path.
+LARGE = 1 << 20
+#: What one write of a large answer sends.
+CHUNK = 256 << 10
+
+
+async def large_answer(rt: Runtime, caller: ApiKey, endpoint: EndpointConfig | None,
+                       view: TaskView) -> Response:
+    """`view` (read with LARGE, its result left out) answered whole, streamed, within a slot."""
+    await rt.read_slots.take(caller.id)  # given back once the answer has ended (HeldStream)
+    try:
+        body = await encoded(rt, caller.user_id, endpoint, view)
+    except BaseException:
+        rt.read_slots.give(caller.id)
+        raise
+    return HeldStream(rt.read_slots, caller.id, pieces(body), 200, media_type="application/json",
+                      headers={"Content-Length": str(len(body))})
+
+
+async def encoded(rt: Runtime, user_id: int, endpoint: EndpointConfig | None,
+                  view: TaskView) -> bytes:
+    """The status answer of `view`'s task with its result, as JSON bytes: kept ones when the
+    task is as `view` saw it (the caller's own status call checked it is theirs)."""
+    version = _version(view)
+    if (body := rt.answers.get(view.task_id, version)) is not None:
+        return body
+    async with rt.answers.filling(view.task_id):
+        if (body := rt.answers.get(view.task_id, version)) is not None:
+            return body  # another read built it meanwhile
+        whole = await rt.queue.status(user_id, view.task_id, endpoint)
+        body = bytes(JSONResponse(whole.model_dump(mode="json")).body)
+        if whole.task_status.finished and _version(whole) == version:
+            rt.answers.put(view.task_id, version, body)
+        return body
+
+
+async def pieces(body: bytes, size: int = CHUNK) -> AsyncIterator[memoryview]:
+    """`body` piece by piece; each one after a turn of the event loop: a reader that takes
+    everything at once (a socket buffer never full) would otherwise hold the loop for the
+    whole answer, other users' requests waiting behind it."""
+    view = memoryview(body)
+    for at in range(0, len(body), size):
+        await asyncio.sleep(0)
+        yield view[at:at + size]
+
+
+def _version(view: TaskView) -> str:
+    """What a finished task's answer changes with (an operator's retry, a late ack)."""
+    return f"{view.task_status.value} {view.ended_at} {view.attempts} {view.result_bytes}"

@@ -1,0 +1,117 @@
+"""Readers that never read (issue "Hardening 2", item 2): 64 sockets that ask for an 8 MB task
+and then read nothing must neither pin the answer's megabytes in the API process nor stay open:
+they are cut off (aborted, the unsent bytes dropped) once QGW_SEND_TIMEOUT_S has passed without
+progress. Against a `qgw api` process, sockets with a small receive buffer that never recv.
+
+`inline`: QGW_RESULT_INLINE_BYTES above the answer, so the status JSON and the /events stream
+carry the 8 MB (half the sockets each); `store`: the answer is in the result store and the
+sockets ask /result. On one Redis: what is measured is the API process's memory and sockets."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from collections.abc import Awaitable, Callable
+
+import psutil
+import pytest
+
+from app.runtime import Runtime
+from app.settings import Settings
+from tests.conftest import Gateway
+
+StartApi = Callable[[], Awaitable[str]]
+SIZE = 8 << 20
+SOCKETS = 64
+SEND_TIMEOUT_S = 3
+MAX_GROWTH = 64 << 20
+
+
+@pytest.fixture(params=["inline", "store"])
+def settings(settings: Settings, request: pytest.FixtureRequest) -> Settings:
+    settings.max_result_bytes = 16 << 20
+    settings.read_ttl_s = 300
+    if request.param == "inline":
+        settings.result_inline_bytes = 12 << 20
+    return settings
+
+
+@pytest.fixture
+def env(env: dict[str, str], settings: Settings) -> dict[str, str]:
+    return {**env, "QGW_SEND_TIMEOUT_S": str(SEND_TIMEOUT_S), "QGW_READ_TTL_S": "300",
+            "QGW_MAX_LARGE_READS_PER_KEY": str(SOCKETS)}  # every socket gets its answer
+
+
+def _stalled(port: int, auth: dict[str, str], path: str) -> socket.socket:
+    """A connection that asks for `path` and never reads: a 4 KiB receive window."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connect: the window
+    sock.connect(("127.0.0.1", port))
+    sock.sendall(f"GET {path} HTTP/1.1\r\nHost: gw\r\nAuthorization: "
+                 f"{auth['Authorization']}\r\n\r\n".encode())
+    return sock
+
+
+def _open_to(api: psutil.Process, ports: set[int]) -> int:
+    """How many of the API's connections still lead to these (client) ports."""
+    return sum(1 for c in api.net_connections("tcp") if c.raddr and c.raddr.port in ports
+               and c.status == psutil.CONN_ESTABLISHED)
+
+
+def _after_close(sock: socket.socket) -> int:
+    """Bytes still readable before the end (EOF or reset): what the server had sent; at most
+    the whole answer (a socket left open keeps giving it)."""
+    sock.settimeout(1)
+    got = 0
+    try:
+        while got < SIZE and (data := sock.recv(1 << 20)):
+            got += len(data)
+    except OSError:  # reset: the server aborted the connection
+        pass
+    return got
+
+
+async def test_readers_that_never_read_pin_little_and_are_cut_off(
+    gateway: Gateway, upstream: str, start_dispatcher: Callable[[], Awaitable[Runtime]],
+    start_api: StartApi, settings: Settings,
+) -> None:
+    await gateway.add_endpoint("big", f"{upstream}/big", timeout_ms=60_000)
+    auth = await gateway.new_key()
+    dispatcher = await start_dispatcher()
+    task = await gateway.submit(auth, f"{upstream}/big", headers={"X-Mock-Body-Bytes": [str(SIZE)]})
+    (done,) = await gateway.wait_finished(auth, [task["task_id"]], timeout=60)
+    assert done["result_bytes"] == SIZE, done
+    await dispatcher.stop(grace_s=1)
+    tid = task["task_id"]
+    inline = settings.result_inline_bytes >= SIZE
+    paths = ([f"/api/v1/tasks/{tid}", f"/api/v1/tasks/{tid}/events"] if inline
+             else [f"/api/v1/tasks/{tid}/result"])
+    base = await start_api()
+    port = int(base.rsplit(":", 1)[1])
+    (api,) = [p for p in psutil.Process().children(recursive=True)
+              if str(port) in p.cmdline()]
+    await asyncio.sleep(1.0)
+    before = api.memory_info().rss
+    started = time.monotonic()
+    sockets = [_stalled(port, auth, paths[i % len(paths)]) for i in range(SOCKETS)]
+    ports = {s.getsockname()[1] for s in sockets}
+    await asyncio.sleep(1.5)  # every answer under way, each stalled on its socket
+    assert _open_to(api, ports) == SOCKETS
+    grown = api.memory_info().rss - before
+    # Closed by the server within the deadline and a margin, while the clients read nothing.
+    while _open_to(api, ports) and time.monotonic() - started < SEND_TIMEOUT_S + 10:
+        grown = max(grown, api.memory_info().rss - before)
+        await asyncio.sleep(0.1)
+    closed_after = time.monotonic() - started
+    still_open = _open_to(api, ports)
+    received = await asyncio.gather(*(asyncio.to_thread(_after_close, s) for s in sockets))
+    for s in sockets:
+        s.close()
+    print(f"{len(paths)} paths, {SOCKETS} stalled sockets of an 8 MB task: the API grew "
+          f"{grown / 2**20:.1f} MiB, closed them {closed_after:.1f} s after their requests "
+          f"(send deadline {SEND_TIMEOUT_S} s); at most {max(received) / 2**10:.0f} KiB "
+          "reached a socket")
+    assert still_open == 0, f"{still_open} of {SOCKETS} still open after {closed_after:.1f} s"
+    assert grown <= MAX_GROWTH, f"grew {grown / 2**20:.1f} MiB"
+    assert max(received) < SIZE // 2, received  # cut off, not drained
