@@ -20,7 +20,7 @@ from app.core.keys import Keys
 from app.core.loop import STORE_ERRORS
 from app.core.registry import EndpointRegistry, Mirror, cancel_all
 from app.core.scripts import Scripts
-from app.db import bounded, make_engine
+from app.db import SQL_JOB_TIMEOUT_S, bounded, make_engine
 from app.embedded import EmbeddedRedis
 from app.endpoints import EndpointConfig
 from app.healthcheck import beat, heartbeat_path
@@ -169,8 +169,8 @@ class Runtime:
         # What its owners read already goes now, rows and result objects: no writer serves
         # the delivered tasks of an endpoint that is gone (its unread ones stay, as SQL rows,
         # for the janitor's retention). Best effort: the endpoint is deleted either way.
-        try:
-            await bounded(writer.forget_delivered(endpoint_id))
+        try:  # a few batches; bounded as a job's, since a 503 here would undo nothing
+            await bounded(writer.forget_delivered(endpoint_id), SQL_JOB_TIMEOUT_S)
         except STORE_ERRORS as exc:
             log.warning("endpoint %s deleted; its delivered tasks not yet (%s): the janitor "
                         "and the result store's sweep will", endpoint_id, exc)

@@ -12,6 +12,7 @@ import pytest
 from app.db import utcnow
 from app.lifecycle.orphans import SWEEP_LOCK, OrphanSweep
 from app.lifecycle.results import ResultStore
+from app.queue import uploads
 from app.queue.answers import external
 from app.queue.objects import ObjectStore
 from app.settings import Settings
@@ -97,3 +98,19 @@ async def test_a_store_of_many_listing_batches_is_swept_to_the_end(
     assert await sweep.run_once() == 35
     assert sorted(await _objects(gateway)) == sorted(kept)
 
+
+
+async def test_unfinished_s3_uploads_are_aborted_page_after_page(
+    seaweedfs: SeaweedFS, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Five uploads a killed process left, listed two at a time: all five aborted."""
+    for name, value in seaweedfs.env().items():
+        monkeypatch.setenv(name, value)
+    prefix = uuid.uuid4().hex[:12]
+    objects = ObjectStore(f"s3://{SeaweedFS.BUCKET}/{prefix}")
+    for i in range(5):  # CreateMultipartUpload, never completed
+        await asyncio.to_thread(uploads._request, "POST", SeaweedFS.BUCKET,
+                                f"{prefix}/{uuid.uuid4().hex}.gone/{i}", {"uploads": ""})
+    assert len(await asyncio.to_thread(uploads.list_uploads, SeaweedFS.BUCKET, prefix)) == 5
+    assert await uploads.abort_stale_uploads(objects, -60, page=2) == 5
+    assert await asyncio.to_thread(uploads.list_uploads, SeaweedFS.BUCKET, prefix) == []

@@ -1,16 +1,19 @@
 """The result store's sweep: objects no task refers to any more are deleted.
 
-An object lives as long as its task refers to it: in Redis (the hash's `result_meta`) or in SQL
-(the row's). Deleting rows and letting hashes expire therefore ends their objects too, and one
-sweep finds every way a task goes (read and delivered, retention, purge, an endpoint deleted, a
-retry that replaced the answer) without each of those paths having to reach the store. It also
-finds what no task ever referred to: the answer of an attempt that lost its lease, an upload a
-process killed with -9 finished or left half-way (a `file://` staging file, an S3 multipart
-upload: app/queue/uploads.py). Only objects older than QGW_RESULT_SWEEP_GRACE_S are looked at,
-so an answer just stored, whose ack is on its way, is never taken for an orphan.
+An object goes when its task goes, on each path that deletes one: the outbox writer deletes a
+delivered task's row and its object (by the key status-6.lua scheduled, even when no row was
+ever written; app/lifecycle/results.py), the janitor a row past the retention and its object
+(`delete_objects_of`), an endpoint deleted takes its delivered tasks' rows and objects with it
+(app/runtime.py), and a dispatcher deletes an answer whose ack was refused, its task cancelled
+or its lease lost (app/queue/dispatcher.py). Each is best effort: a store that does not answer
+is logged and leaves the object here.
 
-The row deletions of the outbox writer and the janitor delete their objects at once as well
-(`delete_objects_of`), so a delivered result does not wait for the next sweep.
+The sweep is the safety net behind them: it deletes any object older than
+QGW_RESULT_SWEEP_GRACE_S that no task refers to, in Redis (the hash's `result_meta`) or in SQL
+(the row's), and what a process killed with -9 left half-way (a `file://` staging file, an S3
+multipart upload: app/queue/uploads.py). The grace keeps it off an answer just stored, whose
+ack is on its way. One dispatcher of all sweeps in each QGW_RESULT_SWEEP_INTERVAL_S (a Redis
+lock held for the interval), a page of the listing at a time.
 """
 
 from __future__ import annotations

@@ -27,29 +27,62 @@ if TYPE_CHECKING:
 
 EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
 TIMEOUT_S = 10
+UPLOADS_PAGE = 1000  # uploads listed per request (S3's own most)
 
 
 class StoreUnavailable(Exception):
     """The result store did not take or give an object (down, refused, misconfigured)."""
 
 
-async def abort_stale_uploads(objects: ObjectStore, older_than_s: float) -> int:
+async def abort_stale_uploads(objects: ObjectStore, older_than_s: float,
+                              page: int = UPLOADS_PAGE) -> int:
     """Abort the store's multipart uploads begun more than `older_than_s` ago; how many."""
     if not objects.s3:
         return 0
-    return await asyncio.to_thread(_abort_stale, objects.bucket, objects.prefix, older_than_s)
+    return await asyncio.to_thread(_abort_stale, objects.bucket, objects.prefix, older_than_s,
+                                   page)
 
 
-def _abort_stale(bucket: str, prefix: str, older_than_s: float) -> int:
+def _abort_stale(bucket: str, prefix: str, older_than_s: float, page: int) -> int:
+    """Page after page to the end of the listing (uploads under way may fill the first pages:
+    the stale ones after them are reached all the same). Some servers' markers skip entries
+    (SeaweedFS lists uploads unsorted): a pass that aborted some over several pages is
+    followed by another, until one aborts nothing or fits in a page."""
     cutoff = datetime.now(UTC) - timedelta(seconds=older_than_s)
-    query = {"uploads": "", "prefix": f"{prefix}/" if prefix else ""}
-    body = _request("GET", bucket, "", query)
     n = 0
-    for key, upload_id, initiated in _uploads(body):
-        if initiated < cutoff:
-            _request("DELETE", bucket, key, {"uploadId": upload_id})
-            n += 1
-    return n
+    while True:
+        aborted, paged = _abort_pass(bucket, prefix, cutoff, page)
+        n += aborted
+        if not aborted or not paged:
+            return n
+
+
+def _abort_pass(bucket: str, prefix: str, cutoff: datetime, page: int) -> tuple[int, bool]:
+    """One walk of the listing: how many uploads it aborted, and whether it took pages."""
+    query = {"uploads": "", "prefix": f"{prefix}/" if prefix else "", "max-uploads": str(page)}
+    n, paged = 0, False
+    while True:
+        body = _request("GET", bucket, "", query)
+        listed = _uploads(body)
+        for key, upload_id, initiated in listed:
+            if initiated < cutoff:
+                _request("DELETE", bucket, key, {"uploadId": upload_id})
+                n += 1
+        after = _next_page(body, listed)
+        if after is None or after == (query.get("key-marker"), query.get("upload-id-marker")):
+            return n, paged  # the last page (or a server that would give the same one again)
+        paged = True
+        query.update({"key-marker": after[0], "upload-id-marker": after[1]})
+
+
+def _next_page(xml: bytes, listed: list[tuple[str, str, datetime]]) -> tuple[str, str] | None:
+    """The markers of the next page of ListMultipartUploads, None after the last. A server
+    that leaves NextKeyMarker out (SeaweedFS) continues after the last upload listed."""
+    fields = {el.tag.rpartition("}")[2]: el.text or "" for el in ET.fromstring(xml)}
+    if fields.get("IsTruncated", "").lower() != "true" or not listed:
+        return None
+    return (fields.get("NextKeyMarker") or listed[-1][0],
+            fields.get("NextUploadIdMarker") or listed[-1][1])
 
 
 def abort_uploads_of(bucket: str, key: str) -> int:
