@@ -4,6 +4,7 @@ every signature with the key's webhook_secret and counts deliveries by X-Queue-D
 from __future__ import annotations
 
 import asyncio
+import base64
 import hashlib
 import hmac
 import json
@@ -20,6 +21,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
+from app.mock_upstream import binary_body
 from tests.conftest import Gateway
 from tests.servers import free_port
 from tests.test_metrics import scrape, value
@@ -139,23 +141,27 @@ async def test_finished_tasks_delivered_once_signed(
     done = await gateway.submit(auth, f"{upstream}/wh/call", callback_url=cb + "a?x=1")
     failed = await gateway.submit(auth, f"{upstream}/wh/call", callback_url=cb + "b",
                                   headers={"X-Mock-Status": ["400"]})
+    picture = await gateway.submit(auth, f"{upstream}/wh/call", callback_url=cb + "d",
+                                   headers={"X-Mock-Binary": ["1000;seed=3"]})
     plain = await gateway.submit(auth, f"{upstream}/wh/call")  # no callback_url: no webhook
     cancelled = await gateway.submit(auth, f"{upstream}/wh/paused", callback_url=cb + "c")
     r = await gateway.http.post(f"/api/v1/tasks/{cancelled['task_id']}/cancel", headers=auth)
     assert r.status_code == 200  # ended while no dispatcher runs: its webhook waits in Redis
 
     dispatcher_process(**FAST)
-    await receiver.wait_accepted(3)
+    await receiver.wait_accepted(4)
     await gateway.wait_finished(auth, [plain["task_id"]])
     await asyncio.sleep(1.5)  # nothing more arrives
     counts = receiver.counts()
-    print("webhook counts (completed, failed, cancelled):", counts)
-    assert counts == {"requests": 3, "deliveries": 3, "duplicates": 0, "signature_failures": 0}
+    print("webhook counts (completed, failed, cancelled, binary):", counts)
+    assert counts == {"requests": 4, "deliveries": 4, "duplicates": 0, "signature_failures": 0}
     by_task = {r["body"]["task_id"]: r for r in receiver.requests}
-    assert set(by_task) == {done["task_id"], failed["task_id"], cancelled["task_id"]}
+    assert set(by_task) == {done["task_id"], failed["task_id"], cancelled["task_id"],
+                            picture["task_id"]}
     for task_id, want, path in ((done["task_id"], "completed", "/hooks/ok/a"),
                                 (failed["task_id"], "failed", "/hooks/ok/b"),
-                                (cancelled["task_id"], "cancelled", "/hooks/ok/c")):
+                                (cancelled["task_id"], "cancelled", "/hooks/ok/c"),
+                                (picture["task_id"], "completed", "/hooks/ok/d")):
         rec = by_task[task_id]
         assert rec["path"] == path
         assert rec["body"]["task_status"] == want
@@ -165,6 +171,9 @@ async def test_finished_tasks_delivered_once_signed(
     kept = by_task[done["task_id"]]["body"]
     assert kept["result_content_type"] == "application/json"
     assert kept["result_bytes"] == len(kept["task_result"].encode())
+    png = by_task[picture["task_id"]]["body"]  # bytes that are not text: base64, exact
+    assert (png["result_encoding"], png["result_content_type"]) == ("base64", "image/png")
+    assert base64.b64decode(png["task_result"]) == b"".join(binary_body(1000, 3))
 
 
 async def test_signature_covers_the_delivery_id(
