@@ -67,6 +67,7 @@ def create_app(
     openapi.install(app)
     # Added before the counter, so inside it: it counts the fast lane's answers too.
     fast_lane(app, tasks.router, {tasks.submit: tasks.submit, tasks.status: tasks.status_fast})
+    fast_lane(app, proxy.router, {proxy.proxy: proxy.proxy_fast})
     app.add_middleware(HttpRequests, counts=runtime.scrapes.http)  # /metrics, by route
     if (cap := max_requests(runtime.settings)) is not None:  # outermost: refuses before all
         app.add_middleware(RequestCap, limit=cap)

@@ -159,7 +159,7 @@ class MockUpstream:
                 "query": dict(parse_qsl(scope["query_string"].decode())),
                 "idempotency_key": headers.get("idempotency-key"),
                 "headers": headers, "body": body.decode(errors="replace"), "status": status,
-                "closed": None,
+                "closed": None, "peer": list(scope.get("client") or ()),
             })
             self.log.append(entry)
             self.statuses[status] += 1

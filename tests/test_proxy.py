@@ -141,6 +141,32 @@ async def test_max_wait_ends_in_503_with_retry_after(
 
 
 
+
+async def test_upstream_connections_are_kept_for_the_next_call(
+    gateway: Gateway, llm: str, start_api: StartApi, start_dispatcher: StartDispatcher
+) -> None:
+    """An answer read to its end leaves its connection for the next call (app/proxy/pool.py);
+    a call cut half-way closes its own."""
+    auth = await proxied(gateway, llm, max_concurrency=1)
+    base = await start_api()
+    await start_dispatcher()
+    async with httpx.AsyncClient(base_url=base, headers=auth, timeout=30) as http:
+        for body in (CHAT, {**CHAT, "stream": True}, CHAT):
+            r = await http.post("/proxy/llm/chat/completions", json=body)
+            assert r.status_code == 200, r.text
+        httpx.post(f"{llm}/_mock/config", json={"chunk_ms": 200}).raise_for_status()
+        async with http.stream("POST", "/proxy/llm/chat/completions",
+                               json={**CHAT, "stream": True}) as cut:
+            assert cut.status_code == 200  # closed at its head: the call is cut
+        httpx.post(f"{llm}/_mock/config", json={"chunk_ms": 0}).raise_for_status()
+        await asyncio.sleep(0.5)
+        r = await http.post("/proxy/llm/chat/completions", json=CHAT)
+        assert r.status_code == 200
+    peers = [tuple(e["peer"]) for e in mock_log(llm)]  # type: ignore[arg-type]
+    assert len(peers) == 5 and len(set(peers[:4])) == 1  # one connection, kept
+    assert peers[4] != peers[3]  # the cut one was closed, not kept
+
+
 @contextlib.contextmanager
 def stalling(proc: subprocess.Popen[bytes], every_s: float, for_s: float) -> Iterator[None]:
     """Stop the process for `for_s` every `every_s` (SIGSTOP / SIGCONT): a busy event loop, a

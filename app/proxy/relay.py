@@ -29,7 +29,9 @@ from app.models import SubmitRequest, SubmitResponse
 from app.proxy.stream import Streamed, open_call
 from app.queue.acks import ACK_KEYS
 from app.queue.claims import settle_limits
+from app.queue.events import Watch
 from app.queue.http1 import BadAnswer
+from app.queue.ids import new_task_id
 from app.queue.signals import pause_s
 from app.ratelimit.sent import sliding_logs
 from app.runtime import Runtime
@@ -65,6 +67,8 @@ class ProxyCall:
     spent: int = 1  # what that admission spent of per-cost limits (the task's `cost`)
     call_started: float = 0.0
     _renewing: asyncio.Task[None] | None = None
+    _first: contextlib.ExitStack | None = None  # the watch made before the submit
+    _first_watch: Watch | None = None
     trace: tracing.ProxyTrace | None = None  # its `proxy` span, when tracing is on
     lease_lost: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -83,34 +87,42 @@ class ProxyCall:
             target_url=self.url, http_method=self.method, body="", priority=self.priority,
             timestamp=None, task_type="proxy", headers={}, query_params={}, callback_url=None,
             cost=self.cost, max_wait_s=max(1, math.ceil(self.max_wait_s)))
+        # Watched from before it exists, so its first change (the admission, mostly) is heard
+        # without a read of its status after the submit (app/queue/events.py: a subscription
+        # not yet confirmed wakes every watch once it is).
+        self.task_id = new_task_id(self.endpoint.id)
+        self._first = contextlib.ExitStack()
+        self._first_watch = self._first.enter_context(self.rt.events.watch(self.task_id))
         try:
-            res = await self.rt.queue.submit(self.caller, self.endpoint, req, self.idem_key)
-        except ApiError as exc:
-            if exc.code != "deadline_unreachable":
-                raise
-            raise _too_long(self.max_wait_s, exc.extra.get("wait_time")) from None
-        if not isinstance(res, SubmitResponse):  # a repeated Idempotency-Key
-            raise ApiError(409, "duplicate_request", f"this Idempotency-Key made task {res!r}; "
-                           "a proxied request is answered once, on its own connection",
-                           task_id=res)
-        self.task_id = res.task_id
+            # No estimate read before the submit (a round trip and a fifth of the request's
+            # CPU): the submit's answer says how long the wait looks; one too long withdraws.
+            res = await self.rt.queue.submit(self.caller, self.endpoint, req, self.idem_key,
+                                             precheck=False, task_id=self.task_id)
+            if not isinstance(res, SubmitResponse):  # a repeated Idempotency-Key
+                raise ApiError(409, "duplicate_request", f"this Idempotency-Key made task "
+                               f"{res!r}; a proxied request is answered once, on its own "
+                               "connection", task_id=res)
+            if res.wait_time is not None and req.max_wait_s and res.wait_time > req.max_wait_s:
+                await self.withdraw()
+                raise _too_long(self.max_wait_s, res.wait_time)
+        except BaseException:
+            self._first.close()
+            self._first = None
+            raise
 
     async def wait_turn(self) -> None:
         """Until a claim admits the task: its lease token is then ours to call with."""
         deadline = self.arrived + self.max_wait_s
-        with self.rt.events.watch(self.task_id) as w:
+        stack, w, read = self._first, self._first_watch, False  # just submitted: pending
+        self._first = None
+        if stack is None or w is None:  # back in line after a pause: as it is now
+            stack, read = contextlib.ExitStack(), True
+            w = stack.enter_context(self.rt.events.watch(self.task_id))
+        with stack:
             while True:
-                status, token = await self._state()
-                if status == "processing" and token:
-                    self.token, self.admitted = token, time.monotonic()
-                    if self.trace is not None:
-                        self.trace.task(self.task_id, self.waited_ms)
-                    self._renewing = asyncio.create_task(self._renew())
+                if read and await self._admitted():
                     return
-                if status != "pending":  # expired (its max wait), cancelled by an operator
-                    raise _too_long(self.max_wait_s, None) if status == "expired" else \
-                        ApiError(409, "task_not_pending", f"the request's task is {status}",
-                                 task_id=self.task_id)
+                read = True
                 left = deadline - time.monotonic()
                 if left <= 0:
                     await self._give_up()
@@ -121,6 +133,22 @@ class ProxyCall:
                     changed.cancel()
                     await self.withdraw()
                     raise CallerGone
+
+    async def _admitted(self) -> bool:
+        """True once a claim admitted the task (its lease token is ours); False while it
+        waits; raises when it ended meanwhile."""
+        status, token = await self._state()
+        if status == "processing" and token:
+            self.token, self.admitted = token, time.monotonic()
+            if self.trace is not None:
+                self.trace.task(self.task_id, self.waited_ms)
+            self._renewing = asyncio.create_task(self._renew())
+            return True
+        if status != "pending":  # expired (its max wait), cancelled by an operator
+            raise _too_long(self.max_wait_s, None) if status == "expired" else ApiError(
+                409, "task_not_pending", f"the request's task is {status}",
+                task_id=self.task_id)
+        return False
 
     async def _state(self) -> tuple[str | None, str | None]:
         """The task's status and lease token; once admitted, when that was (turn-1.lua)."""

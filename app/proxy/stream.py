@@ -3,8 +3,10 @@ body a read at a time (pulled: nothing more is read from the socket than the cal
 so memory stays bounded whatever the answer's size, and a slow caller slows the upstream through
 TCP). The body goes on as the upstream sent it (no decoding: its Content-Encoding goes along).
 
-One connection a call, closed after it: a proxied call is the whole of its slot's work, and a
-connection cut half-way through a stream (a caller gone) could never be reused anyway.
+A connection whose answer was read to its end goes back to the pool (app/proxy/pool.py) for
+the next call to the same upstream; one cut half-way (a caller gone) is closed. A request
+written into a kept connection the upstream had just closed (nothing of an answer came back)
+goes again once on a new one, as HTTP/1.1 clients do.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from functools import lru_cache
 
 import httptools
 
+from app.proxy import pool
 from app.queue.http1 import MAX_HEAD_BYTES, BadAnswer, target
 
 READ_BYTES = 64 * 1024
@@ -30,13 +33,16 @@ class Streamed:
     """An answer under way: `status`, `headers` (as sent, in order), then `body()` once."""
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                 idle_s: float) -> None:
-        self._reader, self._writer, self._idle_s = reader, writer, idle_s
+                 idle_s: float, key: pool.Key) -> None:
+        self._reader, self._writer, self._idle_s, self._key = reader, writer, idle_s, key
         self._parser = httptools.HttpResponseParser(self)
         self.status = 0
         self.headers: list[tuple[bytes, bytes]] = []
         self._head_bytes = 0
         self._head_done = self._ended = self._interim = False
+        self.heard = False  # a byte of an answer came
+        self._complete = False  # its whole message was read, and nothing after it
+        self._keep = False  # the upstream keeps the connection (HTTP/1.1, no `close`)
         self._chunks: list[bytes] = []
 
     async def _head(self, head_only: bool) -> None:
@@ -49,10 +55,12 @@ class Streamed:
         async with asyncio.timeout(self._idle_s):
             data = await self._reader.read(READ_BYTES)
         if not data:
+            self._complete = False
             if self._head_done and not self._framed():
                 self._ended = True  # an answer that ends with its connection
                 return
             raise BadAnswer("the upstream closed the connection before its answer ended")
+        self.heard = True
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserError as exc:
@@ -79,14 +87,21 @@ class Streamed:
                 await self._feed()
 
     def close(self) -> None:
-        """Done with it: the connection closes, which aborts the call if it was still on."""
+        """Done with it: a connection whose answer was read to its end, that the upstream
+        keeps open, goes back to the pool; any other closes, which aborts the call if it was
+        still on."""
         self._ended = True
-        self._writer.transport.abort()
+        if self._complete and self._keep:
+            self._complete = False  # once
+            pool.give(self._key, (self._reader, self._writer))
+        else:
+            self._writer.transport.abort()
 
     # httptools callbacks
 
     def on_message_begin(self) -> None:
         self._interim = False
+        self._complete = False  # bytes after the answer: the connection is not kept
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self._head_bytes += len(name) + len(value)
@@ -100,6 +115,8 @@ class Streamed:
             self._interim, self.headers, self._head_bytes = True, [], 0
             return
         self.status, self._head_done = status, True
+        # Read here: once the message is complete the parser has forgotten it.
+        self._keep = self._parser.should_keep_alive()
 
     def on_body(self, chunk: bytes) -> None:
         if not self._interim:
@@ -107,7 +124,7 @@ class Streamed:
 
     def on_message_complete(self) -> None:
         if not self._interim:
-            self._ended = True
+            self._ended = self._complete = True
 
 
 async def open_call(method: str, url: str, headers: list[tuple[str, str]], body: bytes,
@@ -120,23 +137,62 @@ async def open_call(method: str, url: str, headers: list[tuple[str, str]], body:
     given = "".join(name + value for name, value in headers)
     if "\r" in given or "\n" in given or "\0" in given:
         raise ValueError("a header name or value contains a control character")
-    scheme, host, port = where.key
-    tls = _tls() if scheme == "https" else None
-    async with asyncio.timeout(timeout_s):
-        reader, writer = await asyncio.open_connection(
-            host, port, ssl=tls, server_hostname=host if tls else None, limit=READ_BYTES)
     lines = [f"{method} {where.path_qs} HTTP/1.1\r\nHost: {where.host_header}\r\n"]
     lines.extend(f"{name}: {value}\r\n" for name, value in headers)
     if body or method not in ("GET", "HEAD", "DELETE", "OPTIONS"):
         lines.append(f"Content-Length: {len(body)}\r\n")
-    lines.append("Connection: close\r\n\r\n")
-    answer = Streamed(reader, writer, timeout_s)
+    lines.append("\r\n")
+    request = "".join(lines).encode("latin-1") + body
+    once = _once(on_sent)
+    kept = pool.take(where.key)
+    if kept is not None:
+        answer = await _exchange(kept, where.key, request, method, timeout_s, once, True)
+        if answer is not None:
+            return answer
+    scheme, host, port = where.key
+    tls = _tls() if scheme == "https" else None
+    async with asyncio.timeout(timeout_s):
+        conn = await asyncio.open_connection(
+            host, port, ssl=tls, server_hostname=host if tls else None, limit=READ_BYTES)
+    answer = await _exchange(conn, where.key, request, method, timeout_s, once, False)
+    assert answer is not None
+    return answer
+
+
+async def _exchange(conn: pool.Conn, key: pool.Key, request: bytes, method: str,
+                    timeout_s: float, on_sent: Callable[[], None], kept: bool
+                    ) -> Streamed | None:
+    """The request on `conn`, the answer's head read; None when `conn` was a kept one the
+    upstream had closed meanwhile (no byte of an answer came): send it again on a new one."""
+    reader, writer = conn
+    answer = Streamed(reader, writer, timeout_s, key)
     try:
-        writer.write("".join(lines).encode("latin-1") + body)
-        if on_sent is not None:
-            on_sent()
+        writer.write(request)
+        on_sent()
         await answer._head(method == "HEAD")
+    except TimeoutError:
+        answer.close()
+        raise
+    except (OSError, BadAnswer):
+        answer.close()
+        if kept and not answer.heard:
+            return None
+        raise
     except BaseException:
         answer.close()
         raise
     return answer
+
+
+def _once(on_sent: Callable[[], None] | None) -> Callable[[], None]:
+    """`on_sent` at the first send only (a request sent again after a dead kept connection
+    left the first time; its window entry must not move twice)."""
+    fired = on_sent is None
+
+    def sent() -> None:
+        nonlocal fired
+        if not fired:
+            fired = True
+            assert on_sent is not None
+            on_sent()
+    return sent

@@ -63,11 +63,15 @@ class TaskQueue:
                             IDEMPOTENCY_TTL_MS)
 
     async def submit(
-        self, key: ApiKey, endpoint: EndpointConfig, req: SubmitRequest, idem_key: str | None
+        self, key: ApiKey, endpoint: EndpointConfig, req: SubmitRequest, idem_key: str | None,
+        precheck: bool = True, task_id: str | None = None,
     ) -> SubmitResponse | str:
-        """Enqueue; returns the response, or the id of the task an Idempotency-Key names."""
+        """Enqueue; returns the response, or the id of the task an Idempotency-Key names.
+        `precheck`: a task with `max_wait_s` is refused (409) when the estimate says it would
+        not start in time; without it, the caller reads the answer's `wait_time` itself.
+        `task_id`: the new task's (new_task_id), for a caller that watches it from before."""
         e, k, user_id = endpoint.id, self.keys, key.user_id
-        task_id = new_task_id(e)
+        task_id = task_id or new_task_id(e)
         fields: list[str | int] = [
             "user_id", user_id, "type", req.task_type, "priority", req.priority,
             "method", req.http_method, "url", req.target_url, "body", req.body,
@@ -84,8 +88,9 @@ class TaskQueue:
         idem = k.idempotency(user_id, idem_key) if idem_key else k.idempotency(user_id, "-")
         pending_ms, own_deadline = self.ttls.pending_ms, False
         if req.max_wait_s is not None:
-            await self._check_deadline(endpoint, req, user_id, idem if idem_key else None,
-                                       self._weight(key))
+            if precheck:
+                await self._check_deadline(endpoint, req, user_id, idem if idem_key else None,
+                                           self._weight(key))
             own_deadline = req.max_wait_s * 1000 < pending_ms
             pending_ms = min(pending_ms, req.max_wait_s * 1000)
         user_keys = [idem, k.quota(user_id)]

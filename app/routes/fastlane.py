@@ -13,6 +13,7 @@ path (a trailing slash, a HEAD).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -27,9 +28,11 @@ FastHandler = Callable[[Request], Awaitable[Response | None]]
 def fast_lane(app: FastAPI, router: APIRouter, handlers: dict[Any, FastHandler]) -> None:
     """Answer these routes of `router` (by their endpoint function) with the fast handler
     given for each; call before adding the middleware that should see them (the counter).
-    A route's path is fixed, or ends in its one parameter: `/tasks/{task_id}`."""
+    A route's path is fixed, ends in its one parameter (`/tasks/{task_id}`), or is a prefix,
+    one segment and the rest (`/proxy/{endpoint_id}/{path:path}`)."""
     exact: dict[tuple[str, str], tuple[APIRoute, FastHandler]] = {}
     tails: dict[tuple[str, str], tuple[APIRoute, FastHandler, str]] = {}
+    rests: dict[tuple[str, str], tuple[APIRoute, FastHandler, str, str]] = {}
     for route in router.routes:
         if not isinstance(route, APIRoute) or route.endpoint not in handlers:
             continue
@@ -40,10 +43,16 @@ def fast_lane(app: FastAPI, router: APIRouter, handlers: dict[Any, FastHandler])
                 exact[(method, route.path)] = (route, handler)
             elif "{" not in head and param.startswith("{") and param.endswith("}"):
                 tails[(method, head + "/")] = (route, handler, param[1:-1])
+            elif (m := _REST.fullmatch(route.path)) is not None:
+                rests[(method, m[1])] = (route, handler, m[2], m[3])
             else:
                 raise ValueError(f"{route.path}: not a path the fast lane matches")
     _refuse_shadowed(app, tails)
-    app.add_middleware(_FastLane, owner=app, exact=exact, tails=tails)
+    app.add_middleware(_FastLane, owner=app, exact=exact, tails=tails, rests=rests)
+
+
+#: `/prefix/` `{segment}` `/{rest:path}`: a prefix that no other route of the app starts with.
+_REST = re.compile(r"(/[^{}]+/)\{(\w+)\}/\{(\w+):path\}")
 
 
 def _refuse_shadowed(app: FastAPI, tails: dict[tuple[str, str], Any]) -> None:
@@ -64,8 +73,12 @@ def _refuse_shadowed(app: FastAPI, tails: dict[tuple[str, str], Any]) -> None:
 class _FastLane:
     def __init__(self, app: ASGIApp, owner: FastAPI,
                  exact: dict[tuple[str, str], tuple[APIRoute, FastHandler]],
-                 tails: dict[tuple[str, str], tuple[APIRoute, FastHandler, str]]) -> None:
+                 tails: dict[tuple[str, str], tuple[APIRoute, FastHandler, str]],
+                 rests: dict[tuple[str, str], tuple[APIRoute, FastHandler, str, str]]
+                 ) -> None:
         self.app, self.owner, self.exact, self.tails = app, owner, exact, tails
+        self.rests = rests
+        self.prefixes = {prefix for _, prefix in rests}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         handler = self._match(scope) if scope["type"] == "http" else None
@@ -96,6 +109,18 @@ class _FastLane:
             route, handler, name = tail
             scope["route"], scope["path_params"] = route, {name: value}
             return handler
+        return self._match_rest(scope, method, path) if self.prefixes else None
+
+    def _match_rest(self, scope: Scope, method: str, path: str) -> FastHandler | None:
+        for prefix in self.prefixes:
+            if path.startswith(prefix):
+                segment, slash, rest = path[len(prefix):].partition("/")
+                hit = self.rests.get((method, prefix))
+                if not segment or not slash or hit is None:
+                    return None  # the router's to answer (a 404, a 405)
+                route, handler, name, rest_name = hit
+                scope["route"], scope["path_params"] = route, {name: segment, rest_name: rest}
+                return handler
         return None
 
     def _exception_handler(self, exc: Exception) -> Callable[..., Awaitable[Response]] | None:
