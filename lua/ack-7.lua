@@ -87,7 +87,7 @@ for i = 0, n - 1 do
     ended[#ended + 1] = id
     count[status] = count[status] + 1
     local exec = tonumber(ARGV[a + 5])
-    adaptive_note(samples, status, ARGV[a + 4], exec)
+    adaptive_note(samples, status, ARGV[a + 4], exec, started)
     if status == 'completed' and exec >= 0 then
       exec_ms[#exec_ms + 1] = exec
       stats_tally(tally, 'upstream_ms', exec)
@@ -113,7 +113,7 @@ if #ended > 0 then
   stats_ema_many(stats, 'exec_ms', exec_ms)
   stats_ema_many(stats, 'slot_ms', slot_ms)
   stats_tick(stats, 'done', now, #ended)
-  adaptive_update(stats, now, samples)
+  adaptive_update(stats, now, samples, active)
 end
 if redis.call('ZCARD', queue) == 0 then return out end
 out[1] = 1

@@ -28,7 +28,8 @@ given back), or 0 when the lease was lost.  The retry is counted in the endpoint
 --@include limits.lua
 --@include adaptive.lua
 
-if redis.call('HGET', KEYS[2], 'lease') ~= ARGV[2] then return 0 end
+local lease, started = unpack(redis.call('HMGET', KEYS[2], 'lease', 'started_at'))
+if lease ~= ARGV[2] then return 0 end
 local now = now_ms()
 lim_settle_task(KEYS[2], ARGV[2], tonumber(ARGV[9] or ''), ARGV, 10, KEYS, 9, now)
 local due = now + tonumber(ARGV[3])
@@ -44,8 +45,8 @@ local stats = KEYS[7]
 redis.call('HINCRBY', stats, 'retried', 1)
 stats_call_failed(stats, ARGV[6], tonumber(ARGV[7]))
 local samples = {}
-adaptive_note(samples, 'failed', ARGV[6], tonumber(ARGV[7]))
-adaptive_update(stats, now, samples)
+adaptive_note(samples, 'failed', ARGV[6], tonumber(ARGV[7]), tonumber(started))
+adaptive_update(stats, now, samples, KEYS[1])
 local free = tonumber(ARGV[8]) or 0
 if free > 0 and redis.call('HINCRBY', KEYS[2], 'refusals', 1) <= free then
   redis.call('HINCRBY', KEYS[2], 'attempts', -1)
