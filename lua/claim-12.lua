@@ -74,6 +74,7 @@ for _, id in ipairs(redis.call('ZRANGEBYSCORE', retry, '-inf', now, 'LIMIT', 0, 
   if score then
     redis.call('ZADD', KEYS[1], score, id)
     redis.call('HDEL', prefix .. id, 'retry_at')
+    starve_back(arrivals, prefix .. id, id)
   end
   redis.call('ZREM', retry, id)
 end
