@@ -28,7 +28,7 @@ from app.errors import ApiError
 from app.models import SubmitRequest, SubmitResponse
 from app.proxy.stream import Streamed, open_call
 from app.queue.acks import ACK_KEYS
-from app.queue.claims import settle_limits
+from app.queue.claims import ack_cost_keys, settle_limits
 from app.queue.fairness import starvation_keys
 from app.queue.http1 import BadAnswer
 from app.queue.signals import pause_s
@@ -253,7 +253,8 @@ class ProxyCall:
         limit_keys, limits = settle_limits(ep, k, self.rt.settings.rate_guard_ms)
         try:
             res = await self.rt.queue.scripts.ack(
-                keys=[*k.of(e, *ACK_KEYS), *limit_keys, k.task(self.task_id)],
+                keys=[*k.of(e, *ACK_KEYS), *limit_keys, *ack_cost_keys(ep, k, limit_keys),
+                      k.task(self.task_id)],
                 args=[e, "", 1, *limits, self.task_id, self.token, status, text,
                       code or "", round(exec_ms), 0, "" if cost is None else cost,
                       ""])  # no result kept: the body went to its caller
