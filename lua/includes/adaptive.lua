@@ -6,14 +6,16 @@
 --           upwards
 --   awin    when the current round began (ms, Redis clock): the last decision
 --   asum, acnt  the latencies of the round's calls so far (sum, count)
+--   aover   1 when the last round was over the tolerance (and held the cap)
 --   amin_c, amax_c  the bounds, written by the claim (so the ack needs no arguments of its own)
 -- The controller decides once a round, on the calls claimed since the last decision: a call
 -- claimed before it ran under the old cap, and counting it again is what cut a cap twice for
 -- one congestion (a round's calls report the same overload) and left it far below capacity.
 -- Once half a cap of such calls (ADAPT_ROUND at most) answered, g = their mean latency / abase:
---   g >= ADAPT_TOL  calls queue at the upstream (it is past its capacity): the cap goes to
---                   cap x ADAPT_AIM / g (at least half the cap), where latency would be AIM x
---                   base if it grows with the calls in flight, as a queue's does;
+--   g >= ADAPT_TOL  calls queue at the upstream (it is past its capacity), if the round
+--                   before was over it too: the cap goes to cap x ADAPT_AIM / g (at least half
+--                   the cap), where latency would be AIM x base if it grows with the calls in
+--                   flight, as a queue's does (a first such round only holds the cap);
 --   g <  ADAPT_TOL  and the cap in use (ADAPT_USED of it in flight), the cap grows: to cap x
 --                   ADAPT_TOL / g while g >= ADAPT_AIM (what is left of the tolerance), else
 --                   by that factor (ADAPT_GROW at most) and one call at least.
@@ -39,13 +41,19 @@ local function adaptive_note(samples, status, code, ms, started)
   end
 end
 
--- The cap after a round whose calls took g x the base latency.
-local function adaptive_decide(limit, g, busy)
-  if g >= ADAPT_TOL then return limit * math.max(0.5, ADAPT_AIM / g) end
-  if not busy then return limit end  -- calls it does not make tell nothing of more
+-- The cap after a round whose calls took g x the base latency, and whether that round was
+-- over the tolerance. A first round over it holds the cap: one slow round is as often the
+-- dispatcher's own stall (a busy machine delays every answer it reads for a while) as the
+-- upstream's queue, and a stall passes; a second one in a row cuts.
+local function adaptive_decide(limit, g, busy, over)
+  if g >= ADAPT_TOL then
+    if not over then return limit, true end
+    return limit * math.max(0.5, ADAPT_AIM / g), false
+  end
+  if not busy then return limit, false end  -- calls it does not make tell nothing of more
   -- Near the tolerance, only what is left of it; well below, one call a round at least.
-  if g >= ADAPT_AIM then return limit * ADAPT_TOL / g end
-  return limit + math.max(1, limit * (math.min(ADAPT_GROW, ADAPT_TOL / g) - 1))
+  if g >= ADAPT_AIM then return limit * ADAPT_TOL / g, false end
+  return limit + math.max(1, limit * (math.min(ADAPT_GROW, ADAPT_TOL / g) - 1)), false
 end
 
 -- The base latency after a round whose calls took `ms` on average: the lowest round seen,
@@ -64,11 +72,11 @@ end
 local function adaptive_update(stats, now, samples, active)
   if #samples == 0 then return end
   local f = redis.call('HMGET', stats, 'alimit', 'abase', 'awin', 'amin_c', 'amax_c', 'asum',
-    'acnt')
+    'acnt', 'aover')
   local minc, maxc = tonumber(f[4]), tonumber(f[5])
   if not maxc then return end  -- not adaptive
   local limit, base, win = tonumber(f[1]) or minc, tonumber(f[2]), tonumber(f[3]) or 0
-  local sum, cnt = tonumber(f[6]) or 0, tonumber(f[7]) or 0
+  local sum, cnt, over = tonumber(f[6]) or 0, tonumber(f[7]) or 0, f[8] == '1'
   -- The cap in use: a dispatcher that lags behind it (a busy machine) sends fewer calls, whose
   -- latency says nothing of the cap's.
   local busy = redis.call('ZCARD', active) + #samples >= math.floor(limit) * ADAPT_USED
@@ -76,19 +84,20 @@ local function adaptive_update(stats, now, samples, active)
     local ms, refused, started = s[1], s[2], s[3]
     if started >= win then  -- claimed under the current cap
       if refused then
-        limit, win, sum, cnt = math.max(minc, limit * 0.5), now, 0, 0
+        limit, win, sum, cnt, over = math.max(minc, limit * 0.5), now, 0, 0, false
       else
         sum, cnt = sum + ms, cnt + 1
         if cnt >= math.max(1, math.min(ADAPT_ROUND, math.floor(limit / 2))) then
           base = adaptive_base(base, sum / cnt, limit <= minc)
-          limit = math.min(maxc, math.max(minc, adaptive_decide(limit, sum / cnt / base, busy)))
+          limit, over = adaptive_decide(limit, sum / cnt / base, busy, over)
+          limit = math.min(maxc, math.max(minc, limit))
           win, sum, cnt = now, 0, 0
         end
       end
     end
   end
   redis.call('HSET', stats, 'alimit', string.format('%.3f', limit), 'awin', win, 'asum', sum,
-    'acnt', cnt)
+    'acnt', cnt, 'aover', over and 1 or 0)
   if base then redis.call('HSET', stats, 'abase', string.format('%.1f', base)) end
 end
 
