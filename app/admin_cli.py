@@ -453,7 +453,7 @@ def _task_retry(args: argparse.Namespace) -> Job:
 
         if f is not None:
             return await bulk.retry(rt.queue, rt.registry, f)
-        return await operator.retry(rt.queue, args.task_id)
+        return await operator.retry(rt.queue, rt.registry, args.task_id)
 
     return job
 

@@ -14,7 +14,7 @@ Reported per phase and endpoint, from the upstream's log:
   p50 ms    median latency of its answers (goal <= 300, 1.5 x the unloaded 200 ms)
   cap       the adaptive endpoint's learnt limit, averaged over the phase (admin view)
 Loopback only; bounded (the run ends after its three phases).
-Run: .venv/bin/python bench/adaptive.py [--phase-s 60]
+Run: .venv/bin/python bench/adaptive.py [--phase-s 60] [--trace]
 """
 
 from __future__ import annotations
@@ -125,8 +125,8 @@ async def watch_cap(http: httpx.AsyncClient, start: float, until: float, phase_s
     return caps
 
 
-def report(logs: dict[str, list[list[float]]], caps: dict[int, list[int]], phase_s: float
-           ) -> None:
+def report(logs: dict[str, list[list[float]]], caps: dict[int, list[int]], phase_s: float,
+           trace: bool = False) -> None:
     print(f"phases of {phase_s:g} s, upstream capacity {' -> '.join(map(str, CAPACITY))}; goals: "
           "goodput >= 0.9, refused <= 2%, p50 <= 300 ms")
     print(f"{'phase':>5} {'cap':>4} {'endpoint':>10} {'calls':>6} {'2xx':>6} {'goodput':>8} "
@@ -142,9 +142,12 @@ def report(logs: dict[str, list[list[float]]], caps: dict[int, list[int]], phase
                 else "-"
             print(f"{k + 1:>5} {capacity:>4} {case:>10} {len(rows):>6} {len(ok):>6} "
                   f"{goodput:>8.2f} {refused:>8.1%} {p50:>7.0f} {learnt:>7}")
+    if trace:  # the learnt cap second by second: how fast it finds each capacity
+        for k, seen in sorted(caps.items()):
+            print(f"phase {k + 1} learnt cap each second: {' '.join(map(str, seen))}")
 
 
-async def main(phase_s: float) -> None:
+async def main(phase_s: float, trace: bool) -> None:
     tmp = Path(tempfile.mkdtemp(prefix="qgw-adaptive-"))
     redis = RedisServer(tmp / "redis")
     redis.start()
@@ -185,7 +188,7 @@ async def main(phase_s: float) -> None:
                                   json={"paused": True})).raise_for_status()
             logs = {c: (await http.get(f"{upstream}/_log/{c}")).json() for c in CONFIGS}
         await rt.stop()
-        report(logs, caps, phase_s)
+        report(logs, caps, phase_s, trace)
     finally:
         for proc in procs:
             stop(proc)
@@ -195,9 +198,11 @@ async def main(phase_s: float) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--phase-s", type=float, default=60.0)
+    parser.add_argument("--trace", action="store_true",
+                        help="also print the learnt cap second by second")
     parser.add_argument("--serve", type=int, metavar="PORT", help="run the upstream only")
     args = parser.parse_args()
     if args.serve:
         serve(args.serve, args.phase_s)
     else:
-        asyncio.run(main(args.phase_s))
+        asyncio.run(main(args.phase_s, args.trace))

@@ -3,7 +3,8 @@ one event-loop turn in one call (app/queue/acks.py), their stats written once fo
 KEYS[1] active    KEYS[2] queue    KEYS[3] wake    KEYS[4] stats    KEYS[5] outbox
 KEYS[6] hooks (lifecycle.lua)    KEYS[7] probe (upstream.lua)
 KEYS[8..] the further limits' state and pace keys, two per limit of ARGV[4..] (limits.lua),
-then the tasks' hashes, one per task of ARGV, in that order
+then, with further limits, the callers' real costs (costs.lua), then the tasks' hashes, one per
+task of ARGV, in that order
 ARGV[1] endpoint id
 ARGV[2] 'claims' when the caller runs claim-12.lua for this endpoint right after, in the same
 pipeline (it then leaves the wake marker to that claim); anything else: the marker is added here
@@ -26,10 +27,12 @@ Finished tasks go to the endpoint's outbox (see lua/includes/lifecycle.lua).
 --@include ratelimit.lua
 --@include limits.lua
 --@include adaptive.lua
+--@include costs.lua
 
 local active, queue, stats, probe = KEYS[1], KEYS[2], KEYS[4], KEYS[7]
 local n, nlim = tonumber(ARGV[3]), tonumber(ARGV[4])
-local first_task, first_arg = 8 + 2 * nlim, 5 + 5 * nlim
+local rc = nlim > 0 and KEYS[8 + 2 * nlim] or nil  -- costs.lua
+local first_task, first_arg = (rc and 9 or 8) + 2 * nlim, 5 + 5 * nlim
 local now = now_ms()
 local limits = nil  -- parsed when a task has a real cost to settle
 local probing = redis.call('GET', probe)  -- the probe's lease token, if one is out
@@ -60,7 +63,7 @@ for i = 0, n - 1 do
       if status == 'completed' then
         local most = 1
         for _, l in ipairs(limits) do if l.rate > most then most = l.rate end end
-        stats_ema(stats, 'rc:' .. (f[5] or ''), math.min(real, most))
+        rc_note(rc, f[5] or '', math.min(real, most), now)
       end
     end
     local pause = tonumber(ARGV[a + 6]) or 0
@@ -87,7 +90,7 @@ for i = 0, n - 1 do
     ended[#ended + 1] = id
     count[status] = count[status] + 1
     local exec = tonumber(ARGV[a + 5])
-    adaptive_note(samples, status, ARGV[a + 4], exec)
+    adaptive_note(samples, status, ARGV[a + 4], exec, started)
     if status == 'completed' and exec >= 0 then
       exec_ms[#exec_ms + 1] = exec
       stats_tally(tally, 'upstream_ms', exec)
@@ -113,7 +116,7 @@ if #ended > 0 then
   stats_ema_many(stats, 'exec_ms', exec_ms)
   stats_ema_many(stats, 'slot_ms', slot_ms)
   stats_tick(stats, 'done', now, #ended)
-  adaptive_update(stats, now, samples)
+  adaptive_update(stats, now, samples, active)
 end
 if redis.call('ZCARD', queue) == 0 then return out end
 out[1] = 1

@@ -20,8 +20,8 @@ limits' keys: a task that has waited longer is claimed first (starvation.lua); t
 concurrency of an adaptive endpoint (0 or absent = fixed: ARGV[3] is the cap), whose cap is
 then the learnt one (adaptive.lua), ARGV[3] its maximum; then '1' when the endpoint reads
 real costs (cost_from): a per-cost admission then reserves at least what the caller's calls
-really cost of late (`rc:<user>` in stats, the acks' moving average), and the whole rate while
-that is unknown, so a caller who declares less than it spends cannot overrun the limit with
+really cost of late (the acks' moving average in Keys.real_costs, costs.lua: its key comes after
+the limits' keys and the arrival index), and the whole rate while that is unknown, so a caller who declares less than it spends cannot overrun the limit with
 calls admitted before their acks settle them. The amount reserved is written to the task's
 `cost`, which its settle reads.
 An endpoint its upstream paused (upstream.lua) is 'limited' until then, then claims one probe;
@@ -45,6 +45,7 @@ Task hashes of ids read here are built from ARGV[8] (prefix), same hash tag.
 --@include limits.lua
 --@include starvation.lua
 --@include adaptive.lua
+--@include costs.lua
 
 redis.call('ZREM', KEYS[5], ARGV[1])  -- this attempt consumes any scheduled retry
 
@@ -54,11 +55,12 @@ local prefix, token_prefix, permit_ttl = ARGV[8], ARGV[9], tonumber(ARGV[10])
 local guard = tonumber(ARGV[11])
 local nlim = tonumber(ARGV[12]) or 0
 local bound = tonumber(ARGV[13 + 5 * nlim]) or 0  -- starvation.lua
-local arrivals = KEYS[13 + 2 * nlim]
+local arrivals = bound > 0 and KEYS[13 + 2 * nlim] or nil  -- then costs.lua's key
 local min_cap = tonumber(ARGV[14 + 5 * nlim]) or 0  -- adaptive.lua
 -- With further limits, the main one is checked among them (undone if another refuses).
 local limits = lim_parse(ARGV, 12, KEYS, 13)
 local settles = ARGV[15 + 5 * nlim] == '1'  -- reserve at least real costs (see above)
+local rc = settles and KEYS[13 + 2 * nlim + (bound > 0 and 1 or 0)] or nil
 local whole = 1  -- the largest per-cost rate: what a caller of unknown costs reserves
 for _, l in ipairs(limits) do
   if l.per == 'cost' and l.rate > whole then whole = l.rate end
@@ -74,6 +76,7 @@ for _, id in ipairs(redis.call('ZRANGEBYSCORE', retry, '-inf', now, 'LIMIT', 0, 
   if score then
     redis.call('ZADD', KEYS[1], score, id)
     redis.call('HDEL', prefix .. id, 'retry_at')
+    starve_back(arrivals, prefix .. id, id)
   end
   redis.call('ZREM', retry, id)
 end
@@ -144,7 +147,7 @@ while true do
     if #limits == 0 then wait = rl_acquire(kind, KEYS[3], KEYS[12], rate, interval, guard, now, token)
     else
       if settles then  -- never less than the caller's recent real cost (see the header)
-        local real = tonumber(redis.call('HGET', stats, 'rc:' .. (tf[7] or '')))
+        local real = rc_read(rc, tf[7] or '')
         local floor = real and math.ceil(real) or whole
         if floor > (tonumber(tf[3]) or 1) then
           tf[3] = floor

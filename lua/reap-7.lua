@@ -3,6 +3,8 @@ Safe in many processes at once: each expired id is handled by whichever script r
 KEYS[1] active    KEYS[2] queue    KEYS[3] wake    KEYS[4] stats    KEYS[5] outbox
 KEYS[6] hooks (lifecycle.lua)    KEYS[7] probe (upstream.lua): a probe reaped is no probe any
 more; the next claim sends another
+KEYS[8..] arrivals (only for an endpoint with max_starvation_s): a task requeued goes back into
+it at its first arrival (starvation.lua)
 ARGV[1] endpoint id    ARGV[2] task key prefix    ARGV[3] max attempts
 ARGV[4] unused (the done TTL: set once SQL has the row)    ARGV[5] batch size
 Returns {requeued, failed, ended online}. Ended tasks go to the endpoint's outbox.
@@ -13,12 +15,14 @@ Task hashes of ids read here are built from ARGV[2] (prefix), same hash tag.
 --@include stats.lua
 --@include events.lua
 --@include upstream.lua
+--@include starvation.lua
 
 local now = now_ms()
 local ids = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, tonumber(ARGV[5]))
 local requeued, failed, ended = 0, 0, 0
 local outbox, hooks = KEYS[5], KEYS[6]
 local changed = {}
+local arrivals = unpack(KEYS, 8)
 for _, id in ipairs(ids) do
   -- Read before writing: while a Cluster reshard moves this slot, a key not yet here fails
   -- the script, and what it already wrote stays (Redis does not roll back).
@@ -62,6 +66,7 @@ for _, id in ipairs(ids) do
     else
       redis.call('HSET', task, 'status', 'pending')
       redis.call('ZADD', KEYS[2], fields[3], id)
+      starve_back(arrivals, task, id)
       redis.call('HINCRBY', KEYS[4], 'retried', 1)
       requeued = requeued + 1
     end

@@ -5,6 +5,8 @@ so the task fails instead when that call was its last allowed one (as the reaper
 KEYS[1] active    KEYS[2] task    KEYS[3] queue    KEYS[4] wake    KEYS[5] stats
 KEYS[6] outbox    KEYS[7] hooks (lifecycle.lua)    KEYS[8] probe (upstream.lua): a probe handed
 back is no probe any more; the next claim sends another
+KEYS[9..] arrivals (only for an endpoint with max_starvation_s): the task goes back into it at
+its first arrival (starvation.lua)
 ARGV[1] task id   ARGV[2] lease token   ARGV[3] endpoint id   ARGV[4] max attempts
 ARGV[5] unused (the done TTL: set once SQL has the row)
 Returns 1 (re-queued), 2 (failed: no attempt left) or 0 (lease lost: somebody else has it).
@@ -15,6 +17,7 @@ A failed task goes to the endpoint's outbox (see lifecycle.lua).
 --@include stats.lua
 --@include events.lua
 --@include upstream.lua
+--@include starvation.lua
 
 if redis.call('HGET', KEYS[2], 'lease') ~= ARGV[2] then return 0 end
 local now = now_ms()
@@ -35,6 +38,7 @@ if tonumber(f[1]) >= tonumber(ARGV[4]) then
 end
 redis.call('HSET', KEYS[2], 'status', 'pending')
 redis.call('ZADD', KEYS[3], f[2], ARGV[1])
+starve_back(unpack(KEYS, 9), KEYS[2], ARGV[1])
 redis.call('HINCRBY', KEYS[5], 'released', 1)
 redis.call('ZADD', KEYS[4], 'NX', now, ARGV[3])
 publish_changed(KEYS[1], {ARGV[1]})

@@ -3,6 +3,8 @@ queue at its original place, pending with a fresh deadline and no attempts count
 KEYS[1] task    KEYS[2] queue    KEYS[3] wake    KEYS[4] outbox    KEYS[5] delivered
 KEYS[6] endpoints (the registry hash): no task goes back into the queue of a deleted endpoint,
         which nobody would claim, reap or expire
+KEYS[7..] arrivals (only for an endpoint with max_starvation_s): the task goes back into it at
+its first arrival (starvation.lua)
 ARGV[1] task id    ARGV[2] endpoint id    ARGV[3] pending TTL (ms)    ARGV[4] done TTL (ms)
 Its copy still waiting in the outbox (the old ending) is dropped, and it is taken off the
 delivered set, so the next ending reaches SQL and its owner like a first one.
@@ -14,6 +16,7 @@ Returns {'retried', rank} | {'missing'} | {'conflict', current status} | {'gone'
 --@include now.lua
 --@include stats.lua
 --@include events.lua
+--@include starvation.lua
 
 if redis.call('HEXISTS', KEYS[6], ARGV[2]) == 0 then return {'gone'} end
 local f = redis.call('HMGET', KEYS[1], 'status', 'score', 'type')
@@ -27,6 +30,7 @@ redis.call('HDEL', KEYS[1], 'result', 'result_status_code', 'result_meta', 'star
 redis.call('HSET', KEYS[1], 'status', 'pending', 'attempts', 0, 'pexp', now + pending_ttl)
 redis.call('PEXPIRE', KEYS[1], pending_ttl + tonumber(ARGV[4]))
 redis.call('ZADD', KEYS[2], f[2], ARGV[1])
+starve_back(unpack(KEYS, 7), KEYS[1], ARGV[1])
 redis.call('ZADD', KEYS[3], 'NX', now, ARGV[2])
 redis.call('ZREM', KEYS[4], ARGV[1])  -- its old ending no longer goes to SQL
 redis.call('ZREM', KEYS[5], ARGV[1])

@@ -4,7 +4,10 @@ the dispatcher's memory: the claim (claim-12.lua) puts it back in line, with its
 once it is due, and the reaper's promote wakes the endpoint then if its dispatcher died.
 KEYS[1] active    KEYS[2] task    KEYS[3] retry (ZSet id -> due, ms)    KEYS[4] delayed
 KEYS[5] queue     KEYS[6] wake    KEYS[7] stats    KEYS[8] probe (upstream.lua)
-KEYS[9..] the further limits' state and pace keys, two per limit of ARGV[9..] (only with ARGV[8])
+KEYS[9..] the further limits' state and pace keys, two per limit of ARGV[10..] (only with
+ARGV[9]), then arrivals (only for an endpoint with max_starvation_s): a refusal given back goes
+back into it at its first arrival (starvation.lua; a retry due later, when the claim puts it
+back in line)
 ARGV[1] task id   ARGV[2] lease token   ARGV[3] back-off (ms)   ARGV[4] endpoint id
 ARGV[5] pause the upstream asked for (ms; 0 = none), see upstream.lua
 ARGV[6] the failed call's HTTP status ('' if none)   ARGV[7] its exec time (ms)
@@ -27,8 +30,10 @@ given back), or 0 when the lease was lost.  The retry is counted in the endpoint
 --@include ratelimit.lua
 --@include limits.lua
 --@include adaptive.lua
+--@include starvation.lua
 
-if redis.call('HGET', KEYS[2], 'lease') ~= ARGV[2] then return 0 end
+local lease, started = unpack(redis.call('HMGET', KEYS[2], 'lease', 'started_at'))
+if lease ~= ARGV[2] then return 0 end
 local now = now_ms()
 lim_settle_task(KEYS[2], ARGV[2], tonumber(ARGV[9] or ''), ARGV, 10, KEYS, 9, now)
 local due = now + tonumber(ARGV[3])
@@ -44,13 +49,15 @@ local stats = KEYS[7]
 redis.call('HINCRBY', stats, 'retried', 1)
 stats_call_failed(stats, ARGV[6], tonumber(ARGV[7]))
 local samples = {}
-adaptive_note(samples, 'failed', ARGV[6], tonumber(ARGV[7]))
-adaptive_update(stats, now, samples)
+adaptive_note(samples, 'failed', ARGV[6], tonumber(ARGV[7]), tonumber(started))
+adaptive_update(stats, now, samples, KEYS[1])
 local free = tonumber(ARGV[8]) or 0
 if free > 0 and redis.call('HINCRBY', KEYS[2], 'refusals', 1) <= free then
   redis.call('HINCRBY', KEYS[2], 'attempts', -1)
   redis.call('HSET', KEYS[2], 'status', 'pending')
   redis.call('ZADD', KEYS[5], redis.call('HGET', KEYS[2], 'score'), ARGV[1])
+  starve_back(KEYS[9 + 2 * (tonumber(ARGV[9] or '') and tonumber(ARGV[10]) or 0)], KEYS[2],
+    ARGV[1])
   redis.call('ZADD', KEYS[6], 'NX', now, ARGV[4])  -- its claim meets the pause, and waits
   publish_changed(KEYS[1], {ARGV[1]})
   return 1

@@ -282,8 +282,8 @@ async def test_a_huge_reported_cost_holds_the_endpoint_one_interval_at_most(
     warned = [r for r in caplog.records if "1000000000000" in r.getMessage()]
     assert warned and getattr(warned[0], "endpoint", None) == "huge"
     # Nor does the caller's real-cost average (its later reservations) keep the figure.
-    stats = await gateway.rt.redis.hgetall(gateway.rt.keys.stats("huge"))
-    costs = {f: float(v) for f, v in stats.items() if str(f).startswith("rc:")}
+    kept = await gateway.rt.redis.hgetall(gateway.rt.keys.real_costs("huge"))
+    costs = {f: float(v.split(",")[0]) for f, v in kept.items() if not f.startswith("#")}
     assert costs and max(costs.values()) <= 1000, costs
 
 
@@ -328,3 +328,32 @@ async def test_an_under_declared_cost_does_not_overrun_the_limit(
     worst = most_cost_in_window([(t, 500) for t in times], 1000)
     print(f"worst 1 s window at the upstream: {worst} units (limit 1,000, one call 500)")
     assert worst <= 1000 + 500
+
+
+async def test_real_costs_of_idle_callers_are_forgotten(
+    gateway: Gateway, fresh_upstream: str, start_dispatcher: StartDispatcher,
+) -> None:
+    """What each caller's calls really cost is kept per endpoint in a hash of its own, not in
+    the stats hash every scrape reads; callers idle for an hour are dropped as later calls
+    settle (here 600 of them, written an hour and more ago), and the hash expires whole when
+    no call settles for that long: a million callers seen once do not stay in Redis."""
+    url = f"{fresh_upstream}/idle-costs"
+    limit = {"limiter": "sliding_window", "rate": 1000, "interval_ms": 1000, "per": "cost"}
+    await gateway.add_endpoint("idle-costs", url, limits=[limit], cost_from="header:x-usage")
+    redis, rc = gateway.rt.redis, gateway.rt.keys.real_costs("idle-costs")
+    now = int(time.time() * 1000)
+    await redis.hset(rc, mapping={
+        **{str(10_000 + i): f"7.0,{now - 3_600_000 - i * 1000}" for i in range(600)},
+        "42": f"9.0,{now}"})  # another caller, heard of just now
+    auth = await gateway.new_key(user_id=7)
+    await start_dispatcher()
+    reply = {"X-Mock-Reply-Headers": ['{"X-Usage": "3"}']}
+    await _backlog(gateway, auth, url, 60, cost=1, headers=reply)
+    await _drain(gateway, ["idle-costs"], timeout=60)
+    kept = await redis.hgetall(rc)
+    users = {k: v for k, v in kept.items() if not k.startswith("#")}
+    assert set(users) == {"7", "42"}, len(users)
+    assert users["7"].startswith("3.0,") and users["42"] == f"9.0,{now}"
+    assert 0 < await redis.pttl(rc) <= 3_600_000
+    stats = await redis.hgetall(gateway.rt.keys.stats("idle-costs"))
+    assert not [f for f in stats if f.startswith("rc:")]

@@ -4,6 +4,7 @@ waiting longer than the bound is served before higher priorities."""
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import subprocess
 import time
@@ -68,3 +69,85 @@ async def test_the_bound_is_checked(gateway: Gateway) -> None:
         r = await gateway.http.post("/admin/v1/endpoints", headers=gateway.admin, json={
             "id": "starve-bad", "target_url": "http://127.0.0.1:9/x", "max_starvation_s": bad})
         assert r.status_code == 422 and "max_starvation_s" in r.json()["error"]["message"]
+
+
+BOUND_S, BEHIND = 4, 200  # the bound; priority-9 tasks queued behind it, 20/s: 10 s of work
+# How the low task is handed back, and what its first call is told to answer (its second
+# call, Status-Times 1, is a 200): each requeue script must put it back in the arrival index
+# at its first arrival, or the flood queued ahead of it by priority holds it to the end.
+HAND_BACKS = {
+    "refused": {"X-Mock-Status": ["503"], "X-Mock-Reply-Headers": [json.dumps({
+        "retry-after": "1"})]},  # given back to its place (retry-8.lua)
+    "backoff": {"X-Mock-Status": ["500"]},  # retry-8.lua, then the claim when it is due
+    "operator": {"X-Mock-Status": ["400"]},  # failed, then an operator's retry (requeue-6.lua)
+    "released": {},  # its dispatcher stops (release-8.lua)
+    "reaped": {},  # its dispatcher is killed; the other's reaper (reap-7.lua)
+}
+
+
+@pytest.mark.parametrize("how", list(HAND_BACKS))
+async def test_a_task_handed_back_keeps_its_first_arrival(
+    gateway: Gateway, fresh_upstream: str,
+    dispatcher_process: Callable[..., subprocess.Popen[bytes]], how: str,
+) -> None:
+    """A priority-0 task is claimed; while its first call runs (3 s), 200 tasks of priority 9
+    queue ahead of it; then it is handed back (each way a task goes back in line). It still
+    starts once it has waited the bound from its submit, ahead of the rest of the flood, not
+    after all of it."""
+    url = f"{fresh_upstream}/back-{how}"
+    await gateway.add_endpoint(f"back-{how}", url, max_concurrency=1, rate=20,
+                               max_retries=1, retry_backoff_ms=200, max_starvation_s=BOUND_S)
+    auth = await gateway.new_key()
+    first = dispatcher_process(QGW_SHUTDOWN_GRACE_S="0")
+    await gateway.wait_finished(auth, [(await gateway.submit(auth, url))["task_id"]], 60)
+    if how in ("released", "reaped"):  # the one to take over, up before the clock starts
+        dispatcher_process()
+        await _dispatchers(gateway, 2)
+    low = await gateway.submit(auth, url, priority=0, headers={
+        **HAND_BACKS[how], "X-Mock-Status-Times": ["1"], "X-Mock-Latency-Ms": ["3000"]})
+    await _until(gateway, auth, low["task_id"], "processing")
+
+    async def behind(n: int) -> list[str]:
+        return [(await gateway.submit(auth, url, priority=9))["task_id"] for _ in range(n)]
+
+    flood = {t for ts in await asyncio.gather(*(behind(BEHIND // 10) for _ in range(10)))
+             for t in ts}
+    # Still in its first call: the flood is ahead of it when it is handed back.
+    assert (await gateway.status(auth, low["task_id"]))["task_status"] == "processing"
+    if how == "released":
+        first.terminate()
+    elif how == "reaped":
+        first.kill()
+    elif how == "operator":
+        await _until(gateway, auth, low["task_id"], "failed")
+        r = await gateway.http.post(f"/admin/v1/tasks/{low['task_id']}/retry",
+                                    headers=gateway.admin)
+        assert r.status_code == 200, r.text
+    (done,) = await gateway.wait_finished(auth, [low["task_id"]], 60)
+    assert done["task_status"] == "completed", done
+    await gateway.wait_finished(auth, list(flood), 60)
+    async with httpx.AsyncClient(base_url=fresh_upstream) as mock:
+        log = (await mock.get("/_mock/log")).json()
+    # Its last call (a call cut short by its dispatcher's end is in the log too).
+    served = max(e["t"] for e in log if e["idempotency_key"] == low["task_id"])
+    after = sum(1 for e in log if e["idempotency_key"] in flood and e["t"] > served)
+    # Served at its bound (give or take a claim on a busy machine), most of the flood after.
+    assert served - _ms(low["created_at"]) <= BOUND_S * 1000 + 3000, how
+    assert after >= BEHIND // 2, (how, after)
+
+
+async def _dispatchers(gateway: Gateway, n: int) -> None:
+    for _ in range(600):
+        r = await gateway.http.get("/admin/v1/overview", headers=gateway.admin)
+        if len(r.json()["dispatchers"]) >= n:
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"fewer than {n} dispatchers came up")
+
+
+async def _until(gateway: Gateway, auth: dict[str, str], task_id: str, status: str) -> None:
+    for _ in range(600):
+        if (await gateway.status(auth, task_id))["task_status"] == status:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"task {task_id} never became {status}")

@@ -130,6 +130,12 @@ class Keys:
         the claim serves one waiting past the bound first (lua/includes/starvation.lua)."""
         return f"{self.prefix}:{self.tag(endpoint)}:arrivals"
 
+    def real_costs(self, endpoint: str) -> str:
+        """Hash user id -> "<moving average>,<last update ms>" of what that caller's calls
+        really cost on a `cost_from` endpoint with further limits; idle callers are pruned
+        (lua/includes/costs.lua)."""
+        return f"{self.prefix}:{self.tag(endpoint)}:rc"
+
     def turns(self, endpoint: str, priority: int) -> str:
         """Hash user id -> the last turn given to that user in one priority band of a
         `fairness: per_user` endpoint (lua/includes/fairness.lua; submit-11.lua's KEYS[11])."""

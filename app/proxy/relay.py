@@ -28,8 +28,9 @@ from app.errors import ApiError
 from app.models import SubmitRequest, SubmitResponse
 from app.proxy.stream import Streamed, open_call
 from app.queue.acks import ACK_KEYS
-from app.queue.claims import settle_limits
+from app.queue.claims import ack_cost_keys, settle_limits
 from app.queue.events import Watch
+from app.queue.fairness import starvation_keys
 from app.queue.http1 import BadAnswer
 from app.queue.ids import new_task_id
 from app.queue.signals import pause_s
@@ -285,14 +286,16 @@ class ProxyCall:
         self._stop_renewing()
         k, e, ep = self.keys, self.endpoint.id, self.endpoint
         limit_keys, spec = settle_limits(ep, k, self.rt.settings.rate_guard_ms)
-        settle = [0, *spec] if ep.max_cost is not None else []
+        # ARGV[8..]: no refusal for free (the pause is its back-off), a real cost of 0 (it did
+        # no work), the limits that settle.
+        settle = [0, 0, *spec] if ep.max_cost is not None else []
         pause_ms = max(1, round(pause * 1000))
         log.info("upstream refused with a pause of %.2f s: back in line", pause,
                  extra=self._extra())
         await self.rt.queue.scripts.retry(
             keys=[k.active(e), k.task(self.task_id),
                   *k.of(e, "retry", "delayed", "queue", "wake", "stats", "probe"),
-                  *(limit_keys if settle else [])],
+                  *(limit_keys if settle else []), *k.of(e, *starvation_keys(ep))],
             args=[self.task_id, self.token, pause_ms, e, pause_ms, status, round(exec_ms),
                   *settle])
         self.token = ""
@@ -308,7 +311,8 @@ class ProxyCall:
         limit_keys, limits = settle_limits(ep, k, self.rt.settings.rate_guard_ms)
         try:
             res = await self.rt.queue.scripts.ack(
-                keys=[*k.of(e, *ACK_KEYS), *limit_keys, k.task(self.task_id)],
+                keys=[*k.of(e, *ACK_KEYS), *limit_keys, *ack_cost_keys(ep, k, limit_keys),
+                      k.task(self.task_id)],
                 args=[e, "", 1, *limits, self.task_id, self.token, status, text,
                       code or "", round(exec_ms), 0, "" if cost is None else cost,
                       ""])  # no result kept: the body went to its caller

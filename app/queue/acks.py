@@ -35,7 +35,7 @@ from redis.exceptions import NoScriptError, RedisError
 from app.core.loop import persist
 from app.core.scripts import Lua
 from app.endpoints import EndpointConfig
-from app.queue.claims import Claim, pause_ms, real_cost, settle_limits
+from app.queue.claims import Claim, ack_cost_keys, pause_ms, real_cost, settle_limits
 from app.queue.upstream import Outcome
 
 if TYPE_CHECKING:
@@ -82,7 +82,8 @@ class AckBatch:
         d, ep = self.disp, acks[0].claim.endpoint
         k, e = d.keys, ep.id
         limit_keys, limits = settle_limits(ep, k, d.settings.rate_guard_ms)
-        return [*k.of(e, *ACK_KEYS), *limit_keys, *(k.task(a.claim.task_id) for a in acks)], [
+        return [*k.of(e, *ACK_KEYS), *limit_keys, *ack_cost_keys(ep, k, limit_keys),
+                *(k.task(a.claim.task_id) for a in acks)], [
             e, CLAIMS_FOLLOW if follow else "", len(acks), *limits,
             *(v for a in acks for v in a.values)]
 

@@ -42,7 +42,7 @@ async def retry(queue: TaskQueue, registry: EndpointRegistry, f: TaskFilter) -> 
                            "unavailable; retry shortly", {"Retry-After": "5"})
         ids = [t["task_id"] for t in page["tasks"]][:MAX_TASKS - matched]
         matched += len(ids)
-        outcomes.update(await _each(ids, lambda tid: operator.retry(queue, tid)))
+        outcomes.update(await _each(ids, lambda tid: operator.retry(queue, registry, tid)))
         if page["next_cursor"] is None:
             break
         after = Cursor.parse(page["next_cursor"])

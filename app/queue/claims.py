@@ -62,18 +62,28 @@ def claim_keys(keys: Keys, endpoint: EndpointConfig) -> list[str]:
             *keys.of(e, "wake", "delayed", "retry", "stats", "deadlines", "probe", "outbox",
                      "hooks"),
             keys.pace(e, kind, endpoint.rate, endpoint.interval_ms), *limit_keys(keys, endpoint),
-            *keys.of(e, *starvation_keys(endpoint))]
+            *keys.of(e, *starvation_keys(endpoint), *cost_keys(endpoint))]
+
+
+def reads_costs(endpoint: EndpointConfig) -> bool:
+    """Whether per-cost admissions reserve at least the caller's recent real cost."""
+    return bool(endpoint.limits and endpoint.cost_from and endpoint.max_cost is not None)
+
+
+def cost_keys(endpoint: EndpointConfig) -> tuple[str, ...]:
+    """The callers' real costs (Keys.real_costs), for a claim that reads them (last of its
+    KEYS)."""
+    return ("real_costs",) if reads_costs(endpoint) else ()
 
 
 def admission_args(endpoint: EndpointConfig, guard_ms: int) -> list[str | int]:
     """claim-12.lua's ARGV[12..]: the further limits (a count of 0 when none), then the
     starvation bound (ms, 0 = none), then the adaptive endpoint's least cap (0 = fixed), then
     '1' when per-cost admissions reserve at least the caller's recent real cost (cost_from)."""
-    reads_costs = bool(endpoint.limits and endpoint.cost_from and endpoint.max_cost is not None)
     return [*(further_limits(endpoint, guard_ms) or [0]),
             (endpoint.max_starvation_s or 0) * 1000,
             endpoint.min_concurrency if endpoint.concurrency == "adaptive" else 0,
-            "1" if reads_costs else "0"]
+            "1" if reads_costs(endpoint) else "0"]
 
 
 def settle_limits(endpoint: EndpointConfig, keys: Keys, guard_ms: int
@@ -84,6 +94,12 @@ def settle_limits(endpoint: EndpointConfig, keys: Keys, guard_ms: int
     if endpoint.max_cost is None:
         return [], [0]
     return limit_keys(keys, endpoint), further_limits(endpoint, guard_ms)
+
+
+def ack_cost_keys(endpoint: EndpointConfig, keys: Keys, limits: list[str]) -> list[str]:
+    """ack-7.lua's key after the limits' (`limits`, settle_limits's): the callers' real costs,
+    which its acks update, when limits settle."""
+    return [keys.real_costs(endpoint.id)] if limits else []
 
 
 def real_cost(claim: Claim, outcome: Outcome) -> int | None:

@@ -56,6 +56,7 @@ from app.queue.claims import (
     pause_ms,
     settle_args,
 )
+from app.queue.fairness import starvation_keys
 from app.queue.http1 import UpstreamClient
 from app.queue.objects import ObjectStore
 from app.queue.reaper import Reaper
@@ -439,7 +440,8 @@ class Dispatcher:
         limit_keys, settle = settle_args(claim, outcome, k, self.settings.rate_guard_ms)
         due = await persist("retry", lambda: self.scripts.retry(
             keys=[k.active(e), k.task(claim.task_id),
-                  *k.of(e, "retry", "delayed", "queue", "wake", "stats", "probe"), *limit_keys],
+                  *k.of(e, "retry", "delayed", "queue", "wake", "stats", "probe"), *limit_keys,
+                  *k.of(e, *starvation_keys(ep))],
             args=[claim.task_id, claim.token, round(delay * 1000), e, pause_ms(claim, outcome),
                   outcome.status_code or "", round(exec_ms), *settle]))
         if not due:
@@ -481,7 +483,8 @@ class Dispatcher:
                     e = c.endpoint.id
                     await self.scripts.release(
                         keys=[k.active(e), k.task(c.task_id),
-                              *k.of(e, "queue", "wake", "stats", "outbox", "hooks", "probe")],
+                              *k.of(e, "queue", "wake", "stats", "outbox", "hooks", "probe",
+                                    *starvation_keys(c.endpoint))],
                         args=[c.task_id, c.token, e, c.endpoint.max_retries + 1,
                               self.ttls.done_ms], client=pipe)
                 return await pipe.execute()

@@ -18,10 +18,10 @@ from app.core.loop import STORE_ERRORS
 from app.core.registry import EndpointRegistry
 from app.db import bounded
 from app.errors import ApiError
-from app.lifecycle.records import DEAD_LETTERS, fields_of
+from app.lifecycle.records import DEAD_LETTERS, fields_of, to_ms
 from app.lifecycle.results import T
 from app.models import TaskStatus
-from app.queue.fairness import PRIORITY_STEP
+from app.queue.fairness import PRIORITY_STEP, starvation_keys
 from app.queue.tasks import TaskQueue
 
 #: Tasks one purge script run cancels (it blocks Redis meanwhile: about a millisecond), and
@@ -56,13 +56,21 @@ async def cancel(queue: TaskQueue, task_id: str) -> TaskStatus:
     return await queue.cancel(await owner(queue, task_id), task_id)
 
 
-async def retry(queue: TaskQueue, task_id: str) -> dict[str, Any]:
+def _arrivals(queue: TaskQueue, registry: EndpointRegistry, e: str) -> tuple[str, ...]:
+    """The starvation index of the endpoint, if it has a bound: a task run again goes back
+    into it at its first arrival (lua/includes/starvation.lua)."""
+    endpoint = registry.get(e)
+    return queue.keys.of(e, *starvation_keys(endpoint)) if endpoint is not None else ()
+
+
+async def retry(queue: TaskQueue, registry: EndpointRegistry, task_id: str) -> dict[str, Any]:
     """A failed or expired task runs again, from its old place in its queue."""
     if not TASK_ID.match(task_id):  # not one of ours: no endpoint of it to talk about
         raise ApiError(404, "task_not_found", f"no task {task_id!r}")
     k, e = queue.keys, endpoint_of(task_id)
     res = await queue.scripts.requeue(
-        keys=[k.task(task_id), k.queue(e), k.wake(e), k.outbox(e), k.delivered(e), k.live(e)],
+        keys=[k.task(task_id), k.queue(e), k.wake(e), k.outbox(e), k.delivered(e), k.live(e),
+              *_arrivals(queue, registry, e)],
         args=[task_id, e, queue.ttls.pending_ms, queue.ttls.done_ms],
     )
     if res[0] == "retried":
@@ -78,7 +86,7 @@ async def retry(queue: TaskQueue, task_id: str) -> dict[str, Any]:
         raise ApiError(409, "task_not_retryable",
                        f"task {task_id!r} is {res[1]}; only a failed or expired task can be "
                        "retried", task_status=res[1])
-    return await _revive(queue, await _row(queue, task_id))  # 404 if unknown
+    return await _revive(queue, registry, await _row(queue, task_id))  # 404 if unknown
 
 
 def _proxied(task_id: str, status: str) -> ApiError:
@@ -101,7 +109,7 @@ def _kept_request(row: Any) -> dict[str, Any] | None:
             "timestamp": int(req["client_ts"]) if req.get("client_ts") else None}
 
 
-async def _revive(queue: TaskQueue, row: Any) -> dict[str, Any]:
+async def _revive(queue: TaskQueue, registry: EndpointRegistry, row: Any) -> dict[str, Any]:
     """Run again a dead letter only SQL holds, with its original request and priority."""
     task_id, e = str(row.task_id), str(row.endpoint)
     if row.type == "proxy":
@@ -119,16 +127,17 @@ async def _revive(queue: TaskQueue, row: Any) -> dict[str, Any]:
     fields: list[Any] = [
         "user_id", row.user_id, "type", row.type, "priority", priority, "method", req["method"],
         "url", req["url"], "body", req["body"], "headers", json.dumps(req["headers"]),
-        "query", json.dumps(req["query"]), "client_ts", req.get("client_ts", "")]
+        "query", json.dumps(req["query"]), "client_ts", req.get("client_ts", ""),
+        "arrived_at", to_ms(row.created_at) or ""]  # its place by age (starvation.lua)
     for name in ("cost", "callback_url", "key_id"):
         if name in req:
             fields += [name, req[name]]
     score = req.get("score") or -priority * PRIORITY_STEP
     res = await queue.scripts.revive(
-        keys=[k.task(task_id), k.queue(e), k.wake(e), k.live(e)],
+        keys=[k.task(task_id), k.queue(e), k.wake(e), k.live(e), *_arrivals(queue, registry, e)],
         args=[task_id, e, queue.ttls.pending_ms, queue.ttls.done_ms, score, *fields])
     if res[0] == "exists":  # retried meanwhile (or now in Redis again): Redis's copy decides
-        return await retry(queue, task_id)
+        return await retry(queue, registry, task_id)
     if res[0] == "gone":
         raise ApiError(409, "endpoint_not_registered",
                        f"the endpoint of task {task_id!r} is deleted; nothing would run it")

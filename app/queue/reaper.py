@@ -15,6 +15,7 @@ from app.core.keys import Keys
 from app.core.registry import EndpointRegistry
 from app.core.scripts import Scripts
 from app.lifecycle import Ttls
+from app.queue.fairness import starvation_keys
 from app.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -55,7 +56,7 @@ class Reaper:
             for ep in endpoints:
                 await self.scripts.reap(
                     keys=k.of(ep.id, "active", "queue", "wake", "stats", "outbox", "hooks",
-                              "probe"),
+                              "probe", *starvation_keys(ep)),
                     args=[ep.id, k.task_prefix(ep.id), ep.max_retries + 1, done_ms, 1000],
                     client=pipe,
                 )

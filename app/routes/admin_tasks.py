@@ -106,7 +106,7 @@ async def show_task(task_id: str, rt: Rt) -> dict[str, Any]:
 @router.post("/tasks/{task_id}/retry", operation_id="retry_task")
 async def retry_task(task_id: str, rt: Rt) -> dict[str, Any]:
     """A failed or expired task runs again from its old place in line (409 otherwise)."""
-    return await operator.retry(rt.queue, _checked(task_id))
+    return await operator.retry(rt.queue, rt.registry, _checked(task_id))
 
 
 @router.post("/tasks/{task_id}/cancel", operation_id="cancel_any_task")

@@ -1,55 +1,103 @@
 -- Adaptive concurrency (endpoint `concurrency: "adaptive"`): the cap the claim reads moves
--- between min_concurrency and max_concurrency, learnt from every call's latency and outcome,
--- by AIMD. Kept in the endpoint's stats hash, so every dispatcher admits to one figure:
+-- between min_concurrency and max_concurrency, learnt from every call's latency and outcome.
+-- Kept in the endpoint's stats hash, so every dispatcher admits to one figure:
 --   alimit  the cap (a fraction; the claim admits floor(alimit))
---   abase   the upstream's unloaded latency (ms): the lowest seen, drifting slowly upwards
---   alat    recent latency (ms): a moving average of 1/ADAPT_EMA, so one call slowed on its
---           way (a busy dispatcher, a GC pause) is not read as the upstream's congestion
---   acut    when the cap was last cut (ms)
+--   abase   the upstream's unloaded latency (ms): the lowest mean of a round, drifting slowly
+--           upwards
+--   awin    when the current round began (ms, Redis clock): the last decision
+--   asum, acnt  the latencies of the round's calls so far (sum, count)
+--   aover   1 when the last round was over the tolerance (and held the cap)
 --   amin_c, amax_c  the bounds, written by the claim (so the ack needs no arguments of its own)
--- Recent latency over ADAPT_SLOW x abase (calls wait at the upstream: past its capacity), or
--- a call refused (429, 503) or timed out, cuts the cap (x0.8 when slow, x0.5 when refused), at
--- most once in half a base latency: the calls of one round report the same congestion, and cutting
--- for each would collapse the cap to the minimum at once. Any other success adds 1/alimit (one
--- more call a round of calls). At the minimum, the latency seen is the upstream's own, so the
--- base follows it there quickly: an upstream whose latency grew for good does not hold the cap
--- at the minimum (every call "slow" against a base it no longer has).
+-- The controller decides once a round, on the calls claimed since the last decision: a call
+-- claimed before it ran under the old cap, and counting it again is what cut a cap twice for
+-- one congestion (a round's calls report the same overload) and left it far below capacity.
+-- Once half a cap of such calls (ADAPT_ROUND at most) answered, g = their mean latency / abase:
+--   g >= ADAPT_TOL  calls queue at the upstream (it is past its capacity), if the round
+--                   before was over it too: the cap goes to cap x ADAPT_AIM / g (at least half
+--                   the cap), where latency would be AIM x base if it grows with the calls in
+--                   flight, as a queue's does (a first such round only holds the cap);
+--   g <  ADAPT_TOL  and the cap in use (ADAPT_USED of it in flight), the cap grows: to cap x
+--                   ADAPT_TOL / g while g >= ADAPT_AIM (what is left of the tolerance), else
+--                   by that factor (ADAPT_GROW at most) and one call at least.
+-- So the cap settles a little past the upstream's capacity, between AIM and TOL x the base
+-- latency: the upstream never idles in the gap between one call's end and the next call's
+-- arrival, and latency stays within TOL x its own. A refusal (429, 503, 504) or a timeout of
+-- such a call halves the cap at once and starts a new round. The base is the lowest round
+-- mean seen and drifts up slowly; at the minimum, the latency seen is the upstream's own, so
+-- the base follows it there quickly: an upstream whose latency grew for good does not hold
+-- the cap at the minimum (every call "slow" against a base it no longer has).
 
-local ADAPT_SLOW, ADAPT_DRIFT, ADAPT_EMA = 1.25, 8192, 8
+local ADAPT_TOL, ADAPT_AIM, ADAPT_GROW, ADAPT_ROUND, ADAPT_DRIFT = 1.3, 1.15, 1.5, 16, 4096
+local ADAPT_USED = 0.75
 
--- One call's sample for adaptive_update: its latency and whether the upstream turned it away.
-local function adaptive_note(samples, status, code, ms)
+-- One call's sample for adaptive_update: its latency, whether the upstream turned it away,
+-- and when it was claimed (ms; 0 = unknown).
+local function adaptive_note(samples, status, code, ms, started)
   if not ms or ms < 0 then return end
   local refused = code == '429' or code == '503' or code == '504'
     or (status ~= 'completed' and code == '')
-  if status == 'completed' or refused then samples[#samples + 1] = {ms, refused} end
+  if status == 'completed' or refused then
+    samples[#samples + 1] = {ms, refused, started or 0}
+  end
 end
 
-local function adaptive_update(stats, now, samples)
+-- The cap after a round whose calls took g x the base latency, and whether that round was
+-- over the tolerance. A first round over it holds the cap: one slow round is as often the
+-- dispatcher's own stall (a busy machine delays every answer it reads for a while) as the
+-- upstream's queue, and a stall passes; a second one in a row cuts.
+local function adaptive_decide(limit, g, busy, over)
+  if g >= ADAPT_TOL then
+    if not over then return limit, true end
+    return limit * math.max(0.5, ADAPT_AIM / g), false
+  end
+  if not busy then return limit, false end  -- calls it does not make tell nothing of more
+  -- Near the tolerance, only what is left of it; well below, one call a round at least.
+  if g >= ADAPT_AIM then return limit * ADAPT_TOL / g, false end
+  return limit + math.max(1, limit * (math.min(ADAPT_GROW, ADAPT_TOL / g) - 1)), false
+end
+
+-- The base latency after a round whose calls took `ms` on average: the lowest round seen,
+-- drifting up slowly, and quickly at the minimum cap. A round's mean, not one call's latency:
+-- a call slowed on its way (a busy dispatcher, a GC pause) only ever adds to it, so the
+-- fastest single call is a base that ordinary rounds never meet, and the cap would be cut for
+-- the dispatcher's own delays.
+local function adaptive_base(base, ms, at_min)
+  if not base or ms < base then return ms end
+  if at_min then return base + (ms - base) / 8 end
+  return base + (ms - base) / ADAPT_DRIFT
+end
+
+-- Fold one ack's samples in; `active` the endpoint's in-flight set (the calls just ended are
+-- out of it already).
+local function adaptive_update(stats, now, samples, active)
   if #samples == 0 then return end
-  local f = redis.call('HMGET', stats, 'alimit', 'abase', 'acut', 'amin_c', 'amax_c', 'alat')
+  local f = redis.call('HMGET', stats, 'alimit', 'abase', 'awin', 'amin_c', 'amax_c', 'asum',
+    'acnt', 'aover')
   local minc, maxc = tonumber(f[4]), tonumber(f[5])
   if not maxc then return end  -- not adaptive
-  local limit, base, cut = tonumber(f[1]) or minc, tonumber(f[2]), tonumber(f[3]) or 0
-  local lat = tonumber(f[6])
+  local limit, base, win = tonumber(f[1]) or minc, tonumber(f[2]), tonumber(f[3]) or 0
+  local sum, cnt, over = tonumber(f[6]) or 0, tonumber(f[7]) or 0, f[8] == '1'
+  -- The cap in use: a dispatcher that lags behind it (a busy machine) sends fewer calls, whose
+  -- latency says nothing of the cap's.
+  local busy = redis.call('ZCARD', active) + #samples >= math.floor(limit) * ADAPT_USED
   for _, s in ipairs(samples) do
-    local ms, refused = s[1], s[2]
-    if not refused then lat = lat and lat + (ms - lat) / ADAPT_EMA or ms end
-    if refused or (base and lat > ADAPT_SLOW * base) then
-      if now - cut >= (base or ms) / 2 then
-        limit, cut = math.max(minc, limit * (refused and 0.5 or 0.8)), now
+    local ms, refused, started = s[1], s[2], s[3]
+    if started >= win then  -- claimed under the current cap
+      if refused then
+        limit, win, sum, cnt, over = math.max(minc, limit * 0.5), now, 0, 0, false
+      else
+        sum, cnt = sum + ms, cnt + 1
+        if cnt >= math.max(1, math.min(ADAPT_ROUND, math.floor(limit / 2))) then
+          base = adaptive_base(base, sum / cnt, limit <= minc)
+          limit, over = adaptive_decide(limit, sum / cnt / base, busy, over)
+          limit = math.min(maxc, math.max(minc, limit))
+          win, sum, cnt = now, 0, 0
+        end
       end
-    else
-      limit = math.min(maxc, limit + 1 / limit)
-    end
-    if not refused then
-      if not base or ms < base then base = ms
-      elseif limit <= minc then base = base + (ms - base) / 8
-      else base = base + (ms - base) / ADAPT_DRIFT end
     end
   end
-  redis.call('HSET', stats, 'alimit', string.format('%.3f', limit), 'acut', cut)
-  if lat then redis.call('HSET', stats, 'alat', string.format('%.1f', lat)) end
+  redis.call('HSET', stats, 'alimit', string.format('%.3f', limit), 'awin', win, 'asum', sum,
+    'acnt', cnt, 'aover', over and 1 or 0)
   if base then redis.call('HSET', stats, 'abase', string.format('%.1f', base)) end
 end
 

@@ -23,3 +23,14 @@ local function starving(arrivals, queue, cutoff, n)
   end
   return out
 end
+
+-- A task handed back to its queue (release, reap, a refusal given back, a retry due, an
+-- operator's retry) goes back into the index at its first arrival: the claim took it off,
+-- and its wait counts from when it came, not from its hand-back (a task claimed and given
+-- back again and again would otherwise never be overdue). `arrivals` nil: no bound, nothing.
+local function starve_back(arrivals, task, id)
+  if not arrivals then return end
+  local f = redis.call('HMGET', task, 'arrived_at', 'created_at')
+  local at = tonumber(f[1]) or tonumber(f[2])
+  if at then redis.call('ZADD', arrivals, at, id) end
+end
