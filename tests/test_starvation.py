@@ -80,6 +80,7 @@ HAND_BACKS = {
         "retry-after": "1"})]},  # given back to its place (retry-8.lua)
     "backoff": {"X-Mock-Status": ["500"]},  # retry-8.lua, then the claim when it is due
     "operator": {"X-Mock-Status": ["400"]},  # failed, then an operator's retry (requeue-6.lua)
+    "revived": {"X-Mock-Status": ["400"]},  # the same once only SQL has it (revive-4.lua)
     "released": {},  # its dispatcher stops (release-8.lua)
     "reaped": {},  # its dispatcher is killed; the other's reaper (reap-7.lua)
 }
@@ -118,8 +119,15 @@ async def test_a_task_handed_back_keeps_its_first_arrival(
         first.terminate()
     elif how == "reaped":
         first.kill()
-    elif how == "operator":
+    elif how in ("operator", "revived"):
         await _until(gateway, auth, low["task_id"], "failed")
+        if how == "revived":  # its row written, Redis lets the task go
+            k, e = gateway.rt.keys, f"back-{how}"
+            for _ in range(600):
+                if await gateway.rt.redis.zscore(k.outbox(e), low["task_id"]) is None:
+                    break
+                await asyncio.sleep(0.05)
+            await gateway.rt.redis.delete(k.task(low["task_id"]))
         r = await gateway.http.post(f"/admin/v1/tasks/{low['task_id']}/retry",
                                     headers=gateway.admin)
         assert r.status_code == 200, r.text
