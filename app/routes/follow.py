@@ -26,7 +26,7 @@ from app.models import TaskView
 from app.queue.events import TaskEvents
 from app.routes.large import LARGE, encoded, pieces
 from app.routes.tasks import ERRORS, _checked
-from app.sending import HeldStream, ReadSlots
+from app.sending import ClosingStream, HeldStream, ReadSlots
 
 router = APIRouter(prefix="/api/v1", tags=["tasks"])
 KEEPALIVE_S = 15.0  # a comment line this often: proxies keep the stream, clients see it live
@@ -50,7 +50,7 @@ async def follow_task(request: Request, task_id: str) -> StreamingResponse:
     if not first.result_left_out:
         # One that ends so later takes its slot when its final event is due (_large_event).
         stream = _stream(rt.events, tid, read, whole, (rt.read_slots, caller.id))
-        return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
+        return ClosingStream(stream, media_type="text/event-stream", headers=headers)
     # An ended task with megabytes inline: a large read, as its status is (its slot taken
     # here, where a 429 can still be answered, and held by the stream).
     await rt.read_slots.take(caller.id)
