@@ -122,7 +122,20 @@ class ReadSlots:
             del self._keys[key_id]
 
 
-class HeldStream(StreamingResponse):
+class ClosingStream(StreamingResponse):
+    """A streamed answer whose generator is closed as soon as the answer ends, however it
+    ends: one abandoned at a send deadline would otherwise run its `finally` (a read slot it
+    took on its own, app/routes/follow.py) only once garbage collected."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            if (aclose := getattr(self.body_iterator, "aclose", None)) is not None:
+                await aclose()
+
+
+class HeldStream(ClosingStream):
     """A streamed answer that holds a read slot until it has ended, however it ends."""
 
     def __init__(self, slots: ReadSlots, key_id: str, *args: Any, **kwargs: Any) -> None:

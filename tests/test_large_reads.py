@@ -1,8 +1,9 @@
 """One key's flood of reads of a large result must not slow anybody else down (issue
 "Hardening 2", item 1): 96 connections of one key re-read an 8 MB result for 12 s while another
 user submits and reads status. `inline` (QGW_RESULT_INLINE_BYTES above 8 MB): the readers ask
-the status, which carries the 8 MB; `store` (the defaults): the status carries only the
-result's size, and the readers ask /result. Against a `qgw api` process, the readers in a
+the status, which carries the 8 MB; `inline-result`: the same layout, the readers ask /result
+(the inline bytes decoded); `store` (the defaults): the status carries only the result's size,
+and the readers ask /result. Against a `qgw api` process, the readers in a
 process of their own (tests/readers.py), niced: an attacker's CPU is not the gateway's, and
 the test's own must not be what is measured.
 
@@ -33,14 +34,19 @@ READERS, SECONDS = 96, 12.0
 P99_MS = 50
 
 
-@pytest.fixture(params=["store", "inline"])
-def settings(settings: Settings, request: pytest.FixtureRequest) -> Settings:
+@pytest.fixture(params=["store", "inline", "inline-result"])
+def layout(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture
+def settings(settings: Settings, layout: str) -> Settings:
     """`store`: the 8 MB answer goes to the result store (the default threshold), the status
-    carries its size; `inline`: QGW_RESULT_INLINE_BYTES above it, so every status answer
-    carries the 8 MB."""
+    carries its size; `inline*`: QGW_RESULT_INLINE_BYTES above it, so every status answer
+    carries the 8 MB, and /result serves them from Redis."""
     settings.max_result_bytes = 16 << 20
     settings.read_ttl_s = 300  # the task stays readable through the test
-    if request.param == "inline":
+    if layout.startswith("inline"):
         settings.result_inline_bytes = 12 << 20
     return settings
 
@@ -63,10 +69,9 @@ async def _large_task(gateway: Gateway, upstream: str,
     return auth, task["task_id"]
 
 
-def _path(settings: Settings, tid: str) -> str:
-    """Where the 8 MB are: in the status answer when inline, else at /result."""
-    inline = settings.result_inline_bytes >= SIZE
-    return f"/api/v1/tasks/{tid}" if inline else f"/api/v1/tasks/{tid}/result"
+def _path(layout: str, tid: str) -> str:
+    """What the readers ask: the status answer (`inline`: it carries the 8 MB), else /result."""
+    return f"/api/v1/tasks/{tid}" if layout == "inline" else f"/api/v1/tasks/{tid}/result"
 
 
 async def _other_user(http: httpx.AsyncClient, upstream: str, seconds: float
@@ -95,7 +100,7 @@ def _p99(samples: list[float]) -> float:
 
 async def test_a_keys_flood_of_large_reads_leaves_other_users_latency_alone(
     gateway: Gateway, upstream: str, start_dispatcher: Callable[[], Awaitable[Runtime]],
-    start_api: StartApi, settings: Settings,
+    start_api: StartApi, layout: str,
 ) -> None:
     auth, tid = await _large_task(gateway, upstream, start_dispatcher)
     other = await gateway.new_key(user_id=2)
@@ -104,16 +109,16 @@ async def test_a_keys_flood_of_large_reads_leaves_other_users_latency_alone(
         await _other_user(http, upstream, 1.0)  # warm: connections, caches
         quiet = await _other_user(http, upstream, 4.0)  # the usual latency on this machine
         readers = subprocess.Popen(
-            [sys.executable, "-m", "tests.readers", base, _path(settings, tid),
+            [sys.executable, "-m", "tests.readers", base, _path(layout, tid),
              auth["Authorization"], str(READERS), str(SECONDS)], stdout=subprocess.PIPE,
             preexec_fn=lambda: os.nice(19))  # an attacker's CPU is not the gateway's
         await asyncio.sleep(1.0)  # the flood is on
         submits, statuses = await _other_user(http, upstream, SECONDS - 2)
     out, _ = await asyncio.to_thread(readers.communicate, timeout=SECONDS + 60)
     counts = json.loads(out)
-    print(f"{settings.result_inline_bytes=}: alone, the other user's submit p99 "
+    print(f"{layout}: alone, the other user's submit p99 "
           f"{_p99(quiet[0]):.1f} ms, status p99 {_p99(quiet[1]):.1f} ms")
-    print(f"{settings.result_inline_bytes=}: readers {counts}; other user: "
+    print(f"{layout}: readers {counts}; other user: "
           f"{len(submits)} submits p99 {_p99(submits):.1f} ms, status p99 "
           f"{_p99(statuses):.1f} ms; slowest submits "
           f"{[round(x * 1000) for x in sorted(submits)[-6:]]}, median "

@@ -54,6 +54,14 @@ async def test_a_large_inline_status_is_whole_from_its_kept_encoding(
     # Another user's key is refused as ever, kept encoding or not.
     other = await gateway.new_key(user_id=2)
     assert (await gateway.http.get(url, headers=other)).status_code == 404
+    # /result serves the same bytes from the kept copy, whole or a range of them.
+    raw = json.dumps("x" * (SIZE - 2)).encode()
+    whole = await gateway.http.get(f"{url}/result", headers=auth)
+    assert whole.status_code == 200 and whole.content == raw
+    assert int(whole.headers["content-length"]) == SIZE
+    part = await gateway.http.get(f"{url}/result", headers={**auth, "Range": "bytes=-5"})
+    assert part.status_code == 206 and part.content == raw[-5:], part.headers
+    assert part.headers["content-range"] == f"bytes {SIZE - 5}-{SIZE - 1}/{SIZE}"
     # The SSE stream sends the same answer as its one event.
     async with gateway.http.stream("GET", f"{url}/events", headers=auth) as stream:
         assert stream.status_code == 200

@@ -4,8 +4,9 @@ they are cut off (aborted, the unsent bytes dropped) once QGW_SEND_TIMEOUT_S has
 progress. Against a `qgw api` process, sockets with a small receive buffer that never recv.
 
 `inline`: QGW_RESULT_INLINE_BYTES above the answer, so the status JSON and the /events stream
-carry the 8 MB (half the sockets each); `store`: the answer is in the result store and the
-sockets ask /result. On one Redis: what is measured is the API process's memory and sockets."""
+carry the 8 MB, and /result serves its bytes from Redis (a third of the sockets each);
+`store`: the answer is in the result store and the sockets ask /result. On one Redis: what is
+measured is the API process's memory and sockets."""
 
 from __future__ import annotations
 
@@ -85,7 +86,8 @@ async def test_readers_that_never_read_pin_little_and_are_cut_off(
     await dispatcher.stop(grace_s=1)
     tid = task["task_id"]
     inline = settings.result_inline_bytes >= SIZE
-    paths = ([f"/api/v1/tasks/{tid}", f"/api/v1/tasks/{tid}/events"] if inline
+    paths = ([f"/api/v1/tasks/{tid}", f"/api/v1/tasks/{tid}/events",
+              f"/api/v1/tasks/{tid}/result"] if inline
              else [f"/api/v1/tasks/{tid}/result"])
     base = await start_api()
     port = int(base.rsplit(":", 1)[1])

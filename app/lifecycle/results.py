@@ -21,10 +21,11 @@ import logging
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
+from types import SimpleNamespace
 from typing import Any
 
 from redis.asyncio import Redis
-from sqlalchemy import Table, delete, select
+from sqlalchemy import LargeBinary, Table, cast, delete, func, select
 from sqlalchemy.dialects.mysql import insert as mysql_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.exc import DataError, DBAPIError, IntegrityError
@@ -38,6 +39,7 @@ from app.db import SQL_JOB_TIMEOUT_S, TaskResultRow, bounded
 from app.lifecycle.orphans import delete_objects_of
 from app.lifecycle.outbox import ROW_OVERHEAD, Outbox, Waiting, by_bytes, by_weight
 from app.lifecycle.records import DEAD_LETTERS, request_of, row_from
+from app.queue.answers import BASE64, EXTERNAL, ResultMeta
 from app.queue.objects import ObjectStore
 
 log = logging.getLogger(__name__)
@@ -89,15 +91,44 @@ class ResultStore:
             res = await conn.execute(delete(T).where(T.c.task_id.in_(task_ids)))
         return int(getattr(res, "rowcount", 0) or 0)
 
-    async def get(self, task_id: str, user_id: int) -> Any | None:
-        """The row of this user's task, or None (unknown, or somebody else's)."""
-        return await bounded(self._get(task_id, user_id))
+    async def get(self, task_id: str, user_id: int, result_limit: int = 0) -> Any | None:
+        """The row of this user's task, or None (unknown, or somebody else's). With
+        `result_limit`, a longer `result` (bytes) is not read: None, and `result_omitted` its
+        length, so a large read takes its slot before the megabytes leave the database."""
+        return await bounded(self._get(task_id, user_id, result_limit))
 
-    async def _get(self, task_id: str, user_id: int) -> Any | None:
+    async def _get(self, task_id: str, user_id: int, result_limit: int) -> Any | None:
+        where = (T.c.task_id == task_id, T.c.user_id == user_id)
         async with self.engine.connect() as conn:
-            res = await conn.execute(
-                select(T).where(T.c.task_id == task_id, T.c.user_id == user_id))
-            return res.first()
+            if not result_limit:
+                return (await conn.execute(select(T).where(*where))).first()
+            head = (await conn.execute(select(*HEAD).where(*where))).first()
+            if head is None:
+                return None
+            size = kept_bytes(head.result_meta)
+            if size is None:  # no meta (a result the gateway wrote): the database measures
+                size = (await conn.execute(
+                    select(func.length(cast(T.c.result, LargeBinary))).where(*where))).scalar()
+            large = size is not None and size > result_limit
+            result = None if large else (
+                await conn.execute(select(T.c.result).where(*where))).scalar()
+            return SimpleNamespace(**head._mapping, result=result,
+                                   result_omitted=size if large else None)
+
+
+#: A row's columns but its result and a dead letter's request: what a status read needs first.
+HEAD = tuple(c for c in T.c if c.name not in ("result", "request"))
+
+
+def kept_bytes(raw_meta: str | None) -> int | None:
+    """How long the row's `result` text is, from its meta (None without one): an answer's
+    bytes kept as UTF-8 text, or their base64, or nothing for one in the result store."""
+    meta = ResultMeta.loads(raw_meta)
+    if meta is None:
+        return None
+    if meta.encoding == EXTERNAL:
+        return 0
+    return 4 * ((meta.size + 2) // 3) if meta.encoding == BASE64 else meta.size
 
 
 #: MySQL errors that are about the row, not the connection: Data too long (1406), Out of range

@@ -239,13 +239,7 @@ class TaskQueue:
                   self.ttls.read_external_ms, result_limit],
         )
         if not res:
-            fields = await self._finished_fields(user_id, task_id, deliver)
-            text = fields.get("result")
-            if result_limit and text is not None and len(text) > result_limit // 4 and (
-                    size := len(text.encode())) > result_limit:  # as the script does
-                del fields["result"]
-                fields["result_omitted"] = str(size)
-            return fields, None, None
+            return await self._finished_fields(user_id, task_id, deliver, result_limit), None, None
         return dict(zip(res[2::2], res[3::2], strict=True)), res[0], res[1]
 
     def finished_view(self, task_id: str, fields: dict[str, str]) -> TaskView:
@@ -340,12 +334,13 @@ class TaskQueue:
                            "once they are (or given up, an hour after their tasks ended)",
                            pending=0, in_flight=0)
 
-    async def _finished_row(self, user_id: int, task_id: str) -> Any:
-        """The SQL row of a task Redis has let go; 404 without one, 503 when SQL is down."""
+    async def _finished_row(self, user_id: int, task_id: str, result_limit: int = 0) -> Any:
+        """The SQL row of a task Redis has let go; 404 without one, 503 when SQL is down.
+        With `result_limit`, a longer result is left in the database (ResultStore.get)."""
         row = None
         if self.results is not None:
             try:
-                row = await self.results.get(task_id, user_id)
+                row = await self.results.get(task_id, user_id, result_limit)
             except STORE_ERRORS:
                 raise ApiError(503, "database_unavailable",
                                "finished tasks are unavailable; retry shortly",
@@ -357,11 +352,12 @@ class TaskQueue:
     async def _finished_status(self, user_id: int, task_id: str) -> str:
         return str((await self._finished_row(user_id, task_id)).status)
 
-    async def _finished_fields(self, user_id: int, task_id: str, deliver: bool
-                               ) -> dict[str, str]:
+    async def _finished_fields(self, user_id: int, task_id: str, deliver: bool,
+                               result_limit: int = 0) -> dict[str, str]:
         """A task's fields from SQL. Read by its owner, the row is delivered like a Redis
-        copy: it goes once the read TTL has passed (NX: reading again does not postpone it)."""
-        row = await self._finished_row(user_id, task_id)
+        copy: it goes once the read TTL has passed (NX: reading again does not postpone it).
+        With `result_limit`, a longer result is `result_omitted` (its size), as in Redis."""
+        row = await self._finished_row(user_id, task_id, result_limit)
         if deliver and row.status not in DEAD_LETTERS:  # those stay for operators
             meta = ResultMeta.loads(row.result_meta)
             ttl = self.ttls.read_external_ms if meta and meta.encoding == EXTERNAL else \
@@ -369,7 +365,10 @@ class TaskQueue:
             due = int(time.time() * 1000) + ttl  # seconds of skew do not matter
             await self.redis.zadd(self.keys.delivered(endpoint_of(task_id)), {task_id: due},
                                   nx=True)
-        return fields_of(row)
+        fields = fields_of(row)
+        if result_limit and row.result_omitted is not None:
+            fields["result_omitted"] = str(row.result_omitted)  # left in SQL: a large read
+        return fields
 
 
 def _maybe_queued(task_id: str, e: str, idem_key: str | None, exc: Exception) -> ApiError:

@@ -5,7 +5,8 @@ The status call leaves a result longer than LARGE in Redis (status-6.lua, ARGV[5
 answer takes one of the key's read slots (QGW_MAX_LARGE_READS_PER_KEY, app/sending.py), is
 encoded once per task and process (app/answer_cache.py) and is sent in CHUNK pieces, so each
 write meets the send deadline on its own and a reader that stops reading pins a piece and the
-socket's buffers, never a copy of the answer."""
+socket's buffers, never a copy of the answer. `/result` of such a task is a large read too: its
+decoded bytes are kept the same way (large_result)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ from collections.abc import AsyncIterator
 from fastapi.responses import JSONResponse, Response
 
 from app.endpoints import EndpointConfig
+from app.errors import ApiError
 from app.models import TaskView
+from app.queue.answers import ResultMeta, body_of
 from app.runtime import Runtime
 from app.sending import HeldStream
 from app.store import ApiKey
@@ -58,7 +61,45 @@ async def encoded(rt: Runtime, user_id: int, endpoint: EndpointConfig | None,
         return body
 
 
-async def pieces(body: bytes, size: int = CHUNK) -> AsyncIterator[memoryview]:
+async def large_result(rt: Runtime, caller: ApiKey, task_id: str, fields: dict[str, str],
+                       span: tuple[int, int], code: int, headers: dict[str, str], ctype: str
+                       ) -> Response:
+    """`/result` of an inline result over LARGE (`fields` read without it): its decoded
+    bytes, kept once per task and process like a status answer, streamed within a slot;
+    `span` the range asked for (start, end exclusive)."""
+    await rt.read_slots.take(caller.id)  # given back once the answer has ended (HeldStream)
+    try:
+        body = await decoded(rt, caller.user_id, task_id, fields)
+    except BaseException:
+        rt.read_slots.give(caller.id)
+        raise
+    start, end = span
+    headers = {**headers, "Content-Length": str(end - start)}
+    return HeldStream(rt.read_slots, caller.id, pieces(memoryview(body)[start:end]), code,
+                      headers=headers, media_type=ctype)
+
+
+async def decoded(rt: Runtime, user_id: int, task_id: str, fields: dict[str, str]) -> bytes:
+    """The inline result's bytes as the upstream sent them (base64 decoded), kept apart from
+    the task's status answer; read whole from Redis (or SQL) once per task and process."""
+    kept, version = f"{task_id} result", _fields_version(fields)
+    if (body := rt.answers.get(kept, version)) is not None:
+        return body
+    async with rt.answers.filling(kept):
+        if (body := rt.answers.get(kept, version)) is not None:
+            return body
+        whole, _, _ = await rt.queue.fields(user_id, task_id)
+        if _fields_version(whole) != version or "result" not in whole:
+            # Retried or let go between the two reads: what was checked is not what is here.
+            status = whole.get("status", "")
+            raise ApiError(409, "no_result", f"task {task_id!r} changed while read "
+                           f"(now {status}); ask again", task_status=status)
+        body = body_of(whole["result"], ResultMeta.loads(whole.get("result_meta")))
+        rt.answers.put(kept, version, body)
+        return body
+
+
+async def pieces(body: bytes | memoryview, size: int = CHUNK) -> AsyncIterator[memoryview]:
     """`body` piece by piece; each one after a turn of the event loop: a reader that takes
     everything at once (a socket buffer never full) would otherwise hold the loop for the
     whole answer, other users' requests waiting behind it."""
@@ -66,6 +107,12 @@ async def pieces(body: bytes, size: int = CHUNK) -> AsyncIterator[memoryview]:
     for at in range(0, len(body), size):
         await asyncio.sleep(0)
         yield view[at:at + size]
+
+
+def _fields_version(f: dict[str, str]) -> str:
+    """_version's figures from a task's fields, its result left out or not."""
+    return " ".join(f.get(name) or "" for name in ("status", "ended_at", "attempts",
+                                                    "result_meta"))
 
 
 def _version(view: TaskView) -> str:

@@ -18,6 +18,7 @@ from app.auth import api_key, runtime_of
 from app.errors import ApiError
 from app.queue.answers import EXTERNAL, ResultMeta, body_of
 from app.queue.objects import SIGNED_S, ObjectStore, StoreUnavailable
+from app.routes.large import LARGE, large_result
 from app.routes.tasks import ERRORS, _checked
 from app.sending import HeldStream
 
@@ -45,14 +46,18 @@ async def task_result(
     """The finished call's answer as the upstream sent it."""
     caller, rt = api_key(request), runtime_of(request)
     tid = _checked(task_id)
-    fields, _, _ = await rt.queue.fields(caller.user_id, tid)
+    # A result over LARGE inline is left in Redis here (its size instead): a large read,
+    # taken below within a slot, not copied out per request.
+    fields, _, _ = await rt.queue.fields(caller.user_id, tid, result_limit=LARGE)
     status = fields.get("status", "")
     meta = ResultMeta.loads(fields.get("result_meta"))
-    text = fields.get("result")
-    if status not in ("completed", "failed") or (meta is None and text is None):
+    text, omitted = fields.get("result"), fields.get("result_omitted")
+    if status not in ("completed", "failed") or (meta is None and text is None
+                                                  and omitted is None):
         raise ApiError(409, "no_result", f"task {tid!r} is {status} and has no result",
                        task_status=status)
-    size = meta.size if meta else len((text or "").encode())
+    size = meta.size if meta else (int(omitted) if omitted is not None
+                                   else len((text or "").encode()))
     headers = {"X-Queue-Result-Status": fields.get("result_status_code") or "",
                "Accept-Ranges": "bytes", "Cache-Control": "private, no-store", **CONFINED}
     if meta is not None:
@@ -70,6 +75,8 @@ async def task_result(
     code = 206 if span else 200
     if span:
         headers["Content-Range"] = f"bytes {start}-{end - 1}/{size}"
+    if (meta is None or meta.encoding != EXTERNAL) and omitted is not None:
+        return await large_result(rt, caller, tid, fields, (start, end), code, headers, ctype)
     if meta is None or meta.encoding != EXTERNAL:
         body = body_of(text, meta)[start:end]
         return Response(body, code, headers=headers, media_type=ctype)
