@@ -21,6 +21,7 @@ from typing import Any
 from starlette.responses import StreamingResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from app.answer_cache import AnswerCache
 from app.errors import ApiError
 
 log = logging.getLogger(__name__)
@@ -136,14 +137,18 @@ class ClosingStream(StreamingResponse):
 
 
 class HeldStream(ClosingStream):
-    """A streamed answer that holds a read slot until it has ended, however it ends."""
+    """A streamed answer that holds a read slot until it has ended, however it ends, and
+    `pinned`'s answer bytes (app/answer_cache.py) if given: `(cache, key)`."""
 
-    def __init__(self, slots: ReadSlots, key_id: str, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, slots: ReadSlots, key_id: str, *args: Any,
+                 pinned: tuple[AnswerCache, str] | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._slots, self._key_id = slots, key_id
+        self._slots, self._key_id, self._pinned = slots, key_id, pinned
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
             self._slots.give(self._key_id)
+            if self._pinned is not None:
+                self._pinned[0].unpin(self._pinned[1])

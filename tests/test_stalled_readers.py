@@ -6,7 +6,9 @@ progress. Against a `qgw api` process, sockets with a small receive buffer that 
 `inline`: QGW_RESULT_INLINE_BYTES above the answer, so the status JSON and the /events stream
 carry the 8 MB, and /result serves its bytes from Redis (a third of the sockets each);
 `store`: the answer is in the result store and the sockets ask /result. On one Redis: what is
-measured is the API process's memory and sockets."""
+measured is the API process's memory and sockets. Stalled readers of distinct tasks each pin
+their own answer: those share the process's memory budget for large answers
+(app/answer_cache.py), readers beyond it refused."""
 
 from __future__ import annotations
 
@@ -117,3 +119,78 @@ async def test_readers_that_never_read_pin_little_and_are_cut_off(
     assert still_open == 0, f"{still_open} of {SOCKETS} still open after {closed_after:.1f} s"
     assert grown <= MAX_GROWTH, f"grew {grown / 2**20:.1f} MiB"
     assert max(received) < SIZE // 2, received  # cut off, not drained
+
+
+#: Distinct tasks for the budget test, one stalled reader each: three and eight times what the
+#: budget holds (64, the review's figure, set up one after the other in about 15 s). Before the
+#: budget, 24 all got their answer and grew the process 225 MiB; of 64, most were answered 503
+#: (their fills together held Redis past its reply timeout) and the rest stalled.
+TASKS = (24, 64)
+#: Beyond the budget's 64 MiB: the process's own churn, not pinned answers (allocator slack,
+#: the fills' copies freed after them, per-connection state). The one-task test above pins a
+#: single 8 MB answer and grows 28-43 MiB: up to ~35 MiB of that is such churn. Measured
+#: here: 68-83 MiB in all (6 answers of 8 MiB pinned).
+ALLOWANCE = 40 << 20
+
+
+def _answered(sock: socket.socket) -> int:
+    """The status code of what the server has sent so far (0: nothing yet), read without
+    taking it from the socket."""
+    try:
+        head = sock.recv(12, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except BlockingIOError:
+        return 0
+    return int(head[9:12]) if head.startswith(b"HTTP/1.1 ") and len(head) == 12 else 0
+
+
+@pytest.mark.parametrize("settings", ["inline"], indirect=True)
+@pytest.mark.parametrize("tasks", TASKS)
+async def test_stalled_readers_of_distinct_tasks_stay_within_the_memory_budget(
+    gateway: Gateway, upstream: str, start_dispatcher: Callable[[], Awaitable[Runtime]],
+    start_api: StartApi, tasks: int,
+) -> None:
+    """One stalled reader per task, of `tasks` distinct 8 MB tasks, on eight keys of one user
+    (at most eight readers each: the per-key bound out of the way): the answers they pin stay
+    within the process's 64 MiB, the readers beyond it are answered 429 too_many_reads, and the
+    stalled ones are cut off at the deadline. Before the budget, each pinned its own 8 MB
+    answer (the review measured +555 MiB for 64)."""
+    await gateway.add_endpoint("big", f"{upstream}/big", timeout_ms=60_000)
+    keys = [await gateway.new_key() for _ in range(8)]  # 8 each: the per-key bound's default
+    dispatcher = await start_dispatcher()
+    tids = []
+    for _ in range(tasks):  # one at a time: polling them all re-reads megabytes per task
+        task = await gateway.submit(keys[0], f"{upstream}/big",
+                                    headers={"X-Mock-Body-Bytes": [str(SIZE)]})
+        (done,) = await gateway.wait_finished(keys[0], [task["task_id"]], timeout=60)
+        assert done["result_bytes"] == SIZE, done
+        tids.append(task["task_id"])
+    await dispatcher.stop(grace_s=1)
+    base = await start_api()
+    port = int(base.rsplit(":", 1)[1])
+    (api,) = [p for p in psutil.Process().children(recursive=True)
+              if str(port) in p.cmdline()]
+    await asyncio.sleep(1.0)
+    before = api.memory_info().rss
+    started = time.monotonic()
+    paths = [f"/api/v1/tasks/{tid}" + ("/result" if i % 2 else "") for i, tid in enumerate(tids)]
+    sockets = [_stalled(port, keys[i % len(keys)], path) for i, path in enumerate(paths)]
+    grown = 0
+    while not all(codes := [_answered(s) for s in sockets]) and time.monotonic() - started < 10:
+        grown = max(grown, api.memory_info().rss - before)
+        await asyncio.sleep(0.1)
+    stalled = {s.getsockname()[1] for s, code in zip(sockets, codes, strict=True) if code == 200}
+    refused = codes.count(429)
+    while _open_to(api, stalled) and time.monotonic() - started < SEND_TIMEOUT_S + 10:
+        grown = max(grown, api.memory_info().rss - before)
+        await asyncio.sleep(0.1)
+    closed_after = time.monotonic() - started
+    still_open = _open_to(api, stalled)
+    for s in sockets:
+        s.close()
+    print(f"{tasks} stalled readers of distinct 8 MB tasks: {len(stalled)} answered, {refused} "
+          f"refused; the API grew {grown / 2**20:.1f} MiB; the stalled closed after "
+          f"{closed_after:.1f} s (send deadline {SEND_TIMEOUT_S} s)")
+    assert len(stalled) + refused == tasks, codes
+    assert len(stalled) <= MAX_GROWTH // SIZE and refused >= tasks - MAX_GROWTH // SIZE, codes
+    assert still_open == 0, f"{still_open} of {len(stalled)} still open after {closed_after:.1f} s"
+    assert grown <= MAX_GROWTH + ALLOWANCE, f"grew {grown / 2**20:.1f} MiB"

@@ -4,15 +4,16 @@
 a terminal status. Woken by the status events of app/queue/events.py; through a Redis outage
 it keeps the connection open (comment lines), reads again once Redis answers, and so still
 sends the terminal status. A status carrying a large inline result is a large read: sent within
-one of the key's read slots (app/sending.py), or, none freeing within the wait, replaced by
-`event: error` with `too_many_reads` and the end of the stream.
+one of the key's read slots (app/sending.py) and the process's memory budget for large answers
+(app/answer_cache.py), or, neither making room within the wait, replaced by `event: error` with
+`too_many_reads` and the end of the stream.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
-from contextlib import aclosing
+from contextlib import AbstractAsyncContextManager, AsyncExitStack, aclosing
 from functools import partial
 
 from fastapi import APIRouter, Request
@@ -24,7 +25,7 @@ from app.core.keys import endpoint_of
 from app.errors import ApiError
 from app.models import TaskView
 from app.queue.events import TaskEvents
-from app.routes.large import LARGE, encoded, pieces
+from app.routes.large import LARGE, pieces, pinned_answer
 from app.routes.tasks import ERRORS, _checked
 from app.sending import ClosingStream, HeldStream, ReadSlots
 
@@ -45,7 +46,7 @@ async def follow_task(request: Request, task_id: str) -> StreamingResponse:
     read = partial(rt.queue.status, caller.user_id, tid, endpoint, result_limit=LARGE)
     # Unknown, not this caller's, or unavailable: a JSON error, not a stream.
     first = await read()
-    whole = partial(encoded, rt, caller.user_id, endpoint)
+    whole = partial(pinned_answer, rt, caller.user_id, endpoint)
     headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
     if not first.result_left_out:
         # One that ends so later takes its slot when its final event is due (_large_event).
@@ -60,7 +61,8 @@ async def follow_task(request: Request, task_id: str) -> StreamingResponse:
 
 async def _stream(
     events: TaskEvents, task_id: str, read: Callable[[], Awaitable[TaskView]],
-    whole: Callable[[TaskView], Awaitable[bytes]], slot: tuple[ReadSlots, str] | None,
+    whole: Callable[[TaskView], AbstractAsyncContextManager[bytes]],
+    slot: tuple[ReadSlots, str] | None,
 ) -> AsyncIterator[str | bytes | memoryview]:
     """`slot`: the key's read slots, for a large final event; None when one is held already."""
     # The watch is registered before each read it guards, so a change is never missed:
@@ -95,27 +97,39 @@ async def _stream(
                 yield ": keepalive\n\n"
 
 
-async def _large_event(view: TaskView, whole: Callable[[TaskView], Awaitable[bytes]],
+async def _large_event(view: TaskView,
+                       whole: Callable[[TaskView], AbstractAsyncContextManager[bytes]],
                        slot: tuple[ReadSlots, str] | None
                        ) -> AsyncGenerator[bytes | memoryview, None]:
     """`event: status` with a large result, within a read slot (taken here unless `slot` is
-    None); none freeing within the wait: `event: error` with too_many_reads, which ends the
-    stream, as a status read would have been answered 429 (the client reads the task again
-    later, its status or /result)."""
+    None) and the process's memory budget (the answer pinned by `whole`); no room within the
+    wait: `event: error` with too_many_reads, which ends the stream, as a status read would
+    have been answered 429 (the client reads the task again later, its status or /result)."""
     if slot is not None:
         try:
             await slot[0].take(slot[1])
         except ApiError as exc:
-            error = {"code": exc.code, "message": exc.message,
-                     "task_status": view.task_status.value, "retry_after": 1}
-            yield f"event: error\ndata: {json.dumps({'error': error})}\n\n".encode()
+            yield _refused(view, exc)
             return
     try:
-        body = await whole(view)
-        yield b"event: status\ndata: "
-        async for piece in pieces(body):
-            yield piece
-        yield b"\n\n"
+        async with AsyncExitStack() as stack:
+            try:
+                body = await stack.enter_async_context(whole(view))
+            except ApiError as exc:
+                if exc.status != 429:
+                    raise
+                yield _refused(view, exc)
+                return
+            yield b"event: status\ndata: "
+            async for piece in pieces(body):
+                yield piece
+            yield b"\n\n"
     finally:
         if slot is not None:
             slot[0].give(slot[1])
+
+
+def _refused(view: TaskView, exc: ApiError) -> bytes:
+    error = {"code": exc.code, "message": exc.message, "task_status": view.task_status.value,
+             "retry_after": 1}
+    return f"event: error\ndata: {json.dumps({'error': error})}\n\n".encode()

@@ -6,12 +6,15 @@ answer takes one of the key's read slots (QGW_MAX_LARGE_READS_PER_KEY, app/sendi
 encoded once per task and process (app/answer_cache.py) and is sent in CHUNK pieces, so each
 write meets the send deadline on its own and a reader that stops reading pins a piece and the
 socket's buffers, never a copy of the answer. `/result` of such a task is a large read too: its
-decoded bytes are kept the same way (large_result)."""
+decoded bytes are kept the same way (large_result). Each large read pins the answer it sends
+within the process's memory budget (AnswerCache.pin) until its answer has ended: beyond the
+budget, 429 too_many_reads as beyond the key's slots."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 
 from fastapi.responses import JSONResponse, Response
 
@@ -29,6 +32,9 @@ from app.store import ApiKey
 LARGE = 1 << 20
 #: What one write of a large answer sends.
 CHUNK = 256 << 10
+#: While an answer is built, its copies on the way (the reply from Redis, the JSON, the bytes)
+#: take about this many times its size: what its pin holds until the size is known.
+FILLING = 2
 
 
 async def large_answer(rt: Runtime, caller: ApiKey, endpoint: EndpointConfig | None,
@@ -41,16 +47,34 @@ async def large_answer(rt: Runtime, caller: ApiKey, endpoint: EndpointConfig | N
         rt.read_slots.give(caller.id)
         raise
     return HeldStream(rt.read_slots, caller.id, pieces(body), 200, media_type="application/json",
-                      headers={"Content-Length": str(len(body))})
+                      headers={"Content-Length": str(len(body))},
+                      pinned=(rt.answers, view.task_id))
+
+
+@asynccontextmanager
+async def pinned_answer(rt: Runtime, user_id: int, endpoint: EndpointConfig | None,
+                        view: TaskView) -> AsyncIterator[bytes]:
+    """`encoded`'s bytes, pinned while the block runs (an /events stream's final event)."""
+    body = await encoded(rt, user_id, endpoint, view)
+    try:
+        yield body
+    finally:
+        rt.answers.unpin(view.task_id)
 
 
 async def encoded(rt: Runtime, user_id: int, endpoint: EndpointConfig | None,
                   view: TaskView) -> bytes:
     """The status answer of `view`'s task with its result, as JSON bytes: kept ones when the
-    task is as `view` saw it (the caller's own status call checked it is theirs)."""
+    task is as `view` saw it (the caller's own status call checked it is theirs). Pinned
+    under the task's id (429 without room): the caller unpins it once sent."""
     version = _version(view)
-    if (body := rt.answers.get(view.task_id, version)) is not None:
-        return body
+    need = FILLING * (view.result_bytes or LARGE) + CHUNK  # base64 and JSON within FILLING
+    return await _pinned(rt, view.task_id, version, need, lambda: _encode(rt, user_id, endpoint,
+                                                                          view, version))
+
+
+async def _encode(rt: Runtime, user_id: int, endpoint: EndpointConfig | None, view: TaskView,
+                  version: str) -> bytes:
     async with rt.answers.filling(view.task_id):
         if (body := rt.answers.get(view.task_id, version)) is not None:
             return body  # another read built it meanwhile
@@ -76,15 +100,43 @@ async def large_result(rt: Runtime, caller: ApiKey, task_id: str, fields: dict[s
     start, end = span
     headers = {**headers, "Content-Length": str(end - start)}
     return HeldStream(rt.read_slots, caller.id, pieces(memoryview(body)[start:end]), code,
-                      headers=headers, media_type=ctype)
+                      headers=headers, media_type=ctype, pinned=(rt.answers, _kept(task_id)))
 
 
 async def decoded(rt: Runtime, user_id: int, task_id: str, fields: dict[str, str]) -> bytes:
     """The inline result's bytes as the upstream sent them (base64 decoded), kept apart from
-    the task's status answer; read whole from Redis (or SQL) once per task and process."""
-    kept, version = f"{task_id} result", _fields_version(fields)
-    if (body := rt.answers.get(kept, version)) is not None:
-        return body
+    the task's status answer; read whole from Redis (or SQL) once per task and process.
+    Pinned like `encoded`'s, under _kept(task_id)."""
+    version = _fields_version(fields)
+    stored = int(fields.get("result_omitted") or 0) or len(fields.get("result") or "")
+    need = FILLING * (stored or LARGE)  # the stored text and its decoded bytes
+    return await _pinned(rt, _kept(task_id), version, need,
+                         lambda: _decode(rt, user_id, task_id, version))
+
+
+async def _pinned(rt: Runtime, key: str, version: str, need: int,
+                  fill: Callable[[], Awaitable[bytes]]) -> bytes:
+    """The answer kept under `key` for `version`, else `fill`'s; pinned for the caller: the
+    kept one's bytes, or `need` until the filled one's size is known."""
+    answers = rt.answers
+    kept = answers.get(key, version)
+    await answers.pin(key, len(kept) if kept is not None else need)
+    try:
+        body = answers.get(key, version) or await fill()
+    except BaseException:
+        answers.unpin(key)
+        raise
+    answers.settle(key, len(body))
+    return body
+
+
+def _kept(task_id: str) -> str:
+    """Where a task's decoded result is kept, apart from its status answer."""
+    return f"{task_id} result"
+
+
+async def _decode(rt: Runtime, user_id: int, task_id: str, version: str) -> bytes:
+    kept = _kept(task_id)
     async with rt.answers.filling(kept):
         if (body := rt.answers.get(kept, version)) is not None:
             return body
