@@ -82,6 +82,17 @@ def seaweedfs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedFS]:
     server.stop()
 
 
+@pytest.fixture(params=["file", "s3"])
+def store_kind(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """A test's result store kind, run once each: "file", or "s3" with the session's
+    SeaweedFS in the AWS_* variables (of this process, and so of those it starts)."""
+    if request.param == "s3":
+        server: SeaweedFS = request.getfixturevalue("seaweedfs")
+        for name, value in server.env().items():
+            monkeypatch.setenv(name, value)
+    return str(request.param)
+
+
 @pytest.fixture
 def own_redis(tmp_path: Path) -> Iterator[RedisServer]:
     """A Redis of the test's own, for tests that stop and start it again (append-only file

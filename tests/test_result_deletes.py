@@ -31,15 +31,6 @@ NO_SWEEP = {"QGW_RESULT_SWEEP_GRACE_S": "3600"}
 NO_WRITER = {**NO_SWEEP, "QGW_OUTBOX_INTERVAL_MS": "600000"}
 
 
-@pytest.fixture(params=["file", "s3"])
-def store_kind(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    if request.param == "s3":
-        server: SeaweedFS = request.getfixturevalue("seaweedfs")
-        for name, value in server.env().items():
-            monkeypatch.setenv(name, value)
-    return str(request.param)
-
-
 @pytest.fixture
 def settings(settings: Settings, request: pytest.FixtureRequest) -> Settings:
     """Room for a 400 MB answer; a store in SeaweedFS for a test's S3 run (`store_kind`)."""

@@ -56,15 +56,6 @@ async def test_two_dispatchers_at_once_one_sweeps_and_none_again_that_interval(
     assert await second.run_once() == 1 and await _objects(gateway) == []
 
 
-@pytest.fixture(params=["file", "s3"])
-def store_kind(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    if request.param == "s3":
-        server: SeaweedFS = request.getfixturevalue("seaweedfs")
-        for name, value in server.env().items():
-            monkeypatch.setenv(name, value)
-    return str(request.param)
-
-
 @pytest.fixture
 def settings(settings: Settings, store_kind: str) -> Settings:
     if store_kind == "file":
