@@ -348,18 +348,18 @@ async def test_an_endpoint_goes_only_when_idle_and_its_results_reach_sql_first(
 async def test_a_call_that_outlasts_the_pending_ttl_keeps_its_task(
     settings: Settings, upstream: str
 ) -> None:
-    """Claimed 2 s into a 4 s pending TTL (plus 1 s done TTL), the call takes 4 s: the task
-    must still be there to take its result. (The 2 s left are for the dispatcher to start
-    and claim on a loaded host.)"""
-    settings = settings.model_copy(update={"pending_ttl_s": 4, "done_ttl_s": 1})
+    """Claimed 2 s into an 8 s pending TTL (plus 1 s done TTL), the call takes 8 s: the task
+    must still be there to take its result. (The 6 s left are for the dispatcher to start
+    and claim on a loaded host: 2 s were too few for a Cluster at load 8.)"""
+    settings = settings.model_copy(update={"pending_ttl_s": 8, "done_ttl_s": 1})
     async with open_gateway(settings) as gw:
         await gw.add_endpoint("long", f"{upstream}/long", timeout_ms=10_000)
         auth = await gw.new_key(user_id=7)
         tid = (await gw.submit(auth, f"{upstream}/long",
-                               headers={"X-Mock-Latency-Ms": ["4000"]}))["task_id"]
+                               headers={"X-Mock-Latency-Ms": ["8000"]}))["task_id"]
         await asyncio.sleep(2)
         async with run_dispatcher(settings):
-            done = await gw.wait_finished(auth, [tid], timeout=10)
+            done = await gw.wait_finished(auth, [tid], timeout=20)
     assert done[0]["task_status"] == "completed" and done[0]["task_result"]
 
 
