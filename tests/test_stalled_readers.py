@@ -46,6 +46,16 @@ def env(env: dict[str, str], settings: Settings) -> dict[str, str]:
             "QGW_MAX_LARGE_READS_PER_KEY": str(SOCKETS)}  # every socket gets its answer
 
 
+async def _api_process(start_api: StartApi) -> tuple[int, psutil.Process]:
+    """A started `qgw api`: its port and its process, settled (its RSS measured from here)."""
+    base = await start_api()
+    port = int(base.rsplit(":", 1)[1])
+    (api,) = [p for p in psutil.Process().children(recursive=True)
+              if str(port) in p.cmdline()]
+    await asyncio.sleep(1.0)
+    return port, api
+
+
 def _stalled(port: int, auth: dict[str, str], path: str) -> socket.socket:
     """A connection that asks for `path` and never reads: a 4 KiB receive window."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -91,11 +101,7 @@ async def test_readers_that_never_read_pin_little_and_are_cut_off(
     paths = ([f"/api/v1/tasks/{tid}", f"/api/v1/tasks/{tid}/events",
               f"/api/v1/tasks/{tid}/result"] if inline
              else [f"/api/v1/tasks/{tid}/result"])
-    base = await start_api()
-    port = int(base.rsplit(":", 1)[1])
-    (api,) = [p for p in psutil.Process().children(recursive=True)
-              if str(port) in p.cmdline()]
-    await asyncio.sleep(1.0)
+    port, api = await _api_process(start_api)
     before = api.memory_info().rss
     started = time.monotonic()
     sockets = [_stalled(port, auth, paths[i % len(paths)]) for i in range(SOCKETS)]
@@ -165,11 +171,7 @@ async def test_stalled_readers_of_distinct_tasks_stay_within_the_memory_budget(
         assert done["result_bytes"] == SIZE, done
         tids.append(task["task_id"])
     await dispatcher.stop(grace_s=1)
-    base = await start_api()
-    port = int(base.rsplit(":", 1)[1])
-    (api,) = [p for p in psutil.Process().children(recursive=True)
-              if str(port) in p.cmdline()]
-    await asyncio.sleep(1.0)
+    port, api = await _api_process(start_api)
     before = api.memory_info().rss
     started = time.monotonic()
     paths = [f"/api/v1/tasks/{tid}" + ("/result" if i % 2 else "") for i, tid in enumerate(tids)]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from functools import partial
 
 from fastapi.responses import JSONResponse, Response
 
@@ -37,15 +38,22 @@ CHUNK = 256 << 10
 FILLING = 2
 
 
-async def large_answer(rt: Runtime, caller: ApiKey, endpoint: EndpointConfig | None,
-                       view: TaskView) -> Response:
-    """`view` (read with LARGE, its result left out) answered whole, streamed, within a slot."""
-    await rt.read_slots.take(caller.id)  # given back once the answer has ended (HeldStream)
+async def _in_slot(rt: Runtime, caller: ApiKey, build: Callable[[], Awaitable[bytes]]
+                   ) -> bytes:
+    """`build()`'s answer within one of the caller's read slots, which the HeldStream sending
+    it gives back once the answer has ended (here at once if it cannot be built)."""
+    await rt.read_slots.take(caller.id)
     try:
-        body = await encoded(rt, caller.user_id, endpoint, view)
+        return await build()
     except BaseException:
         rt.read_slots.give(caller.id)
         raise
+
+
+async def large_answer(rt: Runtime, caller: ApiKey, endpoint: EndpointConfig | None,
+                       view: TaskView) -> Response:
+    """`view` (read with LARGE, its result left out) answered whole, streamed, within a slot."""
+    body = await _in_slot(rt, caller, partial(encoded, rt, caller.user_id, endpoint, view))
     return HeldStream(rt.read_slots, caller.id, pieces(body), 200, media_type="application/json",
                       headers={"Content-Length": str(len(body))},
                       pinned=(rt.answers, view.task_id))
@@ -91,12 +99,7 @@ async def large_result(rt: Runtime, caller: ApiKey, task_id: str, fields: dict[s
     """`/result` of an inline result over LARGE (`fields` read without it): its decoded
     bytes, kept once per task and process like a status answer, streamed within a slot;
     `span` the range asked for (start, end exclusive)."""
-    await rt.read_slots.take(caller.id)  # given back once the answer has ended (HeldStream)
-    try:
-        body = await decoded(rt, caller.user_id, task_id, fields)
-    except BaseException:
-        rt.read_slots.give(caller.id)
-        raise
+    body = await _in_slot(rt, caller, partial(decoded, rt, caller.user_id, task_id, fields))
     start, end = span
     headers = {**headers, "Content-Length": str(end - start)}
     return HeldStream(rt.read_slots, caller.id, pieces(memoryview(body)[start:end]), code,
