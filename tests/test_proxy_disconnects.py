@@ -193,6 +193,9 @@ async def test_a_stream_settles_its_cost_from_its_usage_event(
         first = await http.post("/proxy/llm/chat/completions", json=stream,
                                 headers={"X-Queue-Cost": "20"})
         assert first.status_code == 200 and '"total_tokens": 7' in first.text
+        # Ended before its caller had the last event: no `processing` after the answer.
+        done = await gateway.status(auth, first.headers["x-queue-task-id"])
+        assert done["task_status"] == "completed", done
         # Its max wait is past the estimate (which takes the recent average cost, 20, for the
         # next admission): it is let in line, and the settled window lets it through at once.
         second = await http.post("/proxy/llm/chat/completions", json=CHAT,

@@ -37,6 +37,7 @@ class RelayResponse(Response):
         self.status_code = answer.status
         self.raw_headers = relayed_headers(answer, call.task_id, call.waited_ms)
         self.background = None
+        self.finished = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         call, answer = self.call, self.answer
@@ -60,7 +61,8 @@ class RelayResponse(Response):
                 why = _failure(exc)
             status = self.status_code
             try:
-                await asyncio.shield(self._finish(why, cost))
+                if not self.finished:
+                    await asyncio.shield(self._finish(why, cost))
             finally:  # the status went out first; `why` says if the body did not follow
                 call.traced(status, why or (f"upstream answered {status}" if status >= 500
                                             else None))
@@ -70,10 +72,21 @@ class RelayResponse(Response):
                     "headers": self.raw_headers})
         async for chunk in self.answer.body():
             cost.feed(chunk)
+            if self.answer.at_end:
+                # The task ends before its caller has the last byte (a Content-Length answer
+                # is whole then): whoever then asks for its status reads it ended, not
+                # still `processing`.
+                await self._finished(cost)
             # uvicorn's send waits while the caller's socket is backed up: the upstream is
             # read no faster than the caller takes it.
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        if not self.finished:  # an empty body, or one that ended with its connection
+            await self._finished(cost)
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _finished(self, cost: CostReader) -> None:
+        self.finished = True
+        await asyncio.shield(self._finish(None, cost))
 
     async def _finish(self, why: str | None, cost: CostReader) -> None:
         call, status = self.call, self.status_code

@@ -86,6 +86,11 @@ class Streamed:
             else:
                 await self._feed()
 
+    @property
+    def at_end(self) -> bool:
+        """The body's last bytes were handed out: nothing more will come."""
+        return self._ended and not self._chunks
+
     def close(self) -> None:
         """Done with it: a connection whose answer was read to its end, that the upstream
         keeps open, goes back to the pool; any other closes, which aborts the call if it was
