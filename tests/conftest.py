@@ -270,8 +270,8 @@ def dispatcher_process(env: dict[str, str]) -> Iterator[Callable[..., subprocess
         return proc
 
     yield start
-    for proc in procs:
-        stop(proc)
+    for proc in procs:  # no grace at the end (10 s by default): the test is over
+        stop(proc, timeout=2)
 
 
 @pytest.fixture

@@ -86,6 +86,7 @@ HAND_BACKS = {
 }
 
 
+@pytest.mark.backends("single")  # a Cluster runs the same scripts: two ways there, below
 @pytest.mark.parametrize("how", list(HAND_BACKS))
 async def test_a_task_handed_back_keeps_its_first_arrival(
     gateway: Gateway, fresh_upstream: str,
@@ -142,6 +143,18 @@ async def test_a_task_handed_back_keeps_its_first_arrival(
     # Served at its bound (give or take a claim on a busy machine), most of the flood after.
     assert served - _ms(low["created_at"]) <= BOUND_S * 1000 + 3000, how
     assert after >= BEHIND // 2, (how, after)
+
+
+@pytest.mark.backends("cluster")
+@pytest.mark.parametrize("how", ["refused", "reaped"])
+async def test_a_task_handed_back_on_a_cluster_keeps_its_first_arrival(
+    gateway: Gateway, fresh_upstream: str,
+    dispatcher_process: Callable[..., subprocess.Popen[bytes]], how: str,
+) -> None:
+    """The same on a Cluster, for a pause of the upstream's and for a reaper's hand-back
+    (each way is 18 s of the suite; all six run on one Redis)."""
+    await test_a_task_handed_back_keeps_its_first_arrival(
+        gateway, fresh_upstream, dispatcher_process, how)
 
 
 async def _dispatchers(gateway: Gateway, n: int) -> None:
