@@ -25,13 +25,24 @@ async def _row(gateway: Gateway, endpoint: str) -> dict[str, Any]:
     return row
 
 
-@pytest.mark.parametrize("concurrency", ["adaptive", "fixed"])
 async def test_the_cap_learns_what_the_upstream_takes(
-    gateway: Gateway, dispatcher_process: Spawn, concurrency: str,
+    gateway: Gateway, dispatcher_process: Spawn,
 ) -> None:
     """An upstream that takes 4 calls at once (429 past that) behind a cap of at most 30, two
     dispatchers: adaptive, few calls are refused and the learnt limit shows in the admin view
-    and /metrics; fixed at 30, most are."""
+    and /metrics."""
+    await _learn(gateway, dispatcher_process, "adaptive")
+
+
+@pytest.mark.backends("single")  # the control: what the cap learns in the test above
+async def test_a_fixed_cap_of_30_has_most_calls_refused(
+    gateway: Gateway, dispatcher_process: Spawn,
+) -> None:
+    """The same fixed at 30: most calls are refused, and no learnt limit shows."""
+    await _learn(gateway, dispatcher_process, "fixed")
+
+
+async def _learn(gateway: Gateway, dispatcher_process: Spawn, concurrency: str) -> None:
     with mock_upstream("--concurrency", "4", "--latency-ms", "100") as base:
         url = f"{base}/learn"
         await gateway.add_endpoint("learn", url, concurrency=concurrency, max_concurrency=30,

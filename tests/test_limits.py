@@ -53,6 +53,7 @@ async def _two_dispatchers(start_dispatcher: StartDispatcher) -> None:
         await start_dispatcher()
 
 
+@pytest.mark.backends("cluster")  # 22 s a run: the Cluster, which has most to get wrong
 async def test_several_limits_hold_together_across_two_dispatchers(
     gateway: Gateway, fresh_upstream: str,
     dispatcher_process: Callable[..., subprocess.Popen[bytes]],
@@ -308,6 +309,7 @@ async def test_an_edit_of_a_limit_resets_its_pacing(
     assert await gateway.rt.redis.exists(pace) == 0 or await gateway.rt.redis.pttl(pace) < 5000
 
 
+@pytest.mark.backends("cluster")  # 22 s a run: the Cluster, which has most to get wrong
 async def test_an_under_declared_cost_does_not_overrun_the_limit(
     gateway: Gateway, fresh_upstream: str, start_dispatcher: StartDispatcher,
 ) -> None:
