@@ -121,14 +121,16 @@ class ApiKeyCreate(StrictInput):
         return urls
 
 
+WAIT_TIME = ("estimated whole seconds until the task starts, rounded up; null (unknown) while "
+             "its endpoint is paused by its operator")
+
+
 class SubmitResponse(BaseModel):
     task_id: str
     task_status: TaskStatus
     created_at: str | None
     wait_num: int
-    # Estimated whole seconds until it starts, rounded up; None (unknown) while the endpoint is
-    # paused by its operator (docs/api.md).
-    wait_time: int | None = 0
+    wait_time: int | None = Field(0, description=WAIT_TIME)
 
 
 class Permit(BaseModel):
@@ -142,7 +144,7 @@ class TaskView(BaseModel):
     task_status: TaskStatus
     task_result: str | None = None
     wait_num: int = 0
-    wait_time: int | None = 0  # whole seconds (go-zero clients: int64); None while paused
+    wait_time: int | None = Field(0, description=WAIT_TIME)  # go-zero clients: int64
     created_at: str | None = None
     started_at: str | None = None
     ended_at: str | None = None

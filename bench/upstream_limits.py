@@ -13,7 +13,8 @@ with `honor_upstream_limits` true (each style) and false, in the same run.  Repo
   goodput  2xx per window over the steady part (every window between the first and the last
            one that served any call, both excluded: the backlog starts and ends inside them) /
            HIDDEN: 1.00 is the whole hidden limit used (target >= 0.95)
-  429      share of the calls the upstream received that it answered 429 (target <= 2%)
+  429      share of the calls the upstream received that it answered 429 (target <= 1% when
+           the x-ratelimit-* counts are sent)
   failed   tasks that ran out of retries (every 429 was a wasted attempt)
 Loopback only; bounded (each run is cut off after RUN_LIMIT_S).
 Run: .venv/bin/python bench/upstream_limits.py [--tasks 400]
