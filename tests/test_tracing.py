@@ -6,6 +6,7 @@ OTEL_* endpoint), the SDK is not even imported."""
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import subprocess
 import sys
@@ -104,19 +105,32 @@ def _wait(check: Callable[[], bool], timeout: float = 20) -> None:
         time.sleep(0.1)
 
 
-def test_one_trace_per_task_across_api_and_dispatcher(
-    env: dict[str, str], receiver: Receiver, fresh_upstream: str,
-    dispatcher_process: Callable[..., subprocess.Popen[bytes]],
-) -> None:
+@contextlib.contextmanager
+def _traced(env: dict[str, str], receiver: Receiver,
+            dispatcher_process: Callable[..., subprocess.Popen[bytes]],
+            **otel_env: str) -> Iterator[tuple[str, dict[str, str]]]:
+    """`qgw api` and `qgw dispatcher` exporting to the receiver: the API's base URL and the
+    admin headers. Both stop on the way out (the dispatcher first), which flushes their spans."""
     otel = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.url, "OTEL_BSP_SCHEDULE_DELAY": "100",
-            "OTEL_SERVICE_NAME": "qgw-test"}
+            **otel_env}
     port = free_port()
     api = subprocess.Popen([*QGW, "api", "--port", str(port)], env={**env, **otel},
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_port(port, 30, api)
         dispatcher = dispatcher_process(**otel)
-        base, admin = f"http://127.0.0.1:{port}", {"Authorization": f"Bearer {ADMIN}"}
+        yield f"http://127.0.0.1:{port}", {"Authorization": f"Bearer {ADMIN}"}
+        stop(dispatcher)
+    finally:
+        stop(api)
+
+
+def test_one_trace_per_task_across_api_and_dispatcher(
+    env: dict[str, str], receiver: Receiver, fresh_upstream: str,
+    dispatcher_process: Callable[..., subprocess.Popen[bytes]],
+) -> None:
+    with _traced(env, receiver, dispatcher_process, OTEL_SERVICE_NAME="qgw-test") as (
+            base, admin):
         target = f"{fresh_upstream}/traced"
         assert httpx.post(f"{base}/admin/v1/endpoints", headers=admin, json={
             "id": "traced", "target_url": target}).status_code == 201
@@ -134,9 +148,6 @@ def test_one_trace_per_task_across_api_and_dispatcher(
             assert httpx.get(f"{base}/api/v1/tasks/{tid}", headers=auth
                              ).json()["task_status"] == "completed"
         called = {c["idempotency_key"]: c["headers"] for c in mock_log(fresh_upstream)}
-        stop(dispatcher)
-    finally:
-        stop(api)
 
     by_task = {tid: [s for s in receiver.spans if s.attributes.get("qgw.task_id") == tid]
                for tid in (joined, alone)}
@@ -177,14 +188,7 @@ def test_a_proxied_request_is_one_proxy_span_under_the_callers_trace(
     """The whole relay (its wait in line, the call, the answer to its last byte) is one `proxy`
     span of the API process, the caller's `traceparent` its parent; the upstream is called
     with the proxy span's context, not the caller's."""
-    otel = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.url, "OTEL_BSP_SCHEDULE_DELAY": "100"}
-    port = free_port()
-    api = subprocess.Popen([*QGW, "api", "--port", str(port)], env={**env, **otel},
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        wait_port(port, 30, api)
-        dispatcher = dispatcher_process(**otel)
-        base, admin = f"http://127.0.0.1:{port}", {"Authorization": f"Bearer {ADMIN}"}
+    with _traced(env, receiver, dispatcher_process) as (base, admin):
         assert httpx.post(f"{base}/admin/v1/endpoints", headers=admin, json={
             "id": "relayed", "target_url": f"{fresh_upstream}/v1", "proxy": True,
             "forward_headers": ["X-Mock-Latency-Ms"]}).status_code == 201
@@ -200,9 +204,6 @@ def test_a_proxied_request_is_one_proxy_span_under_the_callers_trace(
         assert r.status_code == 200, r.text
         tid = r.headers["x-queue-task-id"]
         (called,) = [c for c in mock_log(fresh_upstream) if c["idempotency_key"] == tid]
-        stop(dispatcher)
-    finally:
-        stop(api)
     _wait(lambda: any(s.name == "proxy" for s in receiver.spans))
 
     (span,) = [s for s in receiver.spans if s.name == "proxy"]
@@ -217,7 +218,7 @@ def test_a_proxied_request_is_one_proxy_span_under_the_callers_trace(
     assert a["server.address"] == "127.0.0.1" and "error.type" not in a
     assert a["qgw.waited_ms"] >= 0
     # The whole relay: from within the caller's request, the upstream's 200 ms inside it, to
-    # the task's end written after the answer's last byte went out.
+    # the end of the relay, after the answer's last byte went out.
     assert started <= span.start_ns <= ended
     assert span.end_ns - span.start_ns >= 200_000_000
     headers = called["headers"]

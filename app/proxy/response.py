@@ -37,7 +37,7 @@ class RelayResponse(Response):
         self.status_code = answer.status
         self.raw_headers = relayed_headers(answer, call.task_id, call.waited_ms)
         self.background = None
-        self.finished = False
+        self.ended = False  # the task: once, by the pump before the last bytes, or at the end
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         call, answer = self.call, self.answer
@@ -61,8 +61,7 @@ class RelayResponse(Response):
                 why = _failure(exc)
             status = self.status_code
             try:
-                if not self.finished:
-                    await asyncio.shield(self._finish(why, cost))
+                await asyncio.shield(self._finish(why, cost))
             finally:  # the status went out first; `why` says if the body did not follow
                 call.traced(status, why or (f"upstream answered {status}" if status >= 500
                                             else None))
@@ -76,19 +75,18 @@ class RelayResponse(Response):
                 # The task ends before its caller has the last byte (a Content-Length answer
                 # is whole then): whoever then asks for its status reads it ended, not
                 # still `processing`.
-                await self._finished(cost)
+                await asyncio.shield(self._finish(None, cost))
             # uvicorn's send waits while the caller's socket is backed up: the upstream is
             # read no faster than the caller takes it.
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        if not self.finished:  # an empty body, or one that ended with its connection
-            await self._finished(cost)
+        # An empty body, or one that ended with its connection: ended here, if not above.
+        await asyncio.shield(self._finish(None, cost))
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
-    async def _finished(self, cost: CostReader) -> None:
-        self.finished = True
-        await asyncio.shield(self._finish(None, cost))
-
     async def _finish(self, why: str | None, cost: CostReader) -> None:
+        if self.ended:
+            return
+        self.ended = True
         call, status = self.call, self.status_code
         exec_ms = (time.monotonic() - call.call_started) * 1000
         ok = why is None and 200 <= status < 300
