@@ -23,7 +23,11 @@ real costs (cost_from): a per-cost admission then reserves at least what the cal
 really cost of late (the acks' moving average in Keys.real_costs, costs.lua: its key comes after
 the limits' keys and the arrival index), and the whole rate while that is unknown, so a caller who declares less than it spends cannot overrun the limit with
 calls admitted before their acks settle them. The amount reserved is written to the task's
-`cost`, which its settle reads.
+`cost`, which its settle reads. Last, optionally, `only`: a task id, for the API process that
+submitted it first in line (submit-11.lua's ARGV[13], a proxied request) and claims it itself,
+N = 1: claimed only if it is the first the rules would claim; whenever the run leaves work to
+the dispatchers (another first, limited, full, more behind it) it sets the wake marker the
+submit did not.
 An endpoint its upstream paused (upstream.lua) is 'limited' until then, then claims one probe;
 one whose upstream said how many calls remain before its reset (budget-2.lua) claims no more
 than that until then.
@@ -47,13 +51,19 @@ Task hashes of ids read here are built from ARGV[8] (prefix), same hash tag.
 --@include adaptive.lua
 --@include costs.lua
 
+local nlim = tonumber(ARGV[12]) or 0
+local only = ARGV[16 + 5 * nlim]
+if only == '' then only = nil end
+-- Sent with its submit whatever its place (one round trip): not first in line, the submit
+-- woke the dispatchers, and this run has nothing to do.
+if only and redis.call('ZRANK', KEYS[1], only) ~= 0 then return {'more', 0, 0} end
+
 redis.call('ZREM', KEYS[5], ARGV[1])  -- this attempt consumes any scheduled retry
 
 local endpoint, n, cap = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
 local lease, kind, rate, interval = tonumber(ARGV[4]), ARGV[5], tonumber(ARGV[6]), tonumber(ARGV[7])
 local prefix, token_prefix, permit_ttl = ARGV[8], ARGV[9], tonumber(ARGV[10])
 local guard = tonumber(ARGV[11])
-local nlim = tonumber(ARGV[12]) or 0
 local bound = tonumber(ARGV[13 + 5 * nlim]) or 0  -- starvation.lua
 local arrivals = bound > 0 and KEYS[13 + 2 * nlim] or nil  -- then costs.lua's key
 local min_cap = tonumber(ARGV[14 + 5 * nlim]) or 0  -- adaptive.lua
@@ -131,6 +141,7 @@ while true do
     end
     id, h = heads[h], h + 1
   end
+  if only and id ~= only then break end  -- another goes first: the dispatchers' (see below)
   local task = prefix .. id
   local tf = redis.call('HMGET', task, 'type', 'pexp', 'cost', 'dl', 'attempts', 'created_at',
     'user_id')
@@ -197,6 +208,15 @@ if claimed > 0 then
   redis.call('HSET', stats, 'last_admit', now)  -- when the limiter admits next (estimate_wait)
   redis.call('HINCRBY', stats, 'admitted', claimed)
   stats_tick(stats, 'admitted', now, claimed)
+end
+if only then
+  -- Its own task claimed and nothing behind it: no dispatcher needed. Anything else is theirs,
+  -- as if the submit had woken them (a limited endpoint's wait is then timed by their claim).
+  if claimed > 0 and out[1] == 'more' and redis.call('ZCARD', KEYS[1]) == 0 then
+    out[1] = 'empty'
+  elseif not (claimed > 0 and out[1] == 'empty') then
+    redis.call('ZADD', KEYS[4], 'NX', now, endpoint)
+  end
 end
 -- The line emptied under further limits: when the next task would be admitted, for the next
 -- submit's estimate (estimate_wait reads `limited_until`, as after a refusal). Once a burst.

@@ -24,7 +24,11 @@ ARGV[11] '' (fairness fifo) or the submitting user's id (fairness per_user: the 
          "<user id>/<weight>" (fairness weighted: turns of 1/weight)
 ARGV[12] the task's cost, for the average the wait estimate counts tasks ahead at ('' = the
          endpoint has no per-cost limit: nothing kept)
-ARGV[13..] field, value pairs
+ARGV[13] '1' when the submitting process claims the task itself should it be first in line
+         (a proxied request, app/proxy/relay.py): no wake marker then, which would send a
+         dispatcher's claim after the same task; claim-12.lua's `only` sets one whenever
+         that claim leaves work for the dispatchers
+ARGV[14..] field, value pairs
 The task is pending until `pexp` (now + pending TTL; then lua/expire-5.lua or the claim expires
 it), and its hash lives a done TTL longer, so its status can still say `expired`.
 Returns {'ok', task id, rank, created_at} | {'dup', first task id} | {'full'} |
@@ -64,7 +68,7 @@ else
 end
 
 redis.call('HSET', KEYS[2], 'status', 'pending', 'created_at', now, 'score', score,
-  'attempts', 0, 'pexp', now + pending_ttl, unpack(ARGV, 13))
+  'attempts', 0, 'pexp', now + pending_ttl, unpack(ARGV, 14))
 redis.call('PEXPIRE', KEYS[2], pending_ttl + tonumber(ARGV[9]))
 redis.call('ZADD', KEYS[1], score, ARGV[1])
 local arrivals = unpack(KEYS, 12)  -- the optional tail: a starvation-bound endpoint's index
@@ -78,7 +82,8 @@ if ARGV[10] == '1' or ARGV[11] ~= '' then
   redis.call('ZADD', KEYS[8], now + pending_ttl, ARGV[1])
   redis.call('HSET', KEYS[2], 'dl', 1)  -- the claim takes it off the set only when marked
 end
-redis.call('ZADD', KEYS[4], 'NX', now, ARGV[2])
+local rank = redis.call('ZRANK', KEYS[1], ARGV[1])
+if ARGV[13] ~= '1' or rank > 0 then redis.call('ZADD', KEYS[4], 'NX', now, ARGV[2]) end
 redis.call('HINCRBY', KEYS[9], 'submitted', 1)
 if ARGV[12] ~= '' then stats_ema(KEYS[9], 'cost_avg', tonumber(ARGV[12])) end
 if ARGV[6] == '1' then
@@ -91,4 +96,4 @@ end
 local m = redis.call('HMGET', KEYS[9], 'exec_ms', 'slot_ms', 'last_admit', 'upause',
   'limited_until', 'cost_avg', 'alimit')
 local measured = {m[1], m[2], redis.call('ZCARD', KEYS[10]), m[3], m[4], now, m[5], m[6], m[7]}
-return {'ok', ARGV[1], redis.call('ZRANK', KEYS[1], ARGV[1]), now, measured}
+return {'ok', ARGV[1], rank, now, measured}

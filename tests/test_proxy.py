@@ -129,8 +129,10 @@ async def test_key_consumed_headers_forwarded_and_paths_kept_under_target(
 async def test_max_wait_ends_in_503_with_retry_after(
     gateway: Gateway, llm: str, start_api: StartApi
 ) -> None:
-    auth = await proxied(gateway, llm)
-    base = await start_api()  # no dispatcher: nothing is admitted
+    # Paused by its operator: nothing is admitted (with no dispatcher either, the API process
+    # admits a request first in line itself).
+    auth = await proxied(gateway, llm, paused=True)
+    base = await start_api()
     async with httpx.AsyncClient(base_url=base, headers=auth, timeout=30) as http:
         r = await http.post("/proxy/llm/chat/completions", json=CHAT,
                             headers={"X-Queue-Max-Wait": "0.5"})
@@ -140,6 +142,36 @@ async def test_max_wait_ends_in_503_with_retry_after(
     assert mock_log(llm) == []
 
 
+
+
+@pytest.mark.backends("single", "cluster")
+async def test_first_in_line_is_admitted_by_its_api_process_under_the_same_rules(
+    gateway: Gateway, llm: str, start_api: StartApi
+) -> None:
+    """No dispatcher runs. A request first in line is claimed by the API process holding it
+    (one round trip rather than a dispatcher's wake, claim and event), by the rules a
+    dispatcher's claim follows: a limit of 2 a minute (paced: one each 30 s) admits the
+    first; the next is refused by it, and its claim leaves the line to the dispatchers (the
+    wake marker its submit did not set): it waits, and is never called."""
+    auth = await proxied(gateway, llm, rate=2, interval_ms=60_000)
+    base = await start_api()
+    k, redis = gateway.rt.keys, gateway.rt.redis
+    async with httpx.AsyncClient(base_url=base, headers=auth, timeout=30) as http:
+        r = await http.post("/proxy/llm/chat/completions", json=CHAT)
+        assert r.status_code == 200, r.text
+        assert await redis.zscore(k.wake("llm"), "llm") is None  # no dispatcher needed
+        second = asyncio.ensure_future(http.post("/proxy/llm/chat/completions", json=CHAT))
+        for _ in range(100):
+            if await redis.zscore(k.wake("llm"), "llm") is not None:
+                break
+            await asyncio.sleep(0.05)
+        else:
+            raise AssertionError("the refused claim set no wake marker")
+        stats = await redis.hgetall(k.stats("llm"))
+        assert int(stats["admitted"]) == 1 and int(stats["limited"]) == 1, stats
+        assert not second.done()
+        second.cancel()
+    assert len(mock_log(llm)) == 1
 
 
 async def test_upstream_connections_are_kept_for_the_next_call(

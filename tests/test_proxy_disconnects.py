@@ -49,8 +49,10 @@ async def until(check: Any, timeout: float = 10) -> Any:
 async def test_caller_gone_while_waiting_cancels_its_task(
     gateway: Gateway, llm: str, start_api: StartApi, start_dispatcher: StartDispatcher
 ) -> None:
-    auth = await proxied(gateway, llm)
-    base = await start_api()  # no dispatcher yet: the request waits in line
+    # Paused, no dispatcher: the request waits in line (first in line, its API process would
+    # admit it itself).
+    auth = await proxied(gateway, llm, paused=True)
+    base = await start_api()
     host, port = base.removeprefix("http://").split(":")
     _, writer = await asyncio.open_connection(host, int(port))
     writer.write(f"POST /proxy/llm/chat/completions HTTP/1.1\r\nHost: {host}\r\n"
@@ -60,6 +62,9 @@ async def test_caller_gone_while_waiting_cancels_its_task(
     (pending,) = await until(lambda: tasks_of(gateway, "pending"), timeout=30)
     writer.close()
     await until(lambda: tasks_of(gateway, "cancelled"), timeout=3)
+    r = await gateway.http.patch("/admin/v1/endpoints/llm", headers=gateway.admin,
+                                 json={"paused": False})
+    assert r.status_code == 200, r.text
     await start_dispatcher()
     await asyncio.sleep(1)
     assert mock_log(llm) == []  # never called
@@ -205,3 +210,24 @@ async def test_a_stream_settles_its_cost_from_its_usage_event(
         third = await http.post("/proxy/llm/chat/completions", json=CHAT,
                                 headers={"X-Queue-Cost": "1", "X-Queue-Max-Wait": "2"})
         assert third.status_code == 503  # 7 + 13 spent (the JSON answer kept its estimate)
+
+
+async def test_a_stream_longer_than_its_lease_keeps_it(
+    gateway: Gateway, llm: str, start_api: StartApi, start_dispatcher: StartDispatcher
+) -> None:
+    """The lease (3 s here) is renewed while the answer streams, first a third of it in: a
+    stream of 4.5 s ends completed with every event relayed, though a dispatcher's reaper,
+    which fails a proxied task whose lease lapsed, runs all along."""
+    auth = await proxied(gateway, llm)
+    await start_dispatcher()
+    base = await start_api()
+    httpx.post(f"{llm}/_mock/config", json={"chunks": 45, "chunk_ms": 100}).raise_for_status()
+    async with httpx.AsyncClient(base_url=base, headers=auth, timeout=30) as http:
+        async with http.stream("POST", "/proxy/llm/chat/completions",
+                               json={**CHAT, "stream": True}) as r:
+            assert r.status_code == 200
+            task_id = r.headers["x-queue-task-id"]
+            events = [line async for line in r.aiter_lines() if line.startswith("data:")]
+    assert len(events) == 1 + 45 + 1 + 1 and events[-1] == "data: [DONE]"  # role, tokens, stop
+    view = await gateway.status(auth, task_id)
+    assert view["task_status"] == "completed", view

@@ -158,6 +158,12 @@ class AutoPipeline:
             self._write(self._conn)
         return futs
 
+    def execute_now(self, *args: Any) -> tuple[asyncio.Future[Any], bool]:
+        """`execute`, written now if a connection is held: True when it was (its bytes are
+        in the socket, ahead of anything this process writes anywhere after)."""
+        (fut,) = self.execute_many([args])
+        return fut, not any(f is fut for _, f in self._waiting)
+
     def _flush(self) -> None:
         self._flushing = False
         if self._conn is not None:

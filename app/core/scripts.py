@@ -67,6 +67,23 @@ class Lua:
         except NoScriptError:
             return await self._script(keys=keys, args=args)
 
+    def send(self, keys: Sequence[Any] = (), args: Sequence[Any] = ()
+             ) -> tuple[Awaitable[Any], bool]:
+        """The call, and whether it has been written to Redis already (on one Redis with a
+        connection held): what a caller does next then reaches Redis after it, without
+        waiting for its reply. Otherwise it goes when awaited, as a plain call."""
+        if self._batched is None:
+            return self(keys, args), False
+        fut, written = self._batched.execute_now(*self._evalsha(keys, args))
+        return self._reloading(fut, keys, args), written
+
+    async def _reloading(self, fut: Awaitable[Any], keys: Sequence[Any], args: Sequence[Any]
+                         ) -> Any:
+        try:
+            return await fut
+        except NoScriptError:
+            return await self._script(keys=keys, args=args)
+
     async def repeatable(self, keys: Sequence[Any] = (), args: Sequence[Any] = ()) -> Any:
         """A call that is safe to run twice (it reads, or writes again what it wrote): sent
         once more after its connection was lost. The client never re-sends on its own

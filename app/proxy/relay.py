@@ -1,8 +1,12 @@
 """A proxied request's way through the line: submitted as a task of type `proxy` (the online
-path: same priority, fairness, limits, cap, pauses, quotas), admitted by a dispatcher's claim,
-which this process hears as a status event (no polling); then this process makes the call, renews
-the lease while the answer streams, and finishes the task through the ack script (settling the
-cost, counting the stats) like a dispatcher finishes a queued call.
+path: same priority, fairness, limits, cap, pauses, quotas). Its own claim (claim-12.lua `only`)
+goes with the submit, in its round trip: when the rules a dispatcher's claim follows admit it
+first, it is admitted there and then (not a dispatcher's wake, its claim, a status event and a
+read later). Otherwise a dispatcher's claim admits it, which this process
+hears as a status event (no polling). Then this process makes the call, renews the lease while
+the answer streams, and finishes the task through the ack script (settling the cost, counting
+the stats) like a dispatcher finishes a queued call: written to Redis before the answer's last
+bytes go to the caller, its reply read after.
 
 The lease is what a process killed mid-stream leaves behind: the reaper ends the task `failed`
 ("caller connection lost", lua/reap-7.lua) when it lapses, and never runs it again.
@@ -14,8 +18,9 @@ import asyncio
 import contextlib
 import logging
 import math
+import os
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,12 +33,12 @@ from app.errors import ApiError
 from app.models import SubmitRequest, SubmitResponse
 from app.proxy.stream import Streamed, open_call
 from app.queue.acks import ACK_KEYS
-from app.queue.claims import ack_cost_keys, settle_limits
-from app.queue.events import Watch
+from app.queue.claims import CLAIM_FIELDS, ack_cost_keys, claim_args, claim_keys, settle_limits
 from app.queue.fairness import starvation_keys
 from app.queue.http1 import BadAnswer
 from app.queue.ids import new_task_id
 from app.queue.signals import pause_s
+from app.queue.tasks import Followup
 from app.ratelimit.sent import sliding_logs
 from app.runtime import Runtime
 from app.store import ApiKey
@@ -68,8 +73,7 @@ class ProxyCall:
     spent: int = 1  # what that admission spent of per-cost limits (the task's `cost`)
     call_started: float = 0.0
     _renewing: asyncio.Task[None] | None = None
-    _first: contextlib.ExitStack | None = None  # the watch made before the submit
-    _first_watch: Watch | None = None
+    _renewal_due: asyncio.TimerHandle | None = None  # before the first renewal (no task yet)
     trace: tracing.ProxyTrace | None = None  # its `proxy` span, when tracing is on
     lease_lost: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -84,46 +88,67 @@ class ProxyCall:
     # -- in line -----------------------------------------------------------------------------
 
     async def submit(self) -> None:
+        """Into the line; claimed at once, in the submit's own round trip, when the rules a
+        dispatcher's claim follows admit it first (its lease token is then set)."""
         req = SubmitRequest.model_construct(
             target_url=self.url, http_method=self.method, body="", priority=self.priority,
             timestamp=None, task_type="proxy", headers={}, query_params={}, callback_url=None,
             cost=self.cost, max_wait_s=max(1, math.ceil(self.max_wait_s)))
-        # Watched from before it exists, so its first change (the admission, mostly) is heard
-        # without a read of its status after the submit (app/queue/events.py: a subscription
-        # not yet confirmed wakes every watch once it is).
         self.task_id = new_task_id(self.endpoint.id)
-        self._first = contextlib.ExitStack()
-        self._first_watch = self._first.enter_context(self.rt.events.watch(self.task_id))
-        try:
-            # No estimate read before the submit (a round trip and a fifth of the request's
-            # CPU): the submit's answer says how long the wait looks; one too long withdraws.
-            res = await self.rt.queue.submit(self.caller, self.endpoint, req, self.idem_key,
-                                             precheck=False, task_id=self.task_id)
-            if not isinstance(res, SubmitResponse):  # a repeated Idempotency-Key
-                raise ApiError(409, "duplicate_request", f"this Idempotency-Key made task "
-                               f"{res!r}; a proxied request is answered once, on its own "
-                               "connection", task_id=res)
-            if res.wait_time is not None and req.max_wait_s and res.wait_time > req.max_wait_s:
-                await self.withdraw()
-                raise _too_long(self.max_wait_s, res.wait_time)
-        except BaseException:
-            self._first.close()
-            self._first = None
-            raise
+        own = None if self.endpoint.paused else self._own_claim()
+        # No estimate read before the submit (a round trip and a fifth of the request's
+        # CPU): the submit's answer says how long the wait looks; one too long withdraws.
+        asked = asyncio.get_running_loop().time()
+        res = await self.rt.queue.submit(self.caller, self.endpoint, req, self.idem_key,
+                                         precheck=False, task_id=self.task_id, then=own)
+        if not isinstance(res, SubmitResponse):  # a repeated Idempotency-Key
+            raise ApiError(409, "duplicate_request", f"this Idempotency-Key made task "
+                           f"{res!r}; a proxied request is answered once, on its own "
+                           "connection", task_id=res)
+        if own is not None and await self._claimed(own.reply, asked):
+            return
+        if res.wait_time is not None and req.max_wait_s and res.wait_time > req.max_wait_s:
+            await self.withdraw()
+            raise _too_long(self.max_wait_s, res.wait_time)
+
+    def _own_claim(self) -> Followup:
+        """claim-12.lua for this one task (`only`): it claims it if it is the first the
+        dispatchers' claim would; otherwise it changes nothing, or, when it leaves work to
+        them, sets the wake marker the submit did not."""
+        ep, s, k = self.endpoint, self.rt.settings, self.keys
+        return Followup(self.rt.queue.scripts.claim, claim_keys(k, ep), claim_args(
+            k, ep, 1, f"proxy.{os.urandom(8).hex()}", s.lease_ms, s.rate_guard_ms,
+            only=self.task_id))
+
+    async def _claimed(self, reply: Any, asked: float) -> bool:
+        """Whether its own claim admitted it."""
+        if isinstance(reply, BaseException):
+            log.warning("could not claim its own task: %s; a dispatcher will", reply,
+                        extra=self._extra())
+            # The submit may have woken no dispatcher: wake one.
+            with contextlib.suppress(RedisError, OSError):
+                await self.rt.redis.zadd(self.keys.wake(self.endpoint.id),
+                                         {self.endpoint.id: 0}, nx=True)
+            return False
+        if not isinstance(reply, list) or len(reply) < 3 + CLAIM_FIELDS \
+                or reply[3] != self.task_id:
+            return False
+        self.admitted_at, self.spent = asked, int(reply[3 + CLAIM_FIELDS - 1])
+        self._admit(str(reply[4]))
+        return True
 
     async def wait_turn(self) -> None:
         """Until a claim admits the task: its lease token is then ours to call with."""
+        if self.token:  # claimed with its submit
+            return
         deadline = self.arrived + self.max_wait_s
-        stack, w, read = self._first, self._first_watch, False  # just submitted: pending
-        self._first = None
-        if stack is None or w is None:  # back in line after a pause: as it is now
-            stack, read = contextlib.ExitStack(), True
-            w = stack.enter_context(self.rt.events.watch(self.task_id))
-        with stack:
+        # Watched only now, when it has to wait: one admitted with its submit (most, while
+        # the line is short) makes this process hear none of its endpoint's events. Read once
+        # watched, so an admission since the submit is not missed.
+        with self.rt.events.watch(self.task_id) as w:
             while True:
-                if read and await self._admitted():
+                if await self._admitted():
                     return
-                read = True
                 left = deadline - time.monotonic()
                 if left <= 0:
                     await self._give_up()
@@ -140,16 +165,21 @@ class ProxyCall:
         waits; raises when it ended meanwhile."""
         status, token = await self._state()
         if status == "processing" and token:
-            self.token, self.admitted = token, time.monotonic()
-            if self.trace is not None:
-                self.trace.task(self.task_id, self.waited_ms)
-            self._renewing = asyncio.create_task(self._renew())
+            self._admit(token)
             return True
         if status != "pending":  # expired (its max wait), cancelled by an operator
             raise _too_long(self.max_wait_s, None) if status == "expired" else ApiError(
                 409, "task_not_pending", f"the request's task is {status}",
                 task_id=self.task_id)
         return False
+
+    def _admit(self, token: str) -> None:
+        self.token, self.admitted = token, time.monotonic()
+        if self.trace is not None:
+            self.trace.task(self.task_id, self.waited_ms)
+        # A timer, not a task, until the first renewal is due: most calls end before it.
+        self._renewal_due = asyncio.get_running_loop().call_later(
+            self.rt.settings.lease_ms / 3000, self._start_renewing)
 
     async def _state(self) -> tuple[str | None, str | None]:
         """The task's status and lease token; once admitted, when that was (turn-1.lua)."""
@@ -181,23 +211,27 @@ class ProxyCall:
 
     # -- the lease ---------------------------------------------------------------------------
 
+    def _start_renewing(self) -> None:
+        self._renewal_due = None
+        self._renewing = asyncio.create_task(self._renew())
+
     async def _renew(self) -> None:
-        """Keep the lease while the call is on; a lost lease (an operator's cancel, a Redis
-        that lost it) aborts the call."""
+        """Keep the lease while the call is on (renewed a third of it in, then each third); a
+        lost lease (an operator's cancel, a Redis that lost it) aborts the call."""
         lease_ms = self.rt.settings.lease_ms
         k, e = self.keys, self.endpoint.id
         while True:
-            await asyncio.sleep(lease_ms / 3000)
             try:
                 res = await self.rt.queue.scripts.extend(
                     keys=[k.active(e), k.task(self.task_id)],
                     args=[self.task_id, self.token, lease_ms])
             except (RedisError, OSError) as exc:
                 log.warning("lease renewal failed: %s", exc, extra=self._extra())
-                continue
-            if int(res) < 0:
-                self.lease_lost.set()
-                return
+            else:
+                if int(res) < 0:
+                    self.lease_lost.set()
+                    return
+            await asyncio.sleep(lease_ms / 3000)
 
     def traced(self, status_code: int | None, problem: str | None) -> None:
         """End the `proxy` span (when tracing): the caller's status, what went wrong."""
@@ -210,6 +244,9 @@ class ProxyCall:
         self._stop_renewing()
 
     def _stop_renewing(self) -> None:
+        if self._renewal_due is not None:
+            self._renewal_due.cancel()
+            self._renewal_due = None
         if self._renewing is not None:
             self._renewing.cancel()
             self._renewing = None
@@ -304,18 +341,30 @@ class ProxyCall:
                      cost: int | None) -> bool:
         """ack-7.lua for this one task: completed or failed, its cost settled, its slot freed.
         False when the lease was no longer ours."""
+        ending, _ = self.finishing(status, text, code, exec_ms, cost)
+        return await ending
+
+    def finishing(self, status: str, text: str, code: int | None, exec_ms: float,
+                  cost: int | None) -> tuple[Awaitable[bool], bool]:
+        """`finish`, started: the awaitable of its outcome, and whether its ack is written to
+        Redis already (one Redis, a connection held): what this process sends next then
+        reaches Redis's clients after it, without waiting for its reply."""
         self._stop_renewing()
         if not self.token:
-            return False
+            return _result(False), True
         k, e, ep = self.keys, self.endpoint.id, self.endpoint
         limit_keys, limits = settle_limits(ep, k, self.rt.settings.rate_guard_ms)
+        acking, written = self.rt.queue.scripts.ack.send(
+            keys=[*k.of(e, *ACK_KEYS), *limit_keys, *ack_cost_keys(ep, k, limit_keys),
+                  k.task(self.task_id)],
+            args=[e, "", 1, *limits, self.task_id, self.token, status, text,
+                  code or "", round(exec_ms), 0, "" if cost is None else cost,
+                  ""])  # no result kept: the body went to its caller
+        return self._acked(acking), written
+
+    async def _acked(self, acking: Awaitable[Any]) -> bool:
         try:
-            res = await self.rt.queue.scripts.ack(
-                keys=[*k.of(e, *ACK_KEYS), *limit_keys, *ack_cost_keys(ep, k, limit_keys),
-                      k.task(self.task_id)],
-                args=[e, "", 1, *limits, self.task_id, self.token, status, text,
-                      code or "", round(exec_ms), 0, "" if cost is None else cost,
-                      ""])  # no result kept: the body went to its caller
+            res = await acking
         except (RedisError, OSError) as exc:
             log.warning("could not finish the task: %s; its lease will lapse", exc,
                         extra=self._extra())
@@ -325,6 +374,10 @@ class ProxyCall:
 
     def _extra(self) -> dict[str, str]:
         return {"task_id": self.task_id, "endpoint": self.endpoint.id}
+
+
+async def _result(value: bool) -> bool:
+    return value
 
 
 def lower(headers: list[tuple[bytes, bytes]]) -> dict[str, str]:

@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Awaitable
 
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
@@ -69,36 +70,63 @@ class RelayResponse(Response):
     async def _pump(self, send: Send, cost: CostReader) -> None:
         await send({"type": "http.response.start", "status": self.status_code,
                     "headers": self.raw_headers})
+        ending: asyncio.Future[None] | None = None
         async for chunk in self.answer.body():
             cost.feed(chunk)
-            if self.answer.at_end:
-                # The task ends before its caller has the last byte (a Content-Length answer
-                # is whole then): whoever then asks for its status reads it ended, not
-                # still `processing`.
-                await asyncio.shield(self._finish(None, cost))
+            last = self.answer.at_end
+            if last:
+                ending = await self._end_first(cost)
             # uvicorn's send waits while the caller's socket is backed up: the upstream is
-            # read no faster than the caller takes it.
-            await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        # An empty body, or one that ended with its connection: ended here, if not above.
-        await asyncio.shield(self._finish(None, cost))
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+            # read no faster than the caller takes it. The last piece goes with the answer's
+            # end (a chunked answer's last chunk and its terminator in one write).
+            await send({"type": "http.response.body", "body": chunk, "more_body": not last})
+        if ending is None:  # an empty body, or one that ended with its connection
+            ending = await self._end_first(cost)
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        await asyncio.shield(ending)
+
+    async def _end_first(self, cost: CostReader) -> asyncio.Future[None]:
+        """The task ends before its caller has the last byte (a Content-Length answer is whole
+        then): whoever then asks for its status reads it ended, not still `processing`. Its
+        ack is written to Redis here and its reply awaited once the last bytes are on their
+        way; first, when it could not be written at once (a Cluster, no connection held)."""
+        ending, written = self._end(None, cost)
+        task = asyncio.ensure_future(ending)
+        if not written:
+            await asyncio.shield(task)
+        return task
 
     async def _finish(self, why: str | None, cost: CostReader) -> None:
+        ending, _ = self._end(why, cost)
+        await ending
+
+    def _end(self, why: str | None, cost: CostReader) -> tuple[Awaitable[None], bool]:
+        """The task's end, once: started now, and whether Redis has its ack already."""
         if self.ended:
-            return
+            return _nothing(), True
         self.ended = True
         call, status = self.call, self.status_code
         exec_ms = (time.monotonic() - call.call_started) * 1000
         ok = why is None and 200 <= status < 300
         text = why or ("" if ok else f"upstream answered {status}")
         real = cost.cost(lower(self.answer.headers)) if why is None else None
-        acked = await call.finish("completed" if ok else "failed", text, status, exec_ms, real)
+        acking, written = call.finishing("completed" if ok else "failed", text, status, exec_ms,
+                                         real)
+        return self._logged(acking, why), written
+
+    async def _logged(self, acking: Awaitable[bool], why: str | None) -> None:
+        acked = await acking
+        call = self.call
         if why is not None:
             log.info("proxied call ended early: %s", why,
                      extra={"task_id": call.task_id, "endpoint": call.endpoint.id})
         elif not acked:
             log.warning("lease lost before the proxied call was finished",
                         extra={"task_id": call.task_id, "endpoint": call.endpoint.id})
+
+
+async def _nothing() -> None:
+    return None
 
 
 def _failure(exc: BaseException | None) -> str | None:

@@ -5,15 +5,17 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from app.core.keys import Keys
 from app.endpoints import EndpointConfig
 from app.queue.fairness import starvation_keys
 from app.queue.upstream import Outcome, Request
-from app.ratelimit import further_limits
+from app.ratelimit import Limit, further_limits
 from app.ratelimit.sent import SendTimes, sliding_logs
 
 log = logging.getLogger(__name__)
+CLAIM_FIELDS = 10  # values per claimed task in claim-12.lua's answer
 FREE_REFUSALS = 20  # refusals with a pause a task may have without spending attempts
 
 
@@ -63,6 +65,16 @@ def claim_keys(keys: Keys, endpoint: EndpointConfig) -> list[str]:
                      "hooks"),
             keys.pace(e, kind, endpoint.rate, endpoint.interval_ms), *limit_keys(keys, endpoint),
             *keys.of(e, *starvation_keys(endpoint), *cost_keys(endpoint))]
+
+
+def claim_args(keys: Keys, endpoint: EndpointConfig, room: int, token_prefix: str,
+               lease_ms: int, guard_ms: int, only: str = "") -> list[Any]:
+    """claim-12.lua's ARGV for up to `room` tasks of this endpoint; with `only`, that one task
+    if it is the first the rules would claim (room 1: a proxied request's API process)."""
+    return [endpoint.id, room, endpoint.max_concurrency, lease_ms, endpoint.limiter,
+            endpoint.rate, endpoint.interval_ms, keys.task_prefix(endpoint.id), token_prefix,
+            endpoint.permit_ttl_s * 1000, Limit.of(endpoint, guard_ms).guard_ms,
+            *admission_args(endpoint, guard_ms), only]
 
 
 def reads_costs(endpoint: EndpointConfig) -> bool:

@@ -49,8 +49,9 @@ from app.lifecycle import Ttls
 from app.queue import cancels
 from app.queue.acks import AckBatch
 from app.queue.claims import (
+    CLAIM_FIELDS,
     Claim,
-    admission_args,
+    claim_args,
     claim_keys,
     given_back,
     pause_ms,
@@ -61,7 +62,6 @@ from app.queue.http1 import UpstreamClient
 from app.queue.objects import ObjectStore
 from app.queue.reaper import Reaper
 from app.queue.upstream import Keeper, Outcome, Request, backoff_s, call
-from app.ratelimit import Limit, Limiter
 from app.ratelimit.sent import SendTimes
 from app.settings import Settings
 
@@ -70,7 +70,6 @@ SHARE = 0.75
 # An endpoint alone may have the slots beyond its share while its calls take this long on
 # average: the longest another endpoint then waits for a slot (the stall bound of issue 15).
 LEND_MS = 50.0
-CLAIM_FIELDS = 10  # values per claimed task in claim-12.lua's answer
 WAKE_BLOCK_S = 1  # BZPOPMIN timeout: how long stopping may wait for the wake loop
 CLAIM_RETRY_S = 1.0  # a claim that met a Redis error is tried again after this
 HEARTBEAT_RETRY_S = 0.5
@@ -101,7 +100,6 @@ class Dispatcher:
     _heartbeat: list[asyncio.Task[None]] = field(default_factory=list)
     _background: set[asyncio.Task[None]] = field(default_factory=set)
     _retries: dict[str, asyncio.TimerHandle] = field(default_factory=dict)
-    _limiters: dict[Limit, Limiter] = field(default_factory=dict)
     _starved: set[str] = field(default_factory=set)  # woken while this process had no room
     _in_claim: set[str] = field(default_factory=set)  # wake sets whose loop is claiming
     _call_ms: dict[str, float] = field(default_factory=dict)  # moving average per endpoint
@@ -121,12 +119,6 @@ class Dispatcher:
         # Its heartbeat's name (app/queue/heartbeats.py): one per dispatcher, even two in one
         # process.
         self.ident = f"{self._ident}#{secrets.token_hex(3)}"
-
-    def _limiter(self, endpoint: EndpointConfig) -> Limiter:
-        limit = Limit.of(endpoint, self.settings.rate_guard_ms)
-        if limit not in self._limiters:
-            self._limiters[limit] = Limiter(self.redis, limit, self.keys)
-        return self._limiters[limit]
 
     @property
     def capacity(self) -> int:
@@ -268,13 +260,9 @@ class Dispatcher:
 
     def claim_call(self, endpoint: EndpointConfig, room: int) -> tuple[list[str], list[Any]]:
         """claim-12.lua's KEYS and ARGV for up to `room` tasks of this endpoint."""
-        k, e = self.keys, endpoint.id
-        return claim_keys(k, endpoint), [
-            e, room, endpoint.max_concurrency, self.settings.lease_ms, endpoint.limiter,
-            endpoint.rate, endpoint.interval_ms, k.task_prefix(e),
-            f"{self._ident}.{secrets.token_hex(8)}", endpoint.permit_ttl_s * 1000,
-            self._limiter(endpoint).limit.guard_ms,
-            *admission_args(endpoint, self.settings.rate_guard_ms)]
+        return claim_keys(self.keys, endpoint), claim_args(
+            self.keys, endpoint, room, f"{self._ident}.{secrets.token_hex(8)}",
+            self.settings.lease_ms, self.settings.rate_guard_ms)
 
     def claimed(self, endpoint: EndpointConfig, res: list[Any], asked: float) -> None:
         """Start what a claim-12.lua answer holds."""

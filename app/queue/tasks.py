@@ -9,12 +9,14 @@ import json
 import logging
 import math
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
 from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import NoScriptError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from app import permits
@@ -22,7 +24,7 @@ from app.core.clock import queue_time
 from app.core.keys import Keys, endpoint_of
 from app.core.loop import STORE_ERRORS
 from app.core.registry import Mirror
-from app.core.scripts import Scripts
+from app.core.scripts import Lua, Scripts
 from app.endpoints import EndpointConfig
 from app.errors import ApiError
 from app.lifecycle import Ttls
@@ -40,6 +42,28 @@ from app.timefmt import rfc3339
 
 IDEMPOTENCY_TTL_MS = 24 * 3600 * 1000
 log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Followup:
+    """A script call that goes with a submit's, after it in its round trip (one write on one
+    Redis, a pipeline to the same master on a Cluster: the two share the endpoint's slot)."""
+
+    lua: Lua
+    keys: list[Any]
+    args: list[Any]
+    reply: Any = None  # its reply, or the exception it met, once the submit has returned
+
+
+def _json(value: dict[str, Any]) -> str:
+    return json.dumps(value) if value else "{}"  # most have none: no encoder run for them
+
+
+async def _caught(call: Awaitable[Any]) -> Any:
+    try:
+        return await call
+    except (RedisError, OSError) as exc:
+        return exc
 
 
 @dataclass
@@ -64,18 +88,21 @@ class TaskQueue:
 
     async def submit(
         self, key: ApiKey, endpoint: EndpointConfig, req: SubmitRequest, idem_key: str | None,
-        precheck: bool = True, task_id: str | None = None,
+        precheck: bool = True, task_id: str | None = None, then: Followup | None = None,
     ) -> SubmitResponse | str:
         """Enqueue; returns the response, or the id of the task an Idempotency-Key names.
         `precheck`: a task with `max_wait_s` is refused (409) when the estimate says it would
         not start in time; without it, the caller reads the answer's `wait_time` itself.
-        `task_id`: the new task's (new_task_id), for a caller that watches it from before."""
+        `task_id`: the new task's (new_task_id), for a caller that watches it from before.
+        `then`: the caller's claim of the task itself, should it be first in line (a proxied
+        request, ProxyCall): it goes in the submit's round trip, and no dispatcher is woken
+        for a task it may claim."""
         e, k, user_id = endpoint.id, self.keys, key.user_id
         task_id = task_id or new_task_id(e)
         fields: list[str | int] = [
             "user_id", user_id, "type", req.task_type, "priority", req.priority,
             "method", req.http_method, "url", req.target_url, "body", req.body,
-            "headers", json.dumps(req.headers), "query", json.dumps(req.query_params),
+            "headers", _json(req.headers), "query", _json(req.query_params),
             "client_ts", req.timestamp or "",
         ]
         if req.callback_url:  # its webhook is signed with the secret of the key that asked
@@ -108,7 +135,7 @@ class TaskQueue:
             if res[0] == "ok":
                 res = await self._enqueue(task_id, *self._submit_call(
                     task_id, endpoint, req, own_keys, own_args, pending_ms, own_deadline, fields,
-                    fair_arg(endpoint, user_id, self._weight(key))))
+                    fair_arg(endpoint, user_id, self._weight(key)), then is not None), then)
                 if held and res[0] in ("gone", "full"):
                     await self._unreserve(held)
                 elif held and res[0] == "ok":
@@ -136,7 +163,7 @@ class TaskQueue:
     def _submit_call(
         self, task_id: str, endpoint: EndpointConfig, req: SubmitRequest, user_keys: list[str],
         user_args: list[Any], pending_ms: int, own_deadline: bool, fields: list[str | int],
-        fair: str,
+        fair: str, claims_itself: bool,
     ) -> tuple[list[str], list[Any]]:
         """submit-11.lua's KEYS and ARGV; `user_keys`/`user_args`: the Idempotency-Key and
         quota (keys, then honour flag, TTL, quota), or on a Cluster stand-ins that turn them
@@ -150,7 +177,8 @@ class TaskQueue:
             [task_id, e, req.priority, endpoint.max_queue_len, pending_ms, honour, idem_ttl,
              quota, self.ttls.done_ms, "1" if own_deadline else "0",
              fair,
-             req.cost if endpoint.max_cost is not None else "", *fields],
+             req.cost if endpoint.max_cost is not None else "", "1" if claims_itself else "0",
+             *fields],
         )
 
     def _weight(self, key: ApiKey) -> int:
@@ -199,10 +227,23 @@ class TaskQueue:
                            f"max_wait_s ({max_wait_s} s)", wait_time=math.ceil(estimate),
                            wait_num=ahead)
 
-    async def _enqueue(self, task_id: str, keys: list[str], args: list[Any]) -> Any:
-        """The submit script; with QGW_REDIS_WAIT_REPLICAS, answered only once that many
-        replicas have it, so a failover cannot lose an acknowledged task."""
+    async def _enqueue(self, task_id: str, keys: list[str], args: list[Any],
+                       then: Followup | None = None) -> Any:
+        """The submit script, with `then` after it in the same round trip; with
+        QGW_REDIS_WAIT_REPLICAS, answered only once that many replicas have it, so a failover
+        cannot lose an acknowledged task (`then` follows it then)."""
         replicas = self.settings.redis_wait_replicas
+        if not replicas and then is not None:
+            res, then.reply = await Lua.together(self.redis, [
+                (self.scripts.submit, keys, args), (then.lua, then.keys, then.args)])
+            if isinstance(res, NoScriptError):  # neither ran (Redis restarted): one by one
+                res = await self.scripts.submit(keys=keys, args=args)
+                then.reply = None
+            if isinstance(res, BaseException):
+                raise res
+            if then.reply is None or isinstance(then.reply, NoScriptError):
+                then.reply = await _caught(then.lua(keys=then.keys, args=then.args))
+            return res
         if not replicas:
             return await self.scripts.submit(keys=keys, args=args)
         # Within the socket timeout, so a slow replica reads as itself, not as Redis down.
@@ -217,6 +258,8 @@ class TaskQueue:
                            f"the task was queued but {acked} of {replicas} Redis replicas "
                            "confirmed it in time; retry with the same Idempotency-Key",
                            {"Retry-After": "1"}, task_id=task_id)
+        if then is not None:
+            then.reply = await _caught(then.lua(keys=then.keys, args=then.args))
         return res
 
     async def status(self, user_id: int, task_id: str, endpoint: EndpointConfig | None,
