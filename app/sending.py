@@ -48,8 +48,15 @@ class SendDeadline:
             await self.app(scope, receive, send)
             return
         timeout = self.timeout_s
+        # uvicorn's send waits only while its transport has paused writing; otherwise it
+        # writes and returns at once, and a deadline (a timer armed and cancelled, a tenth of
+        # a proxied request's CPU with the other wrappers) would bound nothing.
+        flow = getattr(getattr(send, "__self__", None), "flow", None)
 
         async def bounded(message: Message) -> None:
+            if flow is not None and not flow.write_paused:
+                await send(message)
+                return
             try:
                 async with asyncio.timeout(timeout):
                     await send(message)

@@ -38,6 +38,23 @@ def _resolve(path: Path) -> str:
     return _INCLUDE.sub(lambda m: (LUA_DIR / "includes" / m.group(1)).read_text(), text)
 
 
+async def _each(futures: list[asyncio.Future[Any]]) -> list[Any]:
+    """Each one's result or exception, in order (gather's `return_exceptions`, without its
+    future and callbacks: these resolve in order anyway)."""
+    out: list[Any] = []
+    try:
+        for fut in futures:
+            try:
+                out.append(await fut)
+            except Exception as exc:
+                out.append(exc)
+    except BaseException:  # cancelled: nobody reads the others' replies (or errors)
+        for fut in futures:
+            fut.cancel()
+        raise
+    return out
+
+
 class Lua:
     """One script: EVALSHA with the calls of other tasks on one Redis (app/core/autopipe.py),
     on a Cluster straight through `execute_command` (redis-py's Script adds a
@@ -111,9 +128,8 @@ class Lua:
         awaited."""
         batched = calls[0][0]._batched if calls else None
         if batched is not None:
-            return asyncio.gather(*batched.execute_many(
-                [lua._evalsha(keys, args) for lua, keys, args in calls]),
-                return_exceptions=True)
+            return _each(batched.execute_many(
+                [lua._evalsha(keys, args) for lua, keys, args in calls]))
         return Lua._pipelined(redis, calls)
 
     @staticmethod
