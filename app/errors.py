@@ -9,7 +9,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
-from redis.exceptions import ClusterError
+from redis.exceptions import AskError, ClusterError, TryAgainError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ReadOnlyError as RedisReadOnlyError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -148,6 +148,9 @@ def install(app: FastAPI) -> None:
     # moving between masters longer than redis-py follows it (TRYAGAIN/ASK until "TTL
     # exhausted"): nothing was run.
     @app.exception_handler(ClusterError)
+    # The same after redis-py gave up following a redirection (a pipeline's reply, say).
+    @app.exception_handler(TryAgainError)
+    @app.exception_handler(AskError)  # and MovedError
     async def _redis_down(_: Request, exc: Exception) -> JSONResponse:
         log.warning("redis unavailable: %s", exc)
         return error_response(

@@ -215,7 +215,8 @@ _UNREACHABLE = ("Redis Cluster cannot be connected", "startup_nodes could not ag
 def _as_redis_error(exc: Exception) -> Exception | None:
     """What an exception of the Cluster client means to its callers, where redis-py raises it
     as something other than a RedisError: a ConnectionError for an outage (every node down,
-    slots without a master, a connection closed under a write), WrongKind for a node not in
+    slots without a master, whatever redis-py raised for them, a connection closed under a
+    write), WrongKind for a node not in
     cluster mode; None for anything else (a bug of ours, left as it is)."""
     if isinstance(exc, RedisClusterException) and "Cluster mode is not enabled" in str(exc):
         return WrongKind("QGW_REDIS_URL names a Redis Cluster, but the server is not in "
@@ -225,7 +226,24 @@ def _as_redis_error(exc: Exception) -> Exception | None:
         return RedisConnectionError(str(exc).splitlines()[0])
     if _closed_under_us(exc):
         return RedisConnectionError(f"connection closed while in use: {exc}")
+    if _slot_not_in_map(exc):
+        return RedisConnectionError(f"slot {exc} is served by no master (a failover under way)")
     return None
+
+
+def _slot_not_in_map(exc: BaseException) -> bool:
+    """A KeyError from the asyncio Cluster client's slot lookup: once its map was read again
+    from nodes that list a slot as no one's (a master dead, its replica not promoted yet), a
+    call to that slot raises KeyError where the sync client raises SlotNotCoveredError
+    (redis-py 8.1 catches IndexError and TypeError only). Told apart by where it arose."""
+    if not isinstance(exc, KeyError):
+        return False
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    code = tb.tb_frame.f_code if tb is not None else None
+    return code is not None and code.co_name == "get_node_from_slot" and \
+        code.co_filename.endswith("redis/asyncio/cluster.py")
 
 
 def _closed_under_us(exc: BaseException) -> bool:

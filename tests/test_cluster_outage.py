@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import IO
 
 import pytest
+import redis
+from redis.crc import key_slot
 
 from app.runtime import Runtime
 from app.settings import Settings
@@ -105,3 +107,32 @@ def test_a_cluster_not_there_yet_is_waited_for(tmp_path: Path) -> None:
     waits = [line for line in err.splitlines() if "cannot reach Redis" in line]
     assert waits and "Traceback" not in err, err
     assert all(len(line) < 400 for line in waits), waits
+
+
+async def test_a_slot_no_master_serves_is_a_503(
+    gateway: Gateway, own_cluster: ClusterSetup, upstream: str
+) -> None:
+    """Between a master's death and its replica's promotion, the slot of an endpoint's keys
+    may be served by no one, and redis-py's map of the Cluster then says so: a submit and a
+    status read answer 503 redis_unavailable (each once the map has it), never a 500; the
+    other endpoints' requests go on."""
+    await gateway.add_endpoint("gap", f"{upstream}/gap")
+    await gateway.add_endpoint("ok", f"{upstream}/ok")
+    auth = await gateway.new_key()
+    first = (await gateway.submit(auth, f"{upstream}/gap"))["task_id"]
+    keys = gateway.rt.keys
+    slot, other = key_slot(keys.queue("gap").encode()), key_slot(keys.queue("ok").encode())
+    assert slot != other
+    for port in own_cluster.ports.values():  # every node forgets the slot: no one serves it
+        with redis.Redis(port=port) as node:
+            node.config_set("cluster-require-full-coverage", "no")
+            node.execute_command("CLUSTER", "DELSLOTS", slot)
+    for method, path, body in (("POST", "/api/v1/tasks", {"target_url": f"{upstream}/gap"}),
+                               ("GET", f"/api/v1/tasks/{first}", None)):
+        for _ in range(3):  # the first finds the slot gone from its node, then from the map
+            r = await gateway.http.request(method, path, json=body, headers=auth)
+            assert r.status_code == 503, (path, r.status_code, r.text)
+            assert r.json()["error"]["code"] == "redis_unavailable"
+    ok = await gateway.http.post("/api/v1/tasks", headers=auth,
+                                 json={"target_url": f"{upstream}/ok"})
+    assert ok.status_code == 202, ok.text
