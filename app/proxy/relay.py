@@ -75,7 +75,9 @@ class ProxyCall:
     _renewing: asyncio.Task[None] | None = None
     _renewal_due: asyncio.TimerHandle | None = None  # before the first renewal (no task yet)
     trace: tracing.ProxyTrace | None = None  # its `proxy` span, when tracing is on
-    lease_lost: asyncio.Event = field(default_factory=asyncio.Event)
+    # Done once a renewal found the lease gone (a future, not an Event: waited on as it is).
+    lease_lost: asyncio.Future[None] = field(
+        default_factory=lambda: asyncio.get_running_loop().create_future())
 
     @property
     def keys(self) -> Keys:
@@ -229,7 +231,8 @@ class ProxyCall:
                 log.warning("lease renewal failed: %s", exc, extra=self._extra())
             else:
                 if int(res) < 0:
-                    self.lease_lost.set()
+                    if not self.lease_lost.done():
+                        self.lease_lost.set_result(None)
                     return
             await asyncio.sleep(lease_ms / 3000)
 

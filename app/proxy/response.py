@@ -39,12 +39,13 @@ class RelayResponse(Response):
         self.raw_headers = relayed_headers(answer, call.task_id, call.waited_ms)
         self.background = None
         self.ended = False  # the task: once, by the pump before the last bytes, or at the end
+        self.acking: asyncio.Future[None] | None = None  # the pump's ack, its reply to come
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         call, answer = self.call, self.answer
         cost = CostReader(call.endpoint.cost_from if call.endpoint.max_cost else None)
         pump = asyncio.ensure_future(self._pump(send, cost))
-        lost = asyncio.ensure_future(call.lease_lost.wait())
+        lost = call.lease_lost
         why = None
         try:
             await asyncio.wait({pump, call.gone, lost}, return_when=asyncio.FIRST_COMPLETED)
@@ -63,6 +64,8 @@ class RelayResponse(Response):
             status = self.status_code
             try:
                 await asyncio.shield(self._finish(why, cost))
+                if self.acking is not None:
+                    await asyncio.shield(self.acking)
             finally:  # the status went out first; `why` says if the body did not follow
                 call.traced(status, why or (f"upstream answered {status}" if status >= 500
                                             else None))
@@ -83,7 +86,9 @@ class RelayResponse(Response):
         if ending is None:  # an empty body, or one that ended with its connection
             ending = await self._end_first(cost)
             await send({"type": "http.response.body", "body": b"", "more_body": False})
-        await asyncio.shield(ending)
+        # Its reply is awaited by the caller of the pump: with the answer complete, the server
+        # tells the request it is over (a disconnect), which must not read as a caller gone.
+        self.acking = ending
 
     async def _end_first(self, cost: CostReader) -> asyncio.Future[None]:
         """The task ends before its caller has the last byte (a Content-Length answer is whole

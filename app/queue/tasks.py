@@ -99,6 +99,10 @@ class TaskQueue:
         for a task it may claim."""
         e, k, user_id = endpoint.id, self.keys, key.user_id
         task_id = task_id or new_task_id(e)
+        if self.settings.redis_wait_replicas:
+            # Confirmed by replicas, a submit may be refused after it ran: alone, it wakes the
+            # dispatchers as any submit does (no claim of the caller's then).
+            then = None
         fields: list[str | int] = [
             "user_id", user_id, "type", req.task_type, "priority", req.priority,
             "method", req.http_method, "url", req.target_url, "body", req.body,
@@ -230,10 +234,10 @@ class TaskQueue:
     async def _enqueue(self, task_id: str, keys: list[str], args: list[Any],
                        then: Followup | None = None) -> Any:
         """The submit script, with `then` after it in the same round trip; with
-        QGW_REDIS_WAIT_REPLICAS, answered only once that many replicas have it, so a failover
-        cannot lose an acknowledged task (`then` follows it then)."""
+        QGW_REDIS_WAIT_REPLICAS (never with `then`), answered only once that many replicas
+        have it, so a failover cannot lose an acknowledged task."""
         replicas = self.settings.redis_wait_replicas
-        if not replicas and then is not None:
+        if then is not None:  # never with replicas to confirm (submit)
             res, then.reply = await Lua.together(self.redis, [
                 (self.scripts.submit, keys, args), (then.lua, then.keys, then.args)])
             if isinstance(res, NoScriptError):  # neither ran (Redis restarted): one by one
@@ -258,8 +262,6 @@ class TaskQueue:
                            f"the task was queued but {acked} of {replicas} Redis replicas "
                            "confirmed it in time; retry with the same Idempotency-Key",
                            {"Retry-After": "1"}, task_id=task_id)
-        if then is not None:
-            then.reply = await _caught(then.lua(keys=then.keys, args=then.args))
         return res
 
     async def status(self, user_id: int, task_id: str, endpoint: EndpointConfig | None,
