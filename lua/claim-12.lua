@@ -25,9 +25,9 @@ the limits' keys and the arrival index), and the whole rate while that is unknow
 calls admitted before their acks settle them. The amount reserved is written to the task's
 `cost`, which its settle reads. Last, optionally, `only`: a task id, for the API process that
 submitted it first in line (submit-11.lua's ARGV[13], a proxied request) and claims it itself,
-N = 1: claimed only if it is the first the rules would claim; whenever the run leaves work to
-the dispatchers (another first, limited, full, more behind it) it sets the wake marker the
-submit did not.
+N = 1: claimed only if it is the first the rules would claim; whatever it leaves to the
+dispatchers is theirs as after any claim (more behind it or another first: the wake marker the
+submit did not set; limited: KEYS[5]; full: the next ack's wake).
 An endpoint its upstream paused (upstream.lua) is 'limited' until then, then claims one probe;
 one whose upstream said how many calls remain before its reset (budget-2.lua) claims no more
 than that until then.
@@ -209,14 +209,12 @@ if claimed > 0 then
   redis.call('HINCRBY', stats, 'admitted', claimed)
   stats_tick(stats, 'admitted', now, claimed)
 end
-if only then
-  -- Its own task claimed and nothing behind it: no dispatcher needed. Anything else is theirs,
-  -- as if the submit had woken them (a limited endpoint's wait is then timed by their claim).
-  if claimed > 0 and out[1] == 'more' and redis.call('ZCARD', KEYS[1]) == 0 then
-    out[1] = 'empty'
-  elseif not (claimed > 0 and out[1] == 'empty') then
-    redis.call('ZADD', KEYS[4], 'NX', now, endpoint)
-  end
+if only and claimed > 0 and out[1] == 'more' and redis.call('ZCARD', KEYS[1]) == 0 then
+  -- Its own task claimed (N = 1 reached) and nothing behind it: no dispatcher needed. Work
+  -- left behind ('more') wakes them below, as the submit would have; a refusal ('limited')
+  -- schedules them in KEYS[5] for when the limit admits again, and a full cap is woken by the
+  -- ack that frees a slot: a wake now would only have their claim refused again.
+  out[1] = 'empty'
 end
 -- The line emptied under further limits: when the next task would be admitted, for the next
 -- submit's estimate (estimate_wait reads `limited_until`, as after a refusal). Once a burst.

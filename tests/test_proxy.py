@@ -151,8 +151,9 @@ async def test_first_in_line_is_admitted_by_its_api_process_under_the_same_rules
     """No dispatcher runs. A request first in line is claimed by the API process holding it
     (one round trip rather than a dispatcher's wake, claim and event), by the rules a
     dispatcher's claim follows: a limit of 2 a minute (paced: one each 30 s) admits the
-    first; the next is refused by it, and its claim leaves the line to the dispatchers (the
-    wake marker its submit did not set): it waits, and is never called."""
+    first; the next is refused by it, and its claim leaves it to the dispatchers as theirs
+    would (the endpoint scheduled for when the limit admits again, no wake marker to have a
+    dispatcher's claim refused at once): it waits, and is never called."""
     auth = await proxied(gateway, llm, rate=2, interval_ms=60_000)
     base = await start_api()
     k, redis = gateway.rt.keys, gateway.rt.redis
@@ -162,11 +163,14 @@ async def test_first_in_line_is_admitted_by_its_api_process_under_the_same_rules
         assert await redis.zscore(k.wake("llm"), "llm") is None  # no dispatcher needed
         second = asyncio.ensure_future(http.post("/proxy/llm/chat/completions", json=CHAT))
         for _ in range(100):
-            if await redis.zscore(k.wake("llm"), "llm") is not None:
+            if (due := await redis.zscore(k.delayed("llm"), "llm")) is not None:
                 break
             await asyncio.sleep(0.05)
         else:
-            raise AssertionError("the refused claim set no wake marker")
+            raise AssertionError("the refused claim scheduled nothing")
+        (secs, micros) = await redis.time()
+        assert 20_000 < due - (secs * 1000 + micros // 1000) <= 30_000  # the pace's next slot
+        assert await redis.zscore(k.wake("llm"), "llm") is None
         stats = await redis.hgetall(k.stats("llm"))
         assert int(stats["admitted"]) == 1 and int(stats["limited"]) == 1, stats
         assert not second.done()
