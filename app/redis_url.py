@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable
 from dataclasses import dataclass
+from types import CodeType
 from typing import Any, Literal, TypeVar, cast
 from urllib.parse import parse_qsl, unquote
 
@@ -215,9 +216,9 @@ _UNREACHABLE = ("Redis Cluster cannot be connected", "startup_nodes could not ag
 def _as_redis_error(exc: Exception) -> Exception | None:
     """What an exception of the Cluster client means to its callers, where redis-py raises it
     as something other than a RedisError: a ConnectionError for an outage (every node down,
-    slots without a master, whatever redis-py raised for them, a connection closed under a
-    write), WrongKind for a node not in
-    cluster mode; None for anything else (a bug of ours, left as it is)."""
+    slots without a master, however redis-py reports them, a connection closed under a
+    write), WrongKind for a node not in cluster mode; None for anything else (a bug of ours,
+    left as it is)."""
     if isinstance(exc, RedisClusterException) and "Cluster mode is not enabled" in str(exc):
         return WrongKind("QGW_REDIS_URL names a Redis Cluster, but the server is not in "
                          "cluster mode: use redis:// (or redis+sentinel://) for it")
@@ -238,12 +239,17 @@ def _slot_not_in_map(exc: BaseException) -> bool:
     (redis-py 8.1 catches IndexError and TypeError only). Told apart by where it arose."""
     if not isinstance(exc, KeyError):
         return False
+    code = _raised_in(exc)
+    return code is not None and code.co_name == "get_node_from_slot" and \
+        code.co_filename.endswith("redis/asyncio/cluster.py")
+
+
+def _raised_in(exc: BaseException) -> CodeType | None:
+    """The code of the innermost frame `exc` passed through: where it was raised."""
     tb = exc.__traceback__
     while tb is not None and tb.tb_next is not None:
         tb = tb.tb_next
-    code = tb.tb_frame.f_code if tb is not None else None
-    return code is not None and code.co_name == "get_node_from_slot" and \
-        code.co_filename.endswith("redis/asyncio/cluster.py")
+    return tb.tb_frame.f_code if tb is not None else None
 
 
 def _closed_under_us(exc: BaseException) -> bool:
@@ -255,10 +261,8 @@ def _closed_under_us(exc: BaseException) -> bool:
     ours by where it arose."""
     if not isinstance(exc, (AttributeError, TypeError, RuntimeError)):
         return False
-    tb = exc.__traceback__
-    while tb is not None and tb.tb_next is not None:
-        tb = tb.tb_next
-    where = tb.tb_frame.f_code.co_filename if tb is not None else ""
+    code = _raised_in(exc)
+    where = code.co_filename if code is not None else ""
     if isinstance(exc, RuntimeError):
         return "uvloop" in where and "closed" in str(exc)
     return where.endswith(("redis/asyncio/connection.py", "asyncio/streams.py",

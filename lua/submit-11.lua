@@ -26,8 +26,8 @@ ARGV[12] the task's cost, for the average the wait estimate counts tasks ahead a
          endpoint has no per-cost limit: nothing kept)
 ARGV[13] '1' when the submitting process claims the task itself should it be first in line
          (a proxied request, app/proxy/relay.py): no wake marker then, which would send a
-         dispatcher's claim after the same task; claim-12.lua's `only` sets one whenever
-         that claim leaves work for the dispatchers
+         dispatcher's claim after the same task; what that claim (claim-12.lua `only`)
+         leaves is the dispatchers' as after any claim
 ARGV[14..] field, value pairs
 The task is pending until `pexp` (now + pending TTL; then lua/expire-5.lua or the claim expires
 it), and its hash lives a done TTL longer, so its status can still say `expired`.

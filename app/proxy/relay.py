@@ -2,11 +2,11 @@
 path: same priority, fairness, limits, cap, pauses, quotas). Its own claim (claim-12.lua `only`)
 goes with the submit, in its round trip: when the rules a dispatcher's claim follows admit it
 first, it is admitted there and then (not a dispatcher's wake, its claim, a status event and a
-read later). Otherwise a dispatcher's claim admits it, which this process
-hears as a status event (no polling). Then this process makes the call, renews the lease while
-the answer streams, and finishes the task through the ack script (settling the cost, counting
-the stats) like a dispatcher finishes a queued call: written to Redis before the answer's last
-bytes go to the caller, its reply read after.
+read later). Otherwise a dispatcher's claim admits it, which this process hears as a status
+event (no polling). Then this process makes the call, renews the lease while the answer
+streams, and finishes the task through the ack script (settling the cost, counting the stats)
+like a dispatcher finishes a queued call: written to Redis before the answer's last bytes go to
+the caller, its reply read after.
 
 The lease is what a process killed mid-stream leaves behind: the reaper ends the task `failed`
 ("caller connection lost", lua/reap-7.lua) when it lapses, and never runs it again.
@@ -115,8 +115,7 @@ class ProxyCall:
 
     def _own_claim(self) -> Followup:
         """claim-12.lua for this one task (`only`): it claims it if it is the first the
-        dispatchers' claim would; otherwise it changes nothing, or, when it leaves work to
-        them, sets the wake marker the submit did not."""
+        dispatchers' claim would; otherwise what it leaves is theirs, as after any claim."""
         ep, s, k = self.endpoint, self.rt.settings, self.keys
         return Followup(self.rt.queue.scripts.claim, claim_keys(k, ep), claim_args(
             k, ep, 1, f"proxy.{os.urandom(8).hex()}", s.lease_ms, s.rate_guard_ms,

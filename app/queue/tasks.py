@@ -93,7 +93,7 @@ class TaskQueue:
         """Enqueue; returns the response, or the id of the task an Idempotency-Key names.
         `precheck`: a task with `max_wait_s` is refused (409) when the estimate says it would
         not start in time; without it, the caller reads the answer's `wait_time` itself.
-        `task_id`: the new task's (new_task_id), for a caller that watches it from before.
+        `task_id`: the new task's (new_task_id), for a caller that names it in `then`.
         `then`: the caller's claim of the task itself, should it be first in line (a proxied
         request, ProxyCall): it goes in the submit's round trip, and no dispatcher is woken
         for a task it may claim."""
