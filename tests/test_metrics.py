@@ -217,14 +217,16 @@ async def test_failed_calls_are_counted_by_status_class_and_timed(
     gateway: Gateway, upstream: str, start_dispatcher: Callable[[], Awaitable[Runtime]]
 ) -> None:
     url = f"{upstream}/failing"
+    # A timeout long enough that no answer of the mock's is late on a loaded CI machine
+    # (300 ms was met once by the 503's), and a slow call twice as long.
     await gateway.add_endpoint("failing", url, max_retries=1, retry_backoff_ms=0,
-                               timeout_ms=300)
+                               timeout_ms=1000)
     auth = await gateway.new_key()
     tasks = [
         await gateway.submit(auth, url, headers={"X-Mock-Status": ["400"],  # once, 60 ms
                                                  "X-Mock-Latency-Ms": ["60"]}),
         await gateway.submit(auth, url, headers={"X-Mock-Status": ["503"]}),  # twice
-        await gateway.submit(auth, url, headers={"X-Mock-Latency-Ms": ["2000"]}),  # times out twice
+        await gateway.submit(auth, url, headers={"X-Mock-Latency-Ms": ["2500"]}),  # times out twice
         await gateway.submit(auth, url),
     ]
     await start_dispatcher()
@@ -238,10 +240,10 @@ async def test_failed_calls_are_counted_by_status_class_and_timed(
     assert by_class == {"2xx": 0, "3xx": 0, "4xx": 1, "5xx": 2, "none": 2}
     failed = "qgw_upstream_failed_latency_seconds"
     assert value(m, f"{failed}_count", "failing") == 5
-    # The two timeouts each took the endpoint's 0.3 s: above the 0.25 s bucket.
+    # The two timeouts each took the endpoint's 1 s: above the 0.5 s bucket.
     assert value(m, f"{failed}_count", "failing") - value(
-        m, f"{failed}_bucket", "failing", le="0.25") >= 2
-    assert value(m, f"{failed}_sum", "failing") >= 0.6 + 0.06
+        m, f"{failed}_bucket", "failing", le="0.5") >= 2
+    assert value(m, f"{failed}_sum", "failing") >= 2.0 + 0.06
     assert value(m, "qgw_upstream_latency_seconds_count", "failing") == 1  # successes only
 
 
