@@ -77,7 +77,8 @@ class Runtime:
     dispatcher: Dispatcher | None = field(default=None, init=False)
     lifecycle: LifecycleJobs | None = field(default=None, init=False)
     webhooks: WebhookSender | None = field(default=None, init=False)
-    http: UpstreamClient | None = field(default=None, init=False)
+    # Business API calls: the dispatcher's and the proxy's, sharing kept connections.
+    http: UpstreamClient = field(default_factory=upstream_client, init=False)
     objects: ObjectStore = field(init=False)  # the result store (app/queue/objects.py)
     read_slots: ReadSlots = field(init=False)  # large reads per API key (app/sending.py)
     answers: AnswerCache = field(default_factory=AnswerCache, init=False)  # large statuses
@@ -127,7 +128,6 @@ class Runtime:
         if self.with_dispatcher:
             self._blocking = redis_client(self.redis_url, s.redis_timeout_s + 2)
             await redis_url.connect(self._blocking)
-            self.http = upstream_client()
             self.dispatcher = Dispatcher(self.redis, self._blocking, self.keys, scripts,
                                          self.registry, s, self.http, self.objects)
             self.dispatcher.start()
@@ -193,8 +193,7 @@ class Runtime:
         await cancel_all(self._watchers)
         await self.events.stop()
         await self.send_times.close()
-        if self.http:
-            await self.http.close()
+        await self.http.close()
         for client in (self._blocking, self.redis):
             if client is not None:
                 await client.aclose()

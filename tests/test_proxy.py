@@ -181,7 +181,7 @@ async def test_first_in_line_is_admitted_by_its_api_process_under_the_same_rules
 async def test_upstream_connections_are_kept_for_the_next_call(
     gateway: Gateway, llm: str, start_api: StartApi, start_dispatcher: StartDispatcher
 ) -> None:
-    """An answer read to its end leaves its connection for the next call (app/proxy/pool.py);
+    """An answer read to its end leaves its connection for the next call (app/queue/http1.py);
     a call cut half-way closes its own."""
     auth = await proxied(gateway, llm, max_concurrency=1)
     base = await start_api()

@@ -185,12 +185,13 @@ async def test_caller_gone_before_the_upstream_answers_aborts_the_call(
 async def test_a_stream_settles_its_cost_from_its_usage_event(
     gateway: Gateway, llm: str, start_api: StartApi, start_dispatcher: StartDispatcher
 ) -> None:
-    """20 units a minute (a fixed window: a sliding per-cost one would pace them). The first
+    """20 units an hour (a fixed window: a sliding per-cost one would pace them; an hour, not
+    a minute: a window that turns over mid-test lets the third in). The first
     request reserves all 20 (X-Queue-Cost) and really spends 7
     (2 prompt words + 5 streamed tokens, its last event's usage): the 13 left let the second
     in at once, and nothing is left for a third."""
     auth = await proxied(gateway, llm, cost_from="sse:usage.total_tokens", limits=[
-        {"limiter": "fixed_window", "rate": 20, "interval_ms": 60_000, "per": "cost"}])
+        {"limiter": "fixed_window", "rate": 20, "interval_ms": 3_600_000, "per": "cost"}])
     base = await start_api()
     await start_dispatcher()
     stream = {**CHAT, "stream": True, "stream_options": {"include_usage": True}}
@@ -204,7 +205,7 @@ async def test_a_stream_settles_its_cost_from_its_usage_event(
         # Its max wait is past the estimate (which takes the recent average cost, 20, for the
         # next admission): it is let in line, and the settled window lets it through at once.
         second = await http.post("/proxy/llm/chat/completions", json=CHAT,
-                                 headers={"X-Queue-Cost": "13", "X-Queue-Max-Wait": "120"})
+                                 headers={"X-Queue-Cost": "13", "X-Queue-Max-Wait": "7200"})
         assert second.status_code == 200, second.text
         assert int(second.headers["x-queue-waited-ms"]) < 3000
         third = await http.post("/proxy/llm/chat/completions", json=CHAT,

@@ -456,3 +456,118 @@ async def test_answers_are_what_their_framing_and_status_say(
     up = await upstream(ok(b"first") + extra)
     first, _ = await timed(client, req(f"{up.url}/d"))
     assert (first.text, first.retry_after_s) == ("first", None)
+
+
+# the proxy's relayed calls (UpstreamClient.relay) ---------------------------------------------
+
+async def body_of(answer: Any) -> bytes:
+    return b"".join([piece async for piece in answer.stream])
+
+
+async def test_a_relayed_answer_comes_at_its_headers_as_sent_and_keeps_its_connection(
+    upstream: Callable[..., Awaitable[Upstream]], client: Any
+) -> None:
+    """Handed on at its head (the body still to come), its headers in order with repeats, its
+    body as encoded; the request with only the headers given; read to its end, its connection
+    serves the next call."""
+    packed = gzip.compress(b"event one\n\nevent two\n\n")
+    go = asyncio.Event()
+
+    async def slow(_: bytes, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\nSet-Cookie: a=1\r\nContent-Encoding: gzip\r\n"
+                     b"Set-Cookie: b=2\r\nTransfer-Encoding: chunked\r\n\r\n")
+        await writer.drain()
+        await go.wait()
+        writer.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(packed), packed))
+        await writer.drain()
+
+    up = await upstream(slow, ok(b"second"))
+    answer = await client.relay("POST", f"{up.url}/v1/chat", [("X-Caller", "c")], b"{}", 5.0)
+    assert answer.status == 200 and answer.raw == [
+        (b"Set-Cookie", b"a=1"), (b"Content-Encoding", b"gzip"), (b"Set-Cookie", b"b=2"),
+        (b"Transfer-Encoding", b"chunked")]
+    assert not answer.stream.at_end
+    go.set()
+    assert await body_of(answer) == packed and answer.stream.at_end
+    answer.stream.close()
+    second = await client.relay("GET", f"{up.url}/v1/models", [], b"", 5.0)
+    assert second.status == 200 and await body_of(second) == b"second"
+    second.stream.close()
+    assert up.connections == 1
+    first, again = up.heads()
+    assert set(first) == {"host", "x-caller", "content-length"}  # nothing of the gateway's own
+    assert set(again) == {"host"}  # a GET without a body says no length
+
+
+async def test_a_relayed_answer_cut_half_way_closes_its_connection(
+    upstream: Callable[..., Awaitable[Upstream]], client: Any
+) -> None:
+    async def half(_: bytes, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nhalf.")
+        await writer.drain()
+        await asyncio.sleep(30)  # cancelled at teardown
+
+    up = await upstream(half, ok(b"next"))
+    answer = await client.relay("POST", f"{up.url}/a", [], b"", 5.0)
+    async for piece in answer.stream:
+        assert piece == b"half."
+        break
+    answer.stream.close()
+    after = await client.relay("POST", f"{up.url}/b", [], b"", 5.0)
+    assert await body_of(after) == b"next"
+    after.stream.close()
+    assert up.connections == 2
+
+
+async def test_a_relayed_body_that_stalls_times_out_per_wait(
+    upstream: Callable[..., Awaitable[Upstream]], client: Any
+) -> None:
+    """Each wait for more is bounded by the timeout, not the whole answer: a stream that keeps
+    coming goes on past it, one that stalls ends."""
+    async def trickle(_: bytes, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        for _piece in range(8):
+            await asyncio.sleep(0.1)
+            writer.write(b"1\r\nx\r\n")
+            await writer.drain()
+        await asyncio.sleep(30)  # then stalls; cancelled at teardown
+
+    up = await upstream(trickle)
+    answer = await client.relay("GET", f"{up.url}/s", [], b"", 0.4)
+    got, began = b"", time.monotonic()
+    with pytest.raises(TimeoutError):
+        async for piece in answer.stream:
+            got += piece
+    assert got == b"x" * 8 and 1.0 < time.monotonic() - began < 2.5
+    answer.stream.close()
+
+
+async def test_a_relayed_body_nobody_reads_stops_the_upstream(
+    upstream: Callable[..., Awaitable[Upstream]], client: Any
+) -> None:
+    """Memory bounded whatever the answer's size: past RELAY_HIGH_WATER bytes waiting, the
+    connection stops reading, and TCP stops the upstream's writes."""
+    sent = 0
+
+    async def endless(_: bytes, writer: asyncio.StreamWriter) -> None:
+        nonlocal sent
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 1000000000\r\n\r\n")
+        while True:
+            writer.write(b"x" * 65536)
+            await writer.drain()
+            sent += 65536
+
+    up = await upstream(endless)
+    answer = await client.relay("GET", f"{up.url}/big", [], b"", 5.0)
+    await asyncio.sleep(0.5)
+    stalled = sent
+    await asyncio.sleep(0.3)
+    # The upstream is stopped, having sent what the two sockets' buffers hold beyond ours.
+    assert sent == stalled and sent < 64 << 20, sent
+    read = 0
+    async for piece in answer.stream:
+        read += len(piece)
+        if read > sent + (8 << 20):  # it reads on again once the caller does
+            break
+    answer.stream.close()
+    assert sent > stalled

@@ -20,22 +20,22 @@ import logging
 import math
 import os
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from redis.exceptions import RedisError
 
 from app import secrets, tracing
+from app.core.interrupt import Interrupt
 from app.core.keys import Keys
 from app.endpoints import EndpointConfig
 from app.errors import ApiError
 from app.models import SubmitRequest, SubmitResponse
-from app.proxy.stream import Streamed, open_call
 from app.queue.acks import ACK_KEYS
 from app.queue.claims import CLAIM_FIELDS, ack_cost_keys, claim_args, claim_keys, settle_limits
 from app.queue.fairness import starvation_keys
-from app.queue.http1 import BadAnswer
+from app.queue.http1 import Answer, BadAnswer
 from app.queue.ids import new_task_id
 from app.queue.signals import pause_s
 from app.queue.tasks import Followup
@@ -255,7 +255,7 @@ class ProxyCall:
 
     # -- the call ----------------------------------------------------------------------------
 
-    async def call(self) -> Streamed | None:
+    async def call(self) -> Answer | None:
         """Make the call; None when the upstream refused it asking for a pause (the endpoint
         pauses, the task goes back to its place in line: wait again). Errors end the task."""
         self.call_started = started = time.monotonic()
@@ -266,9 +266,9 @@ class ProxyCall:
             if self.trace is not None:  # the upstream joins the trace under the proxy span
                 headers = self.trace.outgoing(headers)
             headers.append(("Idempotency-Key", self.task_id))
-            answer = await self._unless_gone(open_call(self.method, self.url, headers,
-                                                       self.body, ep.timeout_ms / 1000,
-                                                       self._on_sent()))
+            answer = await self._unless_gone(self.rt.http.relay(
+                self.method, self.url, headers, self.body, ep.timeout_ms / 1000,
+                self._on_sent()))
         except secrets.Undecryptable as exc:
             await self.finish("failed", f"upstream credentials: {exc}", None, -1, None)
             raise ApiError(503, "credentials_unavailable", str(exc), {"Retry-After": "5"},
@@ -285,7 +285,8 @@ class ProxyCall:
         pause = self._pause(answer)
         if pause is None:
             return answer
-        answer.close()
+        assert answer.stream is not None
+        answer.stream.close()
         await self._back_in_line(answer.status, pause, (time.monotonic() - started) * 1000)
         return None
 
@@ -300,24 +301,20 @@ class ProxyCall:
         admitted_at = self.admitted_at
         return lambda: send_times.sent(ep.id, token, admitted_at, logs)
 
-    async def _unless_gone(self, opening: Coroutine[Any, Any, Streamed]) -> Streamed:
+    async def _unless_gone(self, opening: Awaitable[Answer]) -> Answer:
         """The answer's head, unless the caller leaves first (a slow upstream may take long
-        before its first byte): the call is then aborted and the task ended."""
-        head = asyncio.ensure_future(opening)
-        await asyncio.wait({head, self.gone}, return_when=asyncio.FIRST_COMPLETED)
-        if not head.done():
-            head.cancel()  # open_call closes its connection on the way out
-            with contextlib.suppress(BaseException):
-                await head
-            await self.finish("failed", CALLER_LOST, None,
-                              (time.monotonic() - self.call_started) * 1000, None)
-            raise CallerGone
-        return head.result()
+        before its first byte): the call is then aborted (the client closes its connection
+        when cancelled) and the task ended."""
+        with Interrupt(self.gone):
+            return await opening
+        await self.finish("failed", CALLER_LOST, None,
+                          (time.monotonic() - self.call_started) * 1000, None)
+        raise CallerGone
 
-    def _pause(self, answer: Streamed) -> float | None:
+    def _pause(self, answer: Answer) -> float | None:
         if answer.status not in (429, 503) or not self.endpoint.honor_upstream_limits:
             return None
-        return pause_s(answer.status, lower(answer.headers))
+        return pause_s(answer.status, answer.headers)
 
     async def _back_in_line(self, status: int, pause: float, exec_ms: float) -> None:
         """retry-8.lua: the endpoint pauses for what the upstream asked, the task waits it out
@@ -380,14 +377,6 @@ class ProxyCall:
 
 async def _result(value: bool) -> bool:
     return value
-
-
-def lower(headers: list[tuple[bytes, bytes]]) -> dict[str, str]:
-    """Answer headers by lower-case name, the first of repeated ones (as signals.py reads)."""
-    out: dict[str, str] = {}
-    for name, value in headers:
-        out.setdefault(name.decode("latin-1").lower(), value.decode("latin-1"))
-    return out
 
 
 def _too_long(max_wait_s: float, estimate: Any) -> ApiError:

@@ -5,7 +5,6 @@ and the task is finished (ack-7.lua) whatever the way."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Awaitable
@@ -13,9 +12,10 @@ from collections.abc import Awaitable
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from app.core.interrupt import Interrupt
 from app.proxy.cost import CostReader
-from app.proxy.relay import CALLER_LOST, ProxyCall, lower
-from app.proxy.stream import Streamed
+from app.proxy.relay import CALLER_LOST, ProxyCall
+from app.queue.http1 import Answer
 
 log = logging.getLogger(__name__)
 #: Hop-by-hop headers (RFC 9110 7.6.1) describe the upstream's connection, not the answer.
@@ -23,18 +23,20 @@ HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-connection", b"te"
                         b"transfer-encoding", b"upgrade", b"proxy-authenticate"})
 
 
-def relayed_headers(answer: Streamed, task_id: str, waited_ms: int) -> list[tuple[bytes, bytes]]:
-    named = {v.strip().lower() for n, v in answer.headers if n.lower() == b"connection"
+def relayed_headers(answer: Answer, task_id: str, waited_ms: int) -> list[tuple[bytes, bytes]]:
+    raw = answer.raw or []
+    named = {v.strip().lower() for n, v in raw if n.lower() == b"connection"
              for v in v.split(b",")}
-    out = [(n.lower(), v) for n, v in answer.headers
+    out = [(n.lower(), v) for n, v in raw
            if n.lower() not in HOP_BY_HOP and n.lower() not in named]
     out += [(b"x-queue-task-id", task_id.encode()), (b"x-queue-waited-ms", str(waited_ms).encode())]
     return out
 
 
 class RelayResponse(Response):
-    def __init__(self, call: ProxyCall, answer: Streamed) -> None:
-        self.call, self.answer = call, answer
+    def __init__(self, call: ProxyCall, answer: Answer) -> None:
+        assert answer.stream is not None
+        self.call, self.answer, self.stream = call, answer, answer.stream
         self.status_code = answer.status
         self.raw_headers = relayed_headers(answer, call.task_id, call.waited_ms)
         self.background = None
@@ -42,25 +44,23 @@ class RelayResponse(Response):
         self.acking: asyncio.Future[None] | None = None  # the pump's ack, its reply to come
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        call, answer = self.call, self.answer
+        call = self.call
         cost = CostReader(call.endpoint.cost_from if call.endpoint.max_cost else None)
-        pump = asyncio.ensure_future(self._pump(send, cost))
-        lost = call.lease_lost
         why = None
         try:
-            await asyncio.wait({pump, call.gone, lost}, return_when=asyncio.FIRST_COMPLETED)
+            # The caller leaving or the lease lost (an operator's cancel) stops the relay
+            # wherever it waits: for the upstream's next bytes or the caller's socket.
+            with Interrupt(call.gone, call.lease_lost) as stop:
+                try:
+                    await self._pump(send, cost)
+                except Exception as exc:  # the upstream broke off, or the caller's socket
+                    why = _failure(exc)
+            if stop.by is not None:
+                why = CALLER_LOST if stop.by is call.gone else "the lease was lost (cancelled)"
         finally:
-            if not pump.done():
-                pump.cancel()
-                why = CALLER_LOST if call.gone.done() else "the lease was lost (cancelled)"
-            lost.cancel()
+            call.lease_lost.cancel()
             call.gone.cancel()
-            answer.close()  # aborts the upstream's call if it is still on
-            with contextlib.suppress(BaseException):
-                await pump
-            if why is None:
-                exc = pump.exception() if not pump.cancelled() else None
-                why = _failure(exc)
+            self.stream.close()  # aborts the upstream's call if it is still on
             status = self.status_code
             try:
                 await asyncio.shield(self._finish(why, cost))
@@ -74,9 +74,10 @@ class RelayResponse(Response):
         await send({"type": "http.response.start", "status": self.status_code,
                     "headers": self.raw_headers})
         ending: asyncio.Future[None] | None = None
-        async for chunk in self.answer.body():
+        stream = self.stream
+        async for chunk in stream:
             cost.feed(chunk)
-            last = self.answer.at_end
+            last = stream.at_end
             if last:
                 ending = await self._end_first(cost)
             # uvicorn's send waits while the caller's socket is backed up: the upstream is
@@ -114,7 +115,7 @@ class RelayResponse(Response):
         exec_ms = (time.monotonic() - call.call_started) * 1000
         ok = why is None and 200 <= status < 300
         text = why or ("" if ok else f"upstream answered {status}")
-        real = cost.cost(lower(self.answer.headers)) if why is None else None
+        real = cost.cost(self.answer.headers) if why is None else None
         acking, written = call.finishing("completed" if ok else "failed", text, status, exec_ms,
                                          real)
         return self._logged(acking, why), written

@@ -1,5 +1,7 @@
 """Business API calls over HTTP/1.1: keep-alive connections on asyncio protocols, answers parsed
-by httptools (llhttp, the parser uvicorn uses).
+by httptools (llhttp, the parser uvicorn uses). The dispatcher's calls (`request`: the answer
+whole, decoded, or streamed past a size) and the proxy's (`relay`: the answer as sent, handed
+on at its headers) share the connections.
 
 Why not aiohttp: a call through its session cost a dispatcher ~145 µs of CPU, through this ~50
 (bench/upstream_client.py), and the call was half of a dispatcher's CPU. A call needs little: a
@@ -26,6 +28,8 @@ from app.queue.streams import BodyStream
 MAX_HEAD_BYTES = 64 * 1024  # an answer's headers; more is not an answer we take
 IDLE_S = 4.0  # a connection idle longer is closed, not reused: many servers close theirs after
 # 5 s (uvicorn), and a request written just as the server closes would be lost to its call
+MAX_IDLE = 64  # kept connections per host: what a burst leaves beyond that is closed
+RELAY_HIGH_WATER = 256 << 10  # a relayed answer's bytes held while its caller is slow
 IDEMPOTENT = frozenset({"GET", "HEAD", "OPTIONS", "PUT", "DELETE"})
 _BODYLESS = frozenset({"GET", "HEAD", "DELETE", "OPTIONS"})  # no Content-Length: 0 when empty
 _DECODERS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
@@ -42,9 +46,10 @@ class Answer:
     status: int
     headers: dict[str, str]  # lower-case names; the first of repeated ones
     body: bytes | None  # None: over the size cap (the rest was not read), or streamed
-    #: An answer larger than the caller's `spill`: its body as it arrives (its connection is
-    #: the stream's until closed, never reused). The reader enforces the size cap.
+    #: An answer larger than the caller's `spill`, or relayed: its body as it arrives (its
+    #: connection is the stream's until closed). The reader enforces any size cap.
     stream: BodyStream | None = None
+    raw: list[tuple[bytes, bytes]] | None = None  # relayed: the headers as sent, in order
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,50 +93,86 @@ class UpstreamClient:
         """One call; `on_sent` runs once the request is written. With `spill`, a body larger
         than that comes as `Answer.stream`: the caller must close it."""
         where = target(url, tuple(query))
-        head = self._head(method, where, headers, body)
+        head = self._head(method, where, headers, body, own=True)
+        return await self._call(method, where, head, body, max_bytes, on_sent, spill, None)
+
+    async def relay(self, method: str, url: str, headers: list[tuple[str, str]], body: bytes,
+                    timeout_s: float, on_sent: Callable[[], None] | None = None) -> Answer:
+        """A proxied call: the request with only the headers given (no encoding asked for),
+        the answer handed on once its status and headers are in (within `timeout_s`), its
+        body as sent (`Answer.stream`, never decoded; no wait for more longer than
+        `timeout_s`) and its headers in order (`Answer.raw`). The caller must close the
+        stream: a body read to its end leaves the connection kept for the next call.
+
+        A request written into a kept connection the upstream had just closed (no byte of an
+        answer came) goes again once on a new one, whatever its method: it carries the task's
+        Idempotency-Key, and the caller is waiting on it."""
+        where = target(url)
+        head = self._head(method, where, headers, body or None, own=False)
+        async with asyncio.timeout(timeout_s):
+            return await self._call(method, where, head, body, 0, on_sent, None, timeout_s)
+
+    async def _call(self, method: str, where: Target, head: bytes, body: bytes | None,
+                    max_bytes: int, on_sent: Callable[[], None] | None, spill: int | None,
+                    relay_idle_s: float | None) -> Answer:
+        resend = relay_idle_s is not None or method in IDEMPOTENT
         for retry in (False, True):
             conn, reused = await self._connection(where)
             try:
                 answer = await conn.exchange(head, body, max_bytes, method == "HEAD", on_sent,
-                                             spill)
+                                             spill, relay_idle_s)
             except BadAnswer:
                 conn.close()
                 # A kept-alive connection the server closed as this request went out: sent
                 # again on a new one where that is safe (aiohttp does the same).
-                if reused and not conn.heard and method in IDEMPOTENT and not retry:
+                if reused and not conn.heard and resend and not retry:
+                    on_sent = None  # it left once: its window entry moved then
                     continue
                 raise
             except BaseException:  # cut short (a timeout): the answer may still come
                 conn.close()
                 raise
             if answer.stream is not None:
-                return answer  # the stream holds its connection
-            if conn.reusable and not self._closed:
-                conn.idle_since = asyncio.get_running_loop().time()
-                self._idle.setdefault(where.key, []).append(conn)
-            else:
-                conn.close()
+                conn.home = self, where.key  # the stream holds its connection until closed
+                return answer
+            self.keep(conn, where.key)
             return answer
         raise AssertionError("unreachable")
 
+    def keep(self, conn: _Connection, key: tuple[str, str, int]) -> None:
+        """A connection done with its call: kept for the next if it may be, else closed."""
+        if not conn.reusable or self._closed:
+            conn.close()
+            return
+        conn.idle_since = asyncio.get_running_loop().time()
+        kept = self._idle.setdefault(key, [])
+        kept.append(conn)
+        if len(kept) > MAX_IDLE:
+            kept.pop(0).close()
+
     def _head(self, method: str, where: Target, headers: list[tuple[str, str]],
-              body: bytes | None) -> bytes:
+              body: bytes | None, own: bool) -> bytes:
+        """The request's head; with `own`, the gateway's Accept, User-Agent and
+        Accept-Encoding (its calls decode what they ask for) added."""
         given = "".join(name + value for name, value in headers)
         if "\r" in given or "\n" in given or "\0" in given:
             # A caller's header value with a line break would smuggle in headers of its own.
             raise ValueError("a header name or value contains a control character")
-        names = {name.lower() for name, _ in headers}
         lines = [f"{method} {where.path_qs} HTTP/1.1\r\nHost: {where.host_header}\r\n"]
         lines.extend(f"{name}: {value}\r\n" for name, value in headers)
-        if "accept" not in names:
-            lines.append("Accept: */*\r\n")
-        if "user-agent" not in names:
-            lines.append(f"User-Agent: {self._ua}\r\n")
-        lines.append("Accept-Encoding: gzip, deflate\r\n")
+        if own:
+            names = {name.lower() for name, _ in headers}
+            if "accept" not in names:
+                lines.append("Accept: */*\r\n")
+            if "user-agent" not in names:
+                lines.append(f"User-Agent: {self._ua}\r\n")
+            lines.append("Accept-Encoding: gzip, deflate\r\n")
         if body is not None or method not in _BODYLESS:
             lines.append(f"Content-Length: {len(body or b'')}\r\n")
         lines.append("\r\n")
-        return "".join(lines).encode()
+        # Relayed headers came in as latin-1 and go out byte for byte; what cannot be sent
+        # so is a ValueError (UnicodeEncodeError), as a control character is.
+        return "".join(lines).encode() if own else "".join(lines).encode("latin-1")
 
     async def _connection(self, where: Target) -> tuple[_Connection, bool]:
         """A kept-alive connection (and True), or a new one."""
@@ -176,6 +217,10 @@ class _Connection(asyncio.Protocol):
         self._max_bytes = 0
         self._spill: int | None = None
         self._stream: BodyStream | None = None
+        self._relay_idle_s: float | None = None  # relaying (and the longest wait for more)
+        self._raw: list[tuple[bytes, bytes]] = []  # relaying: the headers as sent
+        self._keep_hint = False  # relaying: the answer's head lets the connection be kept
+        self.home: tuple[UpstreamClient, tuple[str, str, int]] | None = None  # a stream's
         self._head_done = False  # the final answer's headers are in
         self._framed = False  # Content-Length or chunked: the answer's end is known
         self._head_only = False
@@ -198,14 +243,25 @@ class _Connection(asyncio.Protocol):
         if self._transport is not None:
             self._transport.abort()
 
+    def release(self) -> None:
+        """Its stream was read to the end: back to its client for another call if the answer
+        left the connection open (a relayed one), else closed."""
+        home, self.home, self._stream = self.home, None, None
+        if home is None:
+            self.close()
+        else:
+            home[0].keep(self, home[1])
+
     async def exchange(self, head: bytes, body: bytes | None, max_bytes: int, head_only: bool,
-                       on_sent: Callable[[], None] | None, spill: int | None = None) -> Answer:
+                       on_sent: Callable[[], None] | None, spill: int | None = None,
+                       relay_idle_s: float | None = None) -> Answer:
         assert self._transport is not None
         self._waiter = asyncio.get_running_loop().create_future()
         self._headers, self._head_bytes, self._body = {}, 0, bytearray()
         self._max_bytes, self._head_only, self._spill = max_bytes, head_only, spill
+        self._relay_idle_s, self._stream, self._raw = relay_idle_s, None, []
         self._head_done = self._framed = self._interim = False
-        self._keep = self.heard = False
+        self._keep = self._keep_hint = self.heard = False
         self._transport.write(head + body if body else head)
         if on_sent is not None:
             on_sent()
@@ -262,11 +318,13 @@ class _Connection(asyncio.Protocol):
         key = name.decode("latin-1").lower()
         if key not in self._headers:
             self._headers[key] = value.decode("latin-1")
+        if self._relay_idle_s is not None:
+            self._raw.append((bytes(name), bytes(value)))
 
     def on_headers_complete(self) -> None:
         status = self._parser.get_status_code()
         if 100 <= status < 200:
-            self._interim, self._headers, self._head_bytes = True, {}, 0
+            self._interim, self._headers, self._head_bytes, self._raw = True, {}, 0, []
             return
         headers = self._headers
         self._head_done = True
@@ -274,7 +332,14 @@ class _Connection(asyncio.Protocol):
         self._framed = "content-length" in headers or \
             "chunked" in headers.get("transfer-encoding", "").lower()
         length = _int(headers.get("content-length"))
-        if self._head_only:  # no body follows, whatever its headers say
+        if self._relay_idle_s is not None:
+            # Read here: once the message is complete the parser has forgotten it.
+            self._keep_hint = self._parser.should_keep_alive() and not self._head_only
+            self._start_stream(b"")
+            if self._head_only:  # no body follows, whatever its headers say
+                assert self._stream is not None
+                self._stream.end()
+        elif self._head_only:  # no body follows, whatever its headers say
             self._finish(b"", reusable=False)
         elif status not in (204, 304) and length > self._max_bytes:
             self._finish(None, reusable=False)
@@ -299,6 +364,7 @@ class _Connection(asyncio.Protocol):
         if self._interim:
             return
         if self._stream is not None:
+            self._keep = self._keep_hint  # a relayed answer, read to its end
             self._stream.end()
             return
         self._finish(bytes(self._body), reusable=self._parser.should_keep_alive())
@@ -329,9 +395,16 @@ class _Connection(asyncio.Protocol):
         if waiter is None or waiter.done():
             return
         self._keep = False
-        self._stream = BodyStream(self, self._headers.get("content-encoding"), prefix, BadAnswer)
-        waiter.set_result(Answer(self._parser.get_status_code(), dict(self._headers), None,
-                                 self._stream))
+        if self._relay_idle_s is None:
+            self._stream = BodyStream(self, self._headers.get("content-encoding"), prefix,
+                                      BadAnswer)
+            waiter.set_result(Answer(self._parser.get_status_code(), dict(self._headers), None,
+                                     self._stream))
+            return
+        self._stream = BodyStream(self, None, prefix, BadAnswer, self._relay_idle_s,
+                                  RELAY_HIGH_WATER)
+        waiter.set_result(Answer(self._parser.get_status_code(), self._headers, None,
+                                 self._stream, self._raw))
 
     # the stream's source (app/queue/streams.py)
 
