@@ -58,3 +58,27 @@ async def test_an_error_in_the_block_goes_through() -> None:
     with pytest.raises(ValueError), Interrupt(gone):
         raise ValueError("its own")
     assert not gone.done()
+
+
+async def test_a_task_already_cancelling_is_still_interrupted() -> None:
+    """A task that caught a cancellation and carries on (cancelling() stays 1) is interrupted
+    as any other, its own count left as it was."""
+    gone = asyncio.get_running_loop().create_future()
+
+    async def work() -> str:
+        try:
+            await asyncio.sleep(10)
+        except asyncio.CancelledError:
+            pass  # caught, not uncancelled
+        with Interrupt(gone) as stop:
+            await asyncio.sleep(10)
+        me = asyncio.current_task()
+        assert me is not None
+        return f"{stop.by is gone} {me.cancelling()}"
+
+    task = asyncio.ensure_future(work())
+    await asyncio.sleep(0.01)
+    task.cancel()
+    await asyncio.sleep(0.01)
+    gone.set_result(None)
+    assert await task == "True 1"

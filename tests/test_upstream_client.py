@@ -467,8 +467,8 @@ async def body_of(answer: Any) -> bytes:
 async def test_a_relayed_answer_comes_at_its_headers_as_sent_and_keeps_its_connection(
     upstream: Callable[..., Awaitable[Upstream]], client: Any
 ) -> None:
-    """Handed on at its head (the body still to come), its headers in order with repeats, its
-    body as encoded; the request with only the headers given; read to its end, its connection
+    """Handed on at its head (the body still to come), its headers in order with repeats (a
+    trailer not among them), its body as encoded; the request with only the headers given; read to its end, its connection
     serves the next call."""
     packed = gzip.compress(b"event one\n\nevent two\n\n")
     go = asyncio.Event()
@@ -478,7 +478,7 @@ async def test_a_relayed_answer_comes_at_its_headers_as_sent_and_keeps_its_conne
                      b"Set-Cookie: b=2\r\nTransfer-Encoding: chunked\r\n\r\n")
         await writer.drain()
         await go.wait()
-        writer.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(packed), packed))
+        writer.write(b"%x\r\n%s\r\n0\r\nX-Trailer: t\r\n\r\n" % (len(packed), packed))
         await writer.drain()
 
     up = await upstream(slow, ok(b"second"))
@@ -489,6 +489,7 @@ async def test_a_relayed_answer_comes_at_its_headers_as_sent_and_keeps_its_conne
     assert not answer.stream.at_end
     go.set()
     assert await body_of(answer) == packed and answer.stream.at_end
+    assert len(answer.raw) == 4 and "x-trailer" not in answer.headers  # not the answer's
     answer.stream.close()
     second = await client.relay("GET", f"{up.url}/v1/models", [], b"", 5.0)
     assert second.status == 200 and await body_of(second) == b"second"

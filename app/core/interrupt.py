@@ -18,12 +18,14 @@ class Interrupt:
     def __init__(self, *futures: asyncio.Future[Any]) -> None:
         self._futures = futures
         self._task: asyncio.Task[Any] | None = None
+        self._level = 0  # cancellations the task had pending on entry
         self._armed = False
         self.by: asyncio.Future[Any] | None = None  # the future that ended the block
 
     def __enter__(self) -> Interrupt:
         self._task = asyncio.current_task()
         assert self._task is not None, "an Interrupt is entered in a task"
+        self._level = self._task.cancelling()
         self._armed = True
         for fut in self._futures:
             fut.add_done_callback(self._fire)
@@ -46,4 +48,4 @@ class Interrupt:
             return False
         assert self._task is not None
         # Ours taken back; swallowed only when nothing else cancelled the task meanwhile.
-        return self._task.uncancel() == 0 and kind is asyncio.CancelledError
+        return self._task.uncancel() <= self._level and kind is asyncio.CancelledError

@@ -46,15 +46,19 @@ class RelayResponse(Response):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         call = self.call
         cost = CostReader(call.endpoint.cost_from if call.endpoint.max_cost else None)
-        why = None
+        why: str | None = "the relay was cancelled"  # as it stays if a shutdown stops it
         try:
             # The caller leaving or the lease lost (an operator's cancel) stops the relay
             # wherever it waits: for the upstream's next bytes or the caller's socket.
             with Interrupt(call.gone, call.lease_lost) as stop:
-                try:
-                    await self._pump(send, cost)
-                except Exception as exc:  # the upstream broke off, or the caller's socket
-                    why = _failure(exc)
+                if call.gone.done():  # uvicorn's send would take the answer without a word
+                    why = CALLER_LOST
+                else:
+                    try:
+                        await self._pump(send, cost)
+                        why = None
+                    except Exception as exc:  # the upstream broke off, or the caller's socket
+                        why = _failure(exc)
             if stop.by is not None:
                 why = CALLER_LOST if stop.by is call.gone else "the lease was lost (cancelled)"
         finally:

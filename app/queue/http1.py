@@ -117,7 +117,9 @@ class UpstreamClient:
                     relay_idle_s: float | None) -> Answer:
         resend = relay_idle_s is not None or method in IDEMPOTENT
         for retry in (False, True):
-            conn, reused = await self._connection(where)
+            # Sent again on a new connection: an upstream closing idle ones on a timer closes
+            # the others kept with it too.
+            conn, reused = await self._connection(where, fresh=retry)
             try:
                 answer = await conn.exchange(head, body, max_bytes, method == "HEAD", on_sent,
                                              spill, relay_idle_s)
@@ -132,7 +134,7 @@ class UpstreamClient:
             except BaseException:  # cut short (a timeout): the answer may still come
                 conn.close()
                 raise
-            if answer.stream is not None:
+            if answer.stream is not None and conn.streaming:
                 conn.home = self, where.key  # the stream holds its connection until closed
                 return answer
             self.keep(conn, where.key)
@@ -174,11 +176,12 @@ class UpstreamClient:
         # so is a ValueError (UnicodeEncodeError), as a control character is.
         return "".join(lines).encode() if own else "".join(lines).encode("latin-1")
 
-    async def _connection(self, where: Target) -> tuple[_Connection, bool]:
-        """A kept-alive connection (and True), or a new one."""
+    async def _connection(self, where: Target, fresh: bool = False
+                          ) -> tuple[_Connection, bool]:
+        """A kept-alive connection (and True), or a new one (always, with `fresh`)."""
         if self._closed:
             raise ConnectionError("the upstream client is closed")
-        idle = self._idle.get(where.key)
+        idle = None if fresh else self._idle.get(where.key)
         now = asyncio.get_running_loop().time()
         while idle:
             conn = idle.pop()
@@ -229,6 +232,11 @@ class _Connection(asyncio.Protocol):
         self._keep = False
         self.lost = False
         self.heard = False  # a byte of an answer came
+
+    @property
+    def streaming(self) -> bool:
+        """Its answer's body is still coming, through `Answer.stream`."""
+        return self._stream is not None
 
     @property
     def reusable(self) -> bool:
@@ -312,6 +320,8 @@ class _Connection(asyncio.Protocol):
         self._interim = False
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        if self._head_done:  # a chunked body's trailer: not the answer's headers
+            return
         self._head_bytes += len(name) + len(value)
         if self._head_bytes > MAX_HEAD_BYTES:
             raise BadAnswer(f"answer headers over {MAX_HEAD_BYTES} bytes")
@@ -336,9 +346,8 @@ class _Connection(asyncio.Protocol):
             # Read here: once the message is complete the parser has forgotten it.
             self._keep_hint = self._parser.should_keep_alive() and not self._head_only
             self._start_stream(b"")
-            if self._head_only:  # no body follows, whatever its headers say
-                assert self._stream is not None
-                self._stream.end()
+            if self._head_only and self._stream is not None:  # no body follows, whatever
+                self._stream.end()  # its headers say
         elif self._head_only:  # no body follows, whatever its headers say
             self._finish(b"", reusable=False)
         elif status not in (204, 304) and length > self._max_bytes:
