@@ -155,6 +155,14 @@ def _staging(settings: Settings) -> list[Path]:
     return [p for p in root.rglob("*#*")] if root.exists() else []
 
 
+def _size(path: Path) -> int:
+    """A staging file's size; 0 once gone (the abort may delete it between list and stat)."""
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
+
+
 async def test_a_purge_while_the_answer_uploads_leaves_nothing(
     gateway: Gateway, fresh_upstream: str, dispatcher_process: Any, settings: Settings,
     store_kind: str,
@@ -171,7 +179,7 @@ async def test_a_purge_while_the_answer_uploads_leaves_nothing(
 
     async def uploading() -> bool:
         if store_kind == "file":
-            return any(p.stat().st_size > 0 for p in _staging(settings))
+            return any(_size(p) > 0 for p in _staging(settings))
         return bool(await asyncio.to_thread(list_uploads, SeaweedFS.BUCKET, prefix))
 
     deadline = time.monotonic() + 60

@@ -468,8 +468,8 @@ async def test_a_relayed_answer_comes_at_its_headers_as_sent_and_keeps_its_conne
     upstream: Callable[..., Awaitable[Upstream]], client: Any
 ) -> None:
     """Handed on at its head (the body still to come), its headers in order with repeats (a
-    trailer not among them), its body as encoded; the request with only the headers given; read to its end, its connection
-    serves the next call."""
+    trailer not among them), its body as encoded; the request with only the headers given;
+    read to its end, its connection serves the next call."""
     packed = gzip.compress(b"event one\n\nevent two\n\n")
     go = asyncio.Event()
 
