@@ -10,7 +10,7 @@ import time
 from collections.abc import Awaitable
 
 from starlette.responses import Response
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from app.core.interrupt import Interrupt
 from app.proxy.cost import CostReader
@@ -75,21 +75,32 @@ class RelayResponse(Response):
                                             else None))
 
     async def _pump(self, send: Send, cost: CostReader) -> None:
-        await send({"type": "http.response.start", "status": self.status_code,
-                    "headers": self.raw_headers})
-        ending: asyncio.Future[None] | None = None
         stream = self.stream
+        head: Message = {"type": "http.response.start", "status": self.status_code,
+                         "headers": self.raw_headers}
+        start: Message | None = head
+        if not stream.ready:  # nothing of the body here yet: the head goes at once
+            await send(head)
+            start = None
+        # Otherwise it goes with the first piece (after the ack, when that piece is the last):
+        # two writes back to back, which the caller reads at one wake rather than two.
+        ending: asyncio.Future[None] | None = None
         async for chunk in stream:
             cost.feed(chunk)
             last = stream.at_end
             if last:
                 ending = await self._end_first(cost)
+            if start is not None:
+                await send(start)
+                start = None
             # uvicorn's send waits while the caller's socket is backed up: the upstream is
             # read no faster than the caller takes it. The last piece goes with the answer's
             # end (a chunked answer's last chunk and its terminator in one write).
             await send({"type": "http.response.body", "body": chunk, "more_body": not last})
         if ending is None:  # an empty body, or one that ended with its connection
             ending = await self._end_first(cost)
+            if start is not None:
+                await send(start)
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         # Its reply is awaited by the caller of the pump: with the answer complete, the server
         # tells the request it is over (a disconnect), which must not read as a caller gone.

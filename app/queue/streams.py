@@ -103,6 +103,12 @@ class BodyStream:
                 self._wake = None
 
     @property
+    def ready(self) -> bool:
+        """A read would not wait: a piece is here, or the end (not a failure: raised once
+        read)."""
+        return bool(self._chunks) or self._ended
+
+    @property
     def at_end(self) -> bool:
         """What was handed out last was the body's end: nothing more will come."""
         return self._ended and not self._chunks and self._failure is None
