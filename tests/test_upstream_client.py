@@ -572,3 +572,27 @@ async def test_a_relayed_body_nobody_reads_stops_the_upstream(
             break
     answer.stream.close()
     assert sent > stalled
+
+
+async def test_a_relayed_call_met_by_a_closing_kept_connection_goes_again_on_a_new_one(
+    upstream: Callable[..., Awaitable[Upstream]], client: Any
+) -> None:
+    """The upstream closes its kept connection as the next request arrives, answering nothing:
+    a relayed POST goes again, once, on a new connection (it carries the task's
+    Idempotency-Key); a queued call's POST does not (the dispatcher's retry policy decides)."""
+    async def drop(_: bytes, writer: asyncio.StreamWriter) -> None:
+        writer.close()
+
+    up = await upstream(ok(b"one"), drop, ok(b"two"))
+    first = await client.relay("POST", f"{up.url}/a", [], b"{}", 5.0)
+    assert await body_of(first) == b"one"
+    first.stream.close()
+    again = await client.relay("POST", f"{up.url}/b", [], b"{}", 5.0)
+    assert await body_of(again) == b"two"
+    again.stream.close()
+    assert up.connections == 2 and len(up.requests) == 3
+
+    up = await upstream(ok(b"one"), drop, ok(b"two"))
+    one, _ = await timed(client, req(f"{up.url}/c"))
+    dropped, _ = await timed(client, req(f"{up.url}/d"))
+    assert one.text == "one" and dropped.status_code is None and len(up.requests) == 2
