@@ -203,6 +203,28 @@ async def test_upstream_connections_are_kept_for_the_next_call(
     assert peers[4] != peers[3]  # the cut one was closed, not kept
 
 
+async def test_a_head_request_has_no_body_and_the_next_call_goes_on(
+    gateway: Gateway, llm: str, start_api: StartApi, start_dispatcher: StartDispatcher
+) -> None:
+    """HEAD: the upstream's status and headers, no body (whatever its Content-Length says),
+    the task completed; its connection is not kept (no body follows to tell where the answer
+    ends), so the next call goes on a new one and is answered whole."""
+    auth = await proxied(gateway, llm, methods=["HEAD", "POST"])
+    base = await start_api()
+    await start_dispatcher()
+    async with httpx.AsyncClient(base_url=base, headers=auth, timeout=30) as http:
+        head = await http.head("/proxy/llm/models")
+        assert head.status_code == 200 and head.content == b"", head.content
+        assert int(head.headers["content-length"]) > 0
+        done = await gateway.status(auth, head.headers["x-queue-task-id"])
+        assert done["task_status"] == "completed", done
+        r = await http.post("/proxy/llm/chat/completions", json=CHAT)
+        assert r.status_code == 200 and r.json()["object"] == "chat.completion", r.text
+    calls = mock_log(llm)
+    assert [c["method"] for c in calls] == ["HEAD", "POST"]
+    assert calls[0]["peer"] != calls[1]["peer"]
+
+
 @contextlib.contextmanager
 def stalling(proc: subprocess.Popen[bytes], every_s: float, for_s: float) -> Iterator[None]:
     """Stop the process for `for_s` every `every_s` (SIGSTOP / SIGCONT): a busy event loop, a
