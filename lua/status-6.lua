@@ -53,16 +53,21 @@ if not rank then
     local ttl = tonumber(ARGV[3])
     if ttl > 0 and external then ttl = math.max(ttl, tonumber(ARGV[4])) end
     local left = redis.call('PTTL', KEYS[1])  -- -1: no TTL, still waiting for SQL
-    if ttl > 0 and (left > ttl or left == -1) then
-      redis.call('PEXPIRE', KEYS[1], ttl)
-      redis.call('ZREM', KEYS[4], ARGV[1])
-      -- Deleting the row only after the TTL also covers a writer that had already taken the
-      -- outbox copy and commits it just after this read.
+    if ttl > 0 then
+      if left > ttl or left == -1 then  -- a done TTL already shorter (saved-1.lua) is kept
+        redis.call('PEXPIRE', KEYS[1], ttl)
+        redis.call('ZREM', KEYS[4], ARGV[1])
+      end
+      -- The row's deletion is scheduled on every read, whatever TTL the hash has left: a read
+      -- after the writer saved the row and set a done TTL shorter than this one must not
+      -- leave the row in SQL. NX: reading again does not put it off. Deleting the row only
+      -- after the TTL also covers a writer that had already taken the outbox copy and
+      -- commits it just after this read.
       -- A result in the store is scheduled by its object's key (`<task id>/<random>`): the
       -- row may never have been written (read before the writer came), and the hash goes at
       -- the same moment, so the key is kept here for the writer to delete the object by.
       local member = type(external) == 'string' and external or ARGV[1]
-      redis.call('ZADD', KEYS[5], now_ms() + ttl, member)
+      redis.call('ZADD', KEYS[5], 'NX', now_ms() + ttl, member)
     end
   end
 end
