@@ -123,7 +123,7 @@ async def test_the_janitor_deletes_an_unread_result_with_its_row(
     gateway: Gateway, upstream: str, dispatcher_process: Any,
 ) -> None:
     """Never read: the dispatcher's own janitor deletes its row after QGW_DB_RETENTION_S
-    (1 s here), and its object in the same step."""
+    (1 s here), its object in the same step, and its hash before them."""
     _, tid, _ = await _finished(gateway, upstream, "retained", dispatcher_process,
                                 QGW_DB_RETENTION_S="1", QGW_JANITOR_INTERVAL_S="0.3",
                                 **NO_SWEEP)
@@ -134,6 +134,8 @@ async def test_the_janitor_deletes_an_unread_result_with_its_row(
         assert time.monotonic() < deadline, "the row was not purged"
         await asyncio.sleep(0.05)
     assert await _objects(gateway) == []
+    # Its hash went with them (its done TTL is an hour): nothing names the deleted object.
+    assert not await gateway.rt.redis.exists(gateway.rt.keys.task(tid))
 
 
 async def test_deleting_an_endpoint_deletes_the_results_already_read(

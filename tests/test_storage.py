@@ -31,7 +31,7 @@ from app.lifecycle.expiry import ExpirySweep
 from app.lifecycle.janitor import Janitor
 from app.lifecycle.results import OutboxWriter, ResultStore
 from app.main import create_app
-from app.runtime import Runtime
+from app.runtime import Runtime, redis_client
 from app.settings import Settings
 from tests.conftest import Gateway
 from tests.servers import QGW, MariaDB, free_port
@@ -575,6 +575,48 @@ async def test_janitor_lock_lets_one_replica_work(gateway: Gateway) -> None:
         assert await janitor.run_once() is None  # another replica holds it
     finally:
         await lock.release()
+
+
+async def test_the_janitor_takes_an_ended_task_out_of_redis_with_its_row(
+    gateway: Gateway, upstream: str, start_dispatcher: Start
+) -> None:
+    """Rows purged while Redis still holds their tasks (a retention shorter than the done
+    TTL): an ended task's hash goes with its row, so nothing names what the purge deleted;
+    a dead letter an operator runs again keeps its hash and runs."""
+    url = f"{upstream}/retire"
+    await gateway.add_endpoint("retire", url, max_retries=0)
+    auth = await gateway.new_key(user_id=7)
+    ok = (await gateway.submit(auth, url, body="fine"))["task_id"]
+    bad = (await gateway.submit(auth, url, body="no",
+                                headers={"X-Mock-Status": ["500"]}))["task_id"]
+    await start_dispatcher()
+    rt = gateway.rt
+    await eventually(lambda: _has(rt.engine, [ok, bad]))
+    cutoff = utcnow()  # after both rows were written, before the retry's
+    retried = await gateway.http.post(f"/admin/v1/tasks/{bad}/retry", headers=gateway.admin)
+    assert retried.status_code == 200, retried.text
+    stats = await Janitor(rt.engine, 3600, 1000, rt.redis, rt.keys).purge(cutoff=cutoff)
+    assert stats.rows >= 1
+    assert not await rt.redis.exists(rt.keys.task(ok)) and ok not in await rows(rt.engine)
+    assert (await gateway.http.get(f"/api/v1/tasks/{ok}", headers=auth)).status_code == 404
+    assert await rt.redis.exists(rt.keys.task(bad))  # running again: kept
+    assert (await gateway.status(auth, bad))["task_id"] == bad
+
+
+async def test_the_janitor_waits_while_redis_does_not_answer(
+    gateway: Gateway, upstream: str, start_dispatcher: Start
+) -> None:
+    """No row goes while the hashes that may name it cannot be checked."""
+    _, (tid,) = await finish(gateway, upstream, start_dispatcher, "waits")
+    rt = gateway.rt
+    await eventually(lambda: _has(rt.engine, [tid]))
+    nobody = redis_client(f"redis://127.0.0.1:{free_port()}", 0.5)  # refuses at once
+    janitor = Janitor(rt.engine, 3600, 1000, nobody, rt.keys)
+    try:
+        stats = await janitor.purge(cutoff=utcnow() + timedelta(seconds=1))
+    finally:
+        await nobody.aclose()
+    assert stats.rows == 0 and tid in await rows(rt.engine)
 
 
 @pytest.mark.parametrize("db_url", ["mariadb"], indirect=True)

@@ -4,8 +4,14 @@ In batches of at most 1000, each its own short transaction: select the oldest ke
 `created_at` index (ORDER BY + LIMIT stops the range scan there), then delete them by primary
 key, which on InnoDB locks only those rows, never a range a writer inserts into (new rows are the
 newest). The same statements run on SQLite. With several replicas, one holds a Redis lock and
-does the work; without Redis the others may join in, which is harmless (a key deleted twice is
-deleted once).
+does the work; without the lock the others may join in, which is harmless (a key deleted twice
+is deleted once).
+
+Retention is the end of a finished task wherever it is kept: each batch's tasks that have ended
+leave Redis first (lua/retire-1.lua), so a hash never outlives its row and names a result
+object deleted with it (a retention shorter than the done TTL, or than a long wait in line and
+the done TTL). While Redis does not answer the pass stops there: rows wait for the next one
+rather than go from under hashes that still name them.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import defaultdict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -23,7 +30,8 @@ from redis.exceptions import RedisError
 from sqlalchemy import Table, delete, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from app.core.keys import Keys
+from app.core.keys import Keys, endpoint_of
+from app.core.scripts import Lua, source
 from app.db import SQL_JOB_TIMEOUT_S, TaskResultRow, utcnow
 from app.lifecycle.orphans import delete_objects_of
 from app.queue.objects import ObjectStore
@@ -50,6 +58,11 @@ class Janitor:
     redis: Redis | None = None
     keys: Keys | None = None
     objects: ObjectStore | None = None  # the rows' result objects go with them
+    _retire: Lua | None = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        if self.redis is not None:
+            self._retire = Lua(self.redis, source("retire"))
 
     async def run_once(self) -> PurgeStats | None:
         """Purge under the replicas' lock; None when another replica holds it."""
@@ -84,6 +97,8 @@ class Janitor:
                 stats.statements += 1
                 if not ids:
                     break
+                if not await self._retired(list(ids)):
+                    break  # Redis did not answer: the next pass
                 t0 = time.monotonic()
                 await delete_objects_of(conn, self.objects, list(ids))
                 await conn.execute(delete(T).where(T.c.task_id.in_(ids)))
@@ -102,3 +117,21 @@ class Janitor:
             log.info("janitor deleted %d rows in %d batches (%.1f s)", stats.rows,
                      len(stats.batches), stats.elapsed_s)
         return stats
+
+    async def _retired(self, task_ids: list[str]) -> bool:
+        """These tasks' ended hashes deleted from Redis (one script call per endpoint: its keys
+        share a slot on a Cluster); False when Redis did not answer."""
+        if self._retire is None or self.keys is None:
+            return True
+        by_endpoint: dict[str, list[str]] = defaultdict(list)
+        for tid in task_ids:
+            by_endpoint[endpoint_of(tid)].append(tid)
+        k = self.keys
+        try:
+            for endpoint, ids in by_endpoint.items():
+                await self._retire(keys=[k.outbox(endpoint), *(k.task(t) for t in ids)],
+                                   args=ids)
+        except (RedisError, OSError) as exc:
+            log.warning("janitor stopped: Redis did not answer (%s); the rows wait", exc)
+            return False
+        return True
