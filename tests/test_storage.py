@@ -577,6 +577,7 @@ async def test_janitor_lock_lets_one_replica_work(gateway: Gateway) -> None:
         await lock.release()
 
 
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)  # Redis's part
 async def test_the_janitor_takes_an_ended_task_out_of_redis_with_its_row(
     gateway: Gateway, upstream: str, start_dispatcher: Start
 ) -> None:
@@ -603,6 +604,7 @@ async def test_the_janitor_takes_an_ended_task_out_of_redis_with_its_row(
     assert (await gateway.status(auth, bad))["task_id"] == bad
 
 
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)  # Redis's part
 async def test_the_janitor_waits_while_redis_does_not_answer(
     gateway: Gateway, upstream: str, start_dispatcher: Start
 ) -> None:
