@@ -14,7 +14,10 @@ mock upstream (`qgw mock-upstream --openai`: 20 ms before its answer, then a str
    `--max-wait` s).
 LiteLLM runs from a virtualenv of its own (`--litellm`: its `litellm` executable; made with
 `pip install 'litellm[proxy]'`); without it that column is left out. Loopback only, bounded.
-Usage: python bench/proxy.py [--seconds 10] [--over-seconds 60] [--litellm /tmp/ll/bin/litellm]
+Direct and ours take `--rounds` turns of `--seconds`/rounds at each rate, pooled, so that the
+machine's drift during the run falls on both alike.
+Usage: python bench/proxy.py [--seconds 10] [--over-seconds 60] [--rounds 3]
+       [--litellm /tmp/ll/bin/litellm]
 """
 
 from __future__ import annotations
@@ -53,6 +56,14 @@ class Phase:
     statuses: Counter[int] = field(default_factory=Counter)
     cpu_s: float = 0.0
     wall_s: float = 0.0  # from the first request to the last answer
+
+    def add(self, other: Phase) -> None:
+        """Another phase's requests pooled into this one."""
+        self.latency += other.latency
+        self.ttft += other.ttft
+        self.statuses.update(other.statuses)
+        self.cpu_s += other.cpu_s
+        self.wall_s += other.wall_s
 
     def pct(self, q: float, values: list[float] | None = None) -> float:
         data = sorted(self.latency if values is None else values)
@@ -147,13 +158,25 @@ async def start_litellm(exe: str, mock: str, data: Path, rpm: int | None) -> tup
 
 
 async def latency_rows(targets: dict[str, tuple[str, dict[str, str], int | None]],
-                       seconds: float) -> list[str]:
+                       seconds: float, rounds: int) -> list[str]:
+    """Direct and ours take turns, `rounds` short phases each, pooled: the machine's drift over
+    a run (on a shared host, easily 0.3 ms at the median) falls on both alike. A peer runs
+    after them, once: its backlog would weigh on the phases that follow it."""
     rows = []
+    paired = [n for n in ("direct", "queue-gateway") if n in targets]
     for rate in (50, 200):
-        phases = {}
+        phases = {name: Phase() for name in targets}
         for name, (url, headers, pid) in targets.items():
-            await run_rate(url, headers, rate, 2, pid)  # warm-up: connections, caches
-            phases[name] = await run_rate(url, headers, rate, seconds, pid)
+            if name in paired:
+                await run_rate(url, headers, rate, 2, pid)  # warm-up: connections, caches
+        for _ in range(rounds):
+            for name in paired:
+                url, headers, pid = targets[name]
+                phases[name].add(await run_rate(url, headers, rate, seconds / rounds, pid))
+        for name, (url, headers, pid) in targets.items():
+            if name not in paired:
+                await run_rate(url, headers, rate, 2, pid)
+                phases[name].add(await run_rate(url, headers, rate, seconds, pid))
         d = phases["direct"]
         for name, p in phases.items():
             n = sum(p.statuses.values())
@@ -216,7 +239,7 @@ async def main(args: argparse.Namespace) -> None:
                                       ll.pid)  # type: ignore[attr-defined]
             print("| rate | target | p50 ms | p99 ms | added p50 | added p99 | added ttft p50 "
                   "| CPU ms/req | answers |\n|---|---|---|---|---|---|---|---|---|")
-            for row in await latency_rows(targets, args.seconds):
+            for row in await latency_rows(targets, args.seconds, args.rounds):
                 print(row, flush=True)
             if args.litellm:  # its backlog of the latency phases must not reach the mock now
                 stop(procs.pop())  # type: ignore[arg-type]
@@ -244,5 +267,7 @@ if __name__ == "__main__":
     parser.add_argument("--seconds", type=float, default=10)
     parser.add_argument("--over-seconds", type=float, default=60)
     parser.add_argument("--max-wait", type=float, default=30)
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="turns direct and ours take at each rate (their phases pooled)")
     parser.add_argument("--litellm", default=os.environ.get("LITELLM_BIN"))
     asyncio.run(main(parser.parse_args()))
