@@ -4,6 +4,7 @@
     with Client("http://127.0.0.1:8080", api_key) as qgw:
         task = qgw.submit("http://svc:9000/api/generate_image", body='{"prompt": "cat"}')
         print(task.result(timeout=60))
+        qgw.submit(video_url).download("out.mp4", timeout=600)  # streamed, never in memory
 
 `AsyncClient` is the same with `await`.
 """
@@ -17,7 +18,7 @@ from queue_gateway_client._common import (
     TaskFailed,
     WaitTimeout,
 )
-from queue_gateway_client._result import Result
+from queue_gateway_client._result import Result, ResultNotRead
 from queue_gateway_client._sync import Client, Task
 
 __all__ = [
@@ -28,6 +29,7 @@ __all__ = [
     "GatewayUnreachable",
     "QueueGatewayError",
     "Result",
+    "ResultNotRead",
     "Status",
     "Task",
     "TaskFailed",

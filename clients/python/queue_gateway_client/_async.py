@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from types import TracebackType
 from typing import Any
 
@@ -23,7 +24,14 @@ from queue_gateway_client._common import (
     submit_body,
     transport_delay,
 )
-from queue_gateway_client._result import Result, from_status, needs_download
+from queue_gateway_client._download import CHUNK, READ, Download, gave_up
+from queue_gateway_client._result import (
+    PathLike,
+    Result,
+    from_status,
+    is_external,
+    needs_download,
+)
 
 
 class AsyncClient:
@@ -72,6 +80,50 @@ class AsyncClient:
         """A task submitted earlier, by its id."""
         return AsyncTask(self, task_id)
 
+    async def download(self, task_id: str, path: PathLike) -> Path:
+        """Stream the answer of the ended task `task_id` (`GET /api/v1/tasks/{id}/result`) to
+        `path`, a chunk at a time: memory stays bounded whatever its size, and the file is
+        written off the event loop. `path` appears only once complete (a hidden `.part` file
+        beside it until then, removed on failure or cancellation). A cut is resumed from
+        where it stopped (`Range`); up to `retries` tries in a row that gain no byte, then
+        GatewayUnreachable. Returns `path`."""
+        url = f"/api/v1/tasks/{task_id}/result"
+        dl = await _opened(Path(path))
+        try:
+            attempt = 0
+            while True:
+                wait, cause = None, None
+                try:
+                    wait = await self._download_once(url, dl, attempt)
+                except httpx.TransportError as exc:
+                    cause = exc
+                if dl.complete:
+                    return await asyncio.to_thread(dl.commit)
+                if dl.progressed():
+                    attempt = 0
+                if attempt >= self.retries:
+                    raise GatewayUnreachable(gave_up(url, dl, cause)) from cause
+                await asyncio.sleep(transport_delay(attempt) if wait is None else wait)
+                attempt += 1
+        finally:
+            dl.discard()  # not in a thread: it must happen even when cancelled
+
+    async def _download_once(self, url: str, dl: Download, attempt: int) -> float | None:
+        """One request of a download, its answer written as it comes; the Retry-After of a
+        429/503 to honour before the next one, or None."""
+        async with self._http.stream("GET", url, headers=dl.headers()) as r:
+            if r.is_error and r.status_code not in READ:
+                wait = retry_after(r, self.max_retry_after) if attempt < self.retries else None
+                if wait is None:
+                    await r.aread()
+                    raise_for_error(r)
+                return wait
+            if await asyncio.to_thread(dl.start, r):  # it may empty the file
+                async for chunk in r.aiter_raw(CHUNK):
+                    await asyncio.to_thread(dl.write, chunk)
+                dl.ended()
+        return None
+
     async def request(self, method: str, path: str, *, safe: bool, **kwargs: Any
                       ) -> httpx.Response:
         """One API call with the retries described above; an error answer raises ApiError."""
@@ -94,7 +146,8 @@ class AsyncClient:
 
 
 class AsyncTask:
-    """A submitted task: `status()`, `cancel()`, `wait(timeout)`, `result(timeout)`."""
+    """A submitted task: `status()`, `cancel()`, `wait(timeout)`, `result(timeout)`,
+    `download(path, timeout)`."""
 
     def __init__(self, client: AsyncClient, task_id: str, submitted: Status | None = None
                  ) -> None:
@@ -129,17 +182,40 @@ class AsyncTask:
         except TimeoutError:
             raise WaitTimeout(self._last, timeout or 0) from None
 
-    async def result(self, timeout: float | None = None) -> Result:  # noqa: ASYNC109
+    async def result(self, timeout: float | None = None,  # noqa: ASYNC109
+                     *, stream: bool = False) -> Result:
         """The business API's answer (a `str` as ever, with `.content`, `.content_type`...);
-        TaskFailed if the task failed, was cancelled or expired."""
-        final = await self.wait(timeout)
-        if final.task_status != "completed":
-            raise TaskFailed(final)
+        TaskFailed if the task failed, was cancelled or expired.
+
+        The bytes of one in the result store are read into `.content` here, unless `stream`:
+        then they stay on the gateway until `await result.aread()` loads them or
+        `await result.asave(path)` streams them to a file (`.content` raises ResultNotRead
+        until then: a property cannot await). For a large answer, `stream=True` or
+        `download()`."""
+        final = await self._completed(timeout)
+        if is_external(final.raw):
+            result = from_status(final.raw, None, ResultOnGateway(self.client, self.task_id))
+            if not stream:
+                await result.aread()
+            return result
         body = None
         if needs_download(final.raw):
             r = await self.client.request("GET", f"/api/v1/tasks/{self.task_id}/result", safe=True)
             body = r.content
         return from_status(final.raw, body)
+
+    async def download(self, path: PathLike,
+                       timeout: float | None = None) -> Path:  # noqa: ASYNC109
+        """The answer straight to a file: waits like `result(timeout)` (TaskFailed likewise),
+        then streams it to `path` as `AsyncClient.download` does. Returns `path`."""
+        await self._completed(timeout)
+        return await self.client.download(self.task_id, path)
+
+    async def _completed(self, timeout: float | None) -> Status:  # noqa: ASYNC109
+        final = await self.wait(timeout)
+        if final.task_status != "completed":
+            raise TaskFailed(final)
+        return final
 
     async def _follow(self) -> Status:
         """Read the event stream until a final status. A broken or ended stream is opened
@@ -179,3 +255,34 @@ class AsyncTask:
                 if status.finished:
                     return status
         return None
+
+
+async def _opened(target: Path) -> Download:
+    """`Download(target)` off the event loop (opening a pipe waits for its reader); should
+    the caller be cancelled meanwhile, the part file it made is removed once it is made."""
+    opening = asyncio.get_running_loop().run_in_executor(None, Download, target)
+    try:
+        return await asyncio.shield(opening)
+    except asyncio.CancelledError:
+        opening.add_done_callback(_discard_opened)
+        raise
+
+
+def _discard_opened(opening: asyncio.Future[Download]) -> None:
+    if not opening.cancelled() and opening.exception() is None:
+        opening.result().discard()
+
+
+class ResultOnGateway:
+    """An `AsyncClient`'s external result: its bytes on the gateway, read (or streamed to a
+    file) when awaited, through the client that returned it."""
+
+    def __init__(self, client: AsyncClient, task_id: str) -> None:
+        self.client, self.task_id = client, task_id
+
+    async def aread(self) -> bytes:
+        r = await self.client.request("GET", f"/api/v1/tasks/{self.task_id}/result", safe=True)
+        return r.content
+
+    async def asave(self, path: PathLike) -> Path:
+        return await self.client.download(self.task_id, path)

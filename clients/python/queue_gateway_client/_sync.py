@@ -4,7 +4,10 @@ status changes, so a wait costs one request per change, not a loop of them."""
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from functools import partial
+from pathlib import Path
 from types import TracebackType
 from typing import Any
 
@@ -24,7 +27,15 @@ from queue_gateway_client._common import (
     submit_body,
     transport_delay,
 )
-from queue_gateway_client._result import Result, from_status, needs_download
+from queue_gateway_client._download import CHUNK, READ, Download, gave_up
+from queue_gateway_client._result import (
+    PathLike,
+    Result,
+    ResultNotRead,
+    from_status,
+    is_external,
+    needs_download,
+)
 
 
 class Client:
@@ -39,6 +50,11 @@ class Client:
                  max_retry_after: float = 60.0, transport: httpx.BaseTransport | None = None
                  ) -> None:
         self.retries, self.max_retry_after = retries, max_retry_after
+        # A client like this one, for a Result used after this one is closed (_open); not with
+        # the caller's transport, which closes with it.
+        self._again: Callable[[], Client] | None = None if transport is not None else partial(
+            Client, base_url, api_key, timeout=timeout, retries=retries,
+            max_retry_after=max_retry_after)
         self._http = httpx.Client(
             base_url=base_url.rstrip("/"), timeout=timeout, transport=transport,
             headers={"Authorization": f"Bearer {api_key}"})
@@ -72,6 +88,63 @@ class Client:
         """A task submitted earlier, by its id."""
         return Task(self, task_id)
 
+    def download(self, task_id: str, path: PathLike) -> Path:
+        """Stream the answer of the ended task `task_id` (`GET /api/v1/tasks/{id}/result`) to
+        `path`, a chunk at a time: memory stays bounded whatever its size. `path` appears only
+        once complete (a hidden `.part` file beside it until then, removed on failure). A cut
+        is resumed from where it stopped (`Range`); up to `retries` tries in a row that gain
+        no byte, then GatewayUnreachable. Returns `path`."""
+        url = f"/api/v1/tasks/{task_id}/result"
+        dl = Download(Path(path))
+        try:
+            attempt = 0
+            while True:
+                wait, cause = None, None
+                try:
+                    wait = self._download_once(url, dl, attempt)
+                except httpx.TransportError as exc:
+                    cause = exc
+                if dl.complete:
+                    return dl.commit()
+                if dl.progressed():
+                    attempt = 0
+                if attempt >= self.retries:
+                    raise GatewayUnreachable(gave_up(url, dl, cause)) from cause
+                time.sleep(transport_delay(attempt) if wait is None else wait)
+                attempt += 1
+        finally:
+            dl.discard()
+
+    def _download_once(self, url: str, dl: Download, attempt: int) -> float | None:
+        """One request of a download, its answer written as it comes; the Retry-After of a
+        429/503 to honour before the next one, or None."""
+        with self._http.stream("GET", url, headers=dl.headers()) as r:
+            if r.is_error and r.status_code not in READ:
+                wait = retry_after(r, self.max_retry_after) if attempt < self.retries else None
+                if wait is None:
+                    r.read()
+                    raise_for_error(r)
+                return wait
+            if dl.start(r):
+                for chunk in r.iter_raw(CHUNK):
+                    dl.write(chunk)
+                dl.ended()
+        return None
+
+    @contextmanager
+    def _open(self) -> Iterator[Client]:
+        """This client or, once it is closed, a new one like it for one call: a Result used
+        after its client's `with` block still reads its bytes, as when `result()` read them
+        at once."""
+        if not self._http.is_closed:
+            yield self
+        elif self._again is None:
+            raise ResultNotRead("the client of this result is closed, and its transport with "
+                                "it: use `.content` or `.save()` before closing it")
+        else:
+            with self._again() as again:
+                yield again
+
     def request(self, method: str, path: str, *, safe: bool, **kwargs: Any) -> httpx.Response:
         """One API call with the retries described above; an error answer raises ApiError."""
         attempt = 0
@@ -93,7 +166,8 @@ class Client:
 
 
 class Task:
-    """A submitted task: `status()`, `cancel()`, `wait(timeout)`, `result(timeout)`."""
+    """A submitted task: `status()`, `cancel()`, `wait(timeout)`, `result(timeout)`,
+    `download(path, timeout)`."""
 
     def __init__(self, client: Client, task_id: str, submitted: Status | None = None) -> None:
         self.client, self.task_id, self.submitted = client, task_id, submitted
@@ -134,12 +208,43 @@ class Task:
 
     def result(self, timeout: float | None = None) -> Result:
         """The business API's answer (a `str` as ever, with `.content`, `.content_type`...);
-        TaskFailed if the task failed, was cancelled or expired."""
-        final = self.wait(timeout)
-        if final.task_status != "completed":
-            raise TaskFailed(final)
+        TaskFailed if the task failed, was cancelled or expired. The bytes of one in the
+        result store are read when first used: `.content` loads them, `.save(path)` streams
+        them to a file."""
+        final = self._completed(timeout)
+        if is_external(final.raw):  # its bytes stay on the gateway until used
+            return from_status(final.raw, None, ResultOnGateway(self.client, self.task_id))
         body = None
         if needs_download(final.raw):
             r = self.client.request("GET", f"/api/v1/tasks/{self.task_id}/result", safe=True)
             body = r.content
         return from_status(final.raw, body)
+
+    def download(self, path: PathLike, timeout: float | None = None) -> Path:
+        """The answer straight to a file: waits like `result(timeout)` (TaskFailed likewise),
+        then streams it to `path` as `Client.download` does. Returns `path`."""
+        self._completed(timeout)
+        return self.client.download(self.task_id, path)
+
+    def _completed(self, timeout: float | None) -> Status:
+        final = self.wait(timeout)
+        if final.task_status != "completed":
+            raise TaskFailed(final)
+        return final
+
+
+class ResultOnGateway:
+    """A `Client`'s external result: its bytes on the gateway, read (or streamed to a file)
+    when first asked for, through the client that returned it."""
+
+    def __init__(self, client: Client, task_id: str) -> None:
+        self.client, self.task_id = client, task_id
+
+    def read(self) -> bytes:
+        with self.client._open() as client:
+            return client.request("GET", f"/api/v1/tasks/{self.task_id}/result",
+                                  safe=True).content
+
+    def save(self, path: PathLike) -> Path:
+        with self.client._open() as client:
+            return client.download(self.task_id, path)
