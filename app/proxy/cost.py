@@ -13,21 +13,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from app.queue.upstream import MAX_COST, real_cost
+from app.queue.upstream import MAX_COST, at_path, real_cost
 
 JSON_BYTES = 1 << 20  # a JSON answer larger than this is not read for its cost
 EVENT_BYTES = 1 << 20  # nor an event larger than this
-
-
-def _at(value: Any, path: list[str]) -> Any:
-    for part in path:
-        if isinstance(value, dict):
-            value = value.get(part)
-        elif isinstance(value, list) and part.isdigit() and int(part) < len(value):
-            value = value[int(part)]
-        else:
-            return None
-    return value
 
 
 def _number(value: Any) -> float | None:
@@ -71,7 +60,7 @@ class CostReader:
         except ValueError:
             return
         for i, path in enumerate(self._paths):
-            value = _number(_at(event, path))
+            value = _number(at_path(event, path))
             if value is not None:
                 self._found[i] = value
 

@@ -193,16 +193,9 @@ def real_cost(cost_from: str | None, headers: Any, text: str) -> int | None:
         value = headers.get(name.lower())
     elif where == "json" and text:
         try:
-            value = json.loads(text)
+            value = at_path(json.loads(text), name.split("."))
         except ValueError:
             return None
-        for part in name.split("."):
-            if isinstance(value, dict):
-                value = value.get(part)
-            elif isinstance(value, list) and part.isdigit() and int(part) < len(value):
-                value = value[int(part)]
-            else:
-                return None
     if isinstance(value, bool) or value is None:
         return None
     try:
@@ -210,6 +203,19 @@ def real_cost(cost_from: str | None, headers: Any, text: str) -> int | None:
     except (TypeError, ValueError):
         return None
     return round(cost) if 0 <= cost <= MAX_COST else None
+
+
+def at_path(value: Any, path: list[str]) -> Any:
+    """What a dotted path's parts name in parsed JSON (object keys, array indexes); None where
+    the path leads nowhere."""
+    for part in path:
+        if isinstance(value, dict):
+            value = value.get(part)
+        elif isinstance(value, list) and part.isdigit() and int(part) < len(value):
+            value = value[int(part)]
+        else:
+            return None
+    return value
 
 
 def backoff_s(base_ms: int, attempt: int, retry_after_s: float | None) -> float:
