@@ -20,7 +20,9 @@ pytestmark = [pytest.mark.backends("single", "cluster"),
 @pytest.fixture
 def settings(settings: Settings, db_url: str) -> Settings:
     return settings.model_copy(update={
-        "database_url": db_url, "read_ttl_s": 2, "done_ttl_s": 1, "outbox_interval_ms": 50,
+        # The done TTL leaves the test a few seconds to read the task once its row is saved,
+        # under load too; the read TTL is longer still.
+        "database_url": db_url, "read_ttl_s": 4, "done_ttl_s": 3, "outbox_interval_ms": 50,
     })
 
 
@@ -35,11 +37,11 @@ async def test_a_read_after_the_row_is_saved_still_removes_the_row(
                 and await redis.zscore(keys.outbox("late-read"), tid) is None
                 and await redis.pttl(keys.task(tid)) > 0)
 
-    await eventually(saved)
+    await eventually(saved, timeout=10)
     assert (await gateway.status(auth, tid))["task_status"] == "completed"
     assert await redis.zscore(keys.delivered("late-read"), tid) is not None
     # Before the fix, nothing scheduled it: the row stayed until the retention's purge.
-    await eventually(lambda: _no_row(gateway, tid), timeout=10)
+    await eventually(lambda: _no_row(gateway, tid), timeout=15)
 
 
 async def _no_row(gateway: Gateway, tid: str) -> bool:
