@@ -123,19 +123,22 @@ async def test_the_janitor_deletes_an_unread_result_with_its_row(
     gateway: Gateway, upstream: str, dispatcher_process: Any,
 ) -> None:
     """Never read: the dispatcher's own janitor deletes its row after QGW_DB_RETENTION_S
-    (1 s here), its object in the same step, and its hash before them."""
+    (1 s here), and its object in the same step, once Redis let the task go (a done TTL of
+    3 s here): not before, while its hash names them."""
     _, tid, _ = await _finished(gateway, upstream, "retained", dispatcher_process,
                                 QGW_DB_RETENTION_S="1", QGW_JANITOR_INTERVAL_S="0.3",
-                                **NO_SWEEP)
-    outbox = gateway.rt.keys.outbox("retained")
+                                QGW_DONE_TTL_S="3", **NO_SWEEP)
+    outbox, task = gateway.rt.keys.outbox("retained"), gateway.rt.keys.task(tid)
     deadline = time.monotonic() + 30
     while (await gateway.rt.redis.zscore(outbox, tid) is not None
            or await _row(gateway, tid) is not None):  # written to SQL, then purged
+        # Past its retention, kept while Redis holds the task: an object gone means a
+        # hash gone before it (which never comes back), never one left naming it.
+        if await _objects(gateway) == []:
+            assert not await gateway.rt.redis.exists(task)
         assert time.monotonic() < deadline, "the row was not purged"
         await asyncio.sleep(0.05)
-    assert await _objects(gateway) == []
-    # Its hash went with them (its done TTL is an hour): nothing names the deleted object.
-    assert not await gateway.rt.redis.exists(gateway.rt.keys.task(tid))
+    assert await _objects(gateway) == [] and not await gateway.rt.redis.exists(task)
 
 
 async def test_deleting_an_endpoint_deletes_the_results_already_read(
