@@ -368,7 +368,8 @@ async def test_a_failed_download_leaves_nothing_under_its_name(
 ) -> None:
     """Cut off, then the gateway gone: GatewayUnreachable once the retries are spent, the
     file already at the path untouched and no part file left. A task without a result
-    (409), or one that failed, writes nothing either."""
+    (409), or one that failed, writes nothing either; nor does a directory as the target,
+    or an async result read after its client closed."""
     url, base, key = await _served(gateway, upstream, start_api, dispatcher_process, "dl-fail",
                                    max_retries=0)
     tid = await _external(base, key, url, SIZE, 15)
@@ -393,4 +394,9 @@ async def test_a_failed_download_leaves_nothing_under_its_name(
         failing = await qgw.submit(url, headers={"X-Mock-Status": "500"})
         with pytest.raises(TaskFailed):
             await failing.download(out / "failed.png", timeout=30)
+        with pytest.raises(IsADirectoryError):  # said at once, not after 40 MB came
+            await qgw.download(tid, out)
+        later = await qgw.task(tid).result(timeout=10, stream=True)
+    with pytest.raises(ResultNotRead):  # its client is closed: said so, not httpx's error
+        await later.aread()
     assert leftovers(out) == ["kept.png"]

@@ -88,6 +88,14 @@ class TestInline:
         for header in ("bytes=-0", "bytes=" + "9" * 80 + "-"):
             r = await gateway.http.get(url, headers={**auth, "Range": header})
             assert r.status_code == 416 and r.headers["content-range"] == "bytes */5000"
+        # If-Range: the range only for the answer whose ETag it names, else the whole answer.
+        etag = r.headers["etag"]
+        for validator, code in ((etag, 206), ('"another"', 200), ("W/" + etag, 200),
+                                ("Wed, 21 Oct 2015 07:28:00 GMT", 200)):
+            r = await gateway.http.get(url, headers={**auth, "Range": "bytes=10-19",
+                                                     "If-Range": validator})
+            assert r.status_code == code, validator
+            assert r.content == (want[10:20] if code == 206 else want), validator
 
     @pytest.mark.parametrize("ctype, body, encoding", [
         ("text/plain; charset=utf-16", b"\xfe\xff" + "héllo".encode("utf-16-be"), "base64"),

@@ -1,7 +1,8 @@
 """`GET /api/v1/tasks/{task_id}/result`: a finished call's answer byte for byte (docs/api.md).
 
 Served with the upstream's Content-Type (Content-Disposition, ETag), `X-Queue-Result-Status`
-and single `Range` requests (206). A body in the result store is streamed from it, never read
+and single `Range` requests (206; under an `If-Range` that names another ETag or a date, the
+whole answer). A body in the result store is streamed from it, never read
 whole; `?redirect=1` on an S3 store answers 302 to a presigned URL instead.
 """
 
@@ -67,8 +68,11 @@ async def task_result(
         "text/plain; charset=utf-8" if meta is None else "application/octet-stream")
     if "Content-Disposition" not in headers and _active(ctype):
         headers["Content-Disposition"] = "attachment"
+    asked = request.headers.get("range")
+    if asked and not _same_answer(request.headers.get("if-range"), headers.get("ETag")):
+        asked = None  # a resumed download of another answer: the whole of this one
     try:
-        span = _range(request.headers.get("range"), size)
+        span = _range(asked, size)
     except _Unsatisfiable:
         return Response(status_code=416, headers={**headers, "Content-Range": f"bytes */{size}"})
     start, end = span if span else (0, size)
@@ -120,6 +124,13 @@ async def _empty() -> AsyncIterator[bytes]:
 
 class _Unsatisfiable(Exception):
     """A range outside the body: 416."""
+
+
+def _same_answer(if_range: str | None, etag: str | None) -> bool:
+    """Whether a Range may be served under this If-Range (RFC 9110 13.1.5): none given, or the
+    answer's strong ETag. A date never matches: no Last-Modified is sent to compare it with."""
+    return if_range is None or (etag is not None and not etag.startswith("W/")
+                                and if_range.strip() == etag)
 
 
 def _range(header: str | None, size: int) -> tuple[int, int] | None:

@@ -28,6 +28,7 @@ from queue_gateway_client._download import CHUNK, READ, Download, gave_up
 from queue_gateway_client._result import (
     PathLike,
     Result,
+    ResultNotRead,
     from_status,
     is_external,
     needs_download,
@@ -281,8 +282,15 @@ class ResultOnGateway:
         self.client, self.task_id = client, task_id
 
     async def aread(self) -> bytes:
+        self._open()
         r = await self.client.request("GET", f"/api/v1/tasks/{self.task_id}/result", safe=True)
         return r.content
 
     async def asave(self, path: PathLike) -> Path:
+        self._open()
         return await self.client.download(self.task_id, path)
+
+    def _open(self) -> None:
+        if self.client._http.is_closed:
+            raise ResultNotRead("the AsyncClient of this result is closed: read or save it "
+                                "(`aread()`, `asave(path)`) before closing the client")

@@ -33,12 +33,14 @@ class Download:
     and what the first answer said the whole is (its length, its ETag)."""
 
     def __init__(self, target: Path) -> None:
+        if target.is_dir():  # found now, not by the rename once the whole answer has come
+            raise IsADirectoryError(f"{target} is a directory: name the file to write")
         self.target = target
         # Through a symbolic link, the file it names is replaced (as a write would), not the link.
         self._dest = target.resolve() if target.is_symlink() else target
         # A pipe or a device (/dev/stdout) is written in place: renaming a file onto it would
         # replace it, and it has no truncated state to keep a name from.
-        self._in_place = target.exists() and not target.is_file() and not target.is_dir()
+        self._in_place = target.exists() and not target.is_file()
         if self._in_place:
             self.part, self._file = target, target.open("wb")
         else:
