@@ -158,13 +158,14 @@ async def start_litellm(exe: str, mock: str, data: Path, rpm: int | None) -> tup
 
 
 async def latency_rows(targets: dict[str, tuple[str, dict[str, str], int | None]],
-                       seconds: float, rounds: int) -> list[str]:
+                       seconds: float, rounds: int, mock: str) -> list[str]:
     """Direct and ours take turns, `rounds` short phases each, pooled: the machine's drift over
     a run (on a shared host, easily 0.3 ms at the median) falls on both alike. A peer runs
     after them, once: its backlog would weigh on the phases that follow it."""
     rows = []
     paired = [n for n in ("direct", "queue-gateway") if n in targets]
     for rate in (50, 200):
+        await quiet(mock)  # the last rate's peer may still work off its backlog
         phases = {name: Phase() for name in targets}
         for name, (url, headers, pid) in targets.items():
             if name in paired:
@@ -239,7 +240,7 @@ async def main(args: argparse.Namespace) -> None:
                                       ll.pid)  # type: ignore[attr-defined]
             print("| rate | target | p50 ms | p99 ms | added p50 | added p99 | added ttft p50 "
                   "| CPU ms/req | answers |\n|---|---|---|---|---|---|---|---|---|")
-            for row in await latency_rows(targets, args.seconds, args.rounds):
+            for row in await latency_rows(targets, args.seconds, args.rounds, mock):
                 print(row, flush=True)
             if args.litellm:  # its backlog of the latency phases must not reach the mock now
                 stop(procs.pop())  # type: ignore[arg-type]
@@ -270,4 +271,7 @@ if __name__ == "__main__":
     parser.add_argument("--rounds", type=int, default=3,
                         help="turns direct and ours take at each rate (their phases pooled)")
     parser.add_argument("--litellm", default=os.environ.get("LITELLM_BIN"))
-    asyncio.run(main(parser.parse_args()))
+    parsed = parser.parse_args()
+    if parsed.rounds < 1:
+        parser.error("--rounds must be 1 or more")
+    asyncio.run(main(parsed))

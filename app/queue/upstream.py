@@ -211,7 +211,8 @@ def at_path(value: Any, path: list[str]) -> Any:
     for part in path:
         if isinstance(value, dict):
             value = value.get(part)
-        elif isinstance(value, list) and part.isdigit() and int(part) < len(value):
+        elif isinstance(value, list) and part.isascii() and part.isdigit() \
+                and int(part) < len(value):  # not `²`, a digit int() refuses
             value = value[int(part)]
         else:
             return None
