@@ -16,6 +16,6 @@ def verify(secret: bytes, task_id: str, token: str) -> bool:
     """Genuine: the signature is compared in constant time. Whether it has expired is for the
     Redis clock to say (lua/permit-1.lua), not this host's."""
     expires, _, _ = token.partition(".")
-    if not expires.isdigit():
+    if not (expires.isascii() and expires.isdigit()):  # int() refuses `²`
         return False
     return hmac.compare_digest(sign(secret, task_id, int(expires)), token)

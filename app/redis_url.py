@@ -112,13 +112,13 @@ def _host(item: str, default_port: int) -> tuple[str, int]:
         port = tail.removeprefix(":") or port
     elif ":" in item:
         host, _, port = item.rpartition(":")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+    if not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
         raise ValueError(f"bad host:port {item!r} (hosts are separated by commas)")
     return host, int(port)
 
 
 def _db(text: str) -> int:
-    if not text.isdigit():
+    if not (text.isascii() and text.isdigit()):
         raise ValueError(f"bad database number {text!r}")
     return int(text)
 

@@ -219,7 +219,7 @@ async def test_a_deleted_endpoint_takes_its_counters_along(gateway: Gateway, ups
 
 @pytest.mark.parametrize("status", ["pending", "processing", "completed", "expired"])
 @pytest.mark.parametrize("cursor", ["-2904183446313741781:L\x02", "99999999999999999999:x",
-                                    "5:", "abc:def", "-:x"])
+                                    "5:", "abc:def", "-:x", "\u00b2:x"])
 async def test_a_cursor_this_route_never_gave_is_a_clear_422(
     gateway: Gateway, upstream: str, status: str, cursor: str
 ) -> None:

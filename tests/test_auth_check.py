@@ -80,6 +80,11 @@ async def test_missing_forged_or_misdirected_permits_are_refused(
         "X-Queue-Permit": f"{int(later) + 60000}." + s["permit"]["token"].split(".")[1],
     }
     assert (await check("/auth/check", headers=stretched)).status_code == 403
+    # An expiry int() cannot read (`²` passes str.isdigit): refused, not a 500.
+    odd = {**_nginx(s), "X-Queue-Permit": "\u00b2." + s["permit"]["token"].split(".")[1]}
+    assert (await check("/auth/check", headers={
+        k: v.encode("latin-1") if k == "X-Queue-Permit" else v for k, v in odd.items()
+    })).status_code == 403
     assert (await check("/auth/check", headers=_nginx(s, uri="/api/other"))).status_code == 403
     assert (await check("/auth/check", headers=_nginx(s, method="DELETE"))).status_code == 403
     assert (await check("/auth/check", headers=_nginx(s))).status_code == 200

@@ -9,7 +9,7 @@ from collections.abc import Callable
 import httpx
 import pytest
 
-from app.queue.signals import ALIGN_MARGIN_S, remaining
+from app.queue.signals import ALIGN_MARGIN_S, pause_s, remaining
 from tests.conftest import Gateway
 
 Spawn = Callable[..., subprocess.Popen[bytes]]
@@ -55,6 +55,12 @@ def test_what_remains_is_read_from_the_request_counts() -> None:
     assert remaining({"x-ratelimit-remaining-tokens": "1",
                       "x-ratelimit-reset-tokens": "1s"}, now) is None
     assert remaining({"x-ratelimit-remaining-requests": "4"}, now) is None
+    # Latin-1 bytes such as \xb2 (`²`) pass str.isdigit but not int(): no signal, no error.
+    assert remaining({"x-ratelimit-remaining": "\u00b2", "x-ratelimit-reset": "\u00b2"},
+                     now) is None
+    assert pause_s(429, {"retry-after": "\u00b2"}, now) is None
+    assert pause_s(429, {"x-ratelimit-remaining": "0", "x-ratelimit-reset": "\u00b2"},
+                   now) is None
 
 
 async def test_no_more_calls_than_the_upstream_said_remain_before_its_reset(

@@ -53,7 +53,8 @@ class Cursor:
         at, sep, task_id = raw.partition(":")
         # Scores and end times (ms) lie well inside both bounds: a Redis score is exact to
         # 2^53, and an end time must name a datetime (year 9999 at most) for the SQL query.
-        if (not sep or not task_id or not at.lstrip("-").isdigit() or not task_id.isprintable()
+        if (not sep or not task_id or not (digits := at.lstrip("-")).isascii()
+                or not digits.isdigit() or not task_id.isprintable()
                 or not -MAX_AT < int(at) < MAX_AT):
             raise ApiError(422, "bad_cursor", "cursor must be a next_cursor this route gave")
         return cls(int(at), task_id)

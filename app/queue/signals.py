@@ -77,7 +77,7 @@ def remaining(headers: Mapping[str, str], now: float | None = None
     now = time.time() if now is None else now
     told: list[tuple[int, float, bool]] = []
     for name, reset in _PAIRS:
-        if "tokens" in name or not (value := (headers.get(name) or "").strip()).isdigit():
+        if "tokens" in name or not _digits(value := (headers.get(name) or "").strip()):
             continue
         wait = reset_s(headers.get(reset), now)
         if wait is not None:
@@ -89,11 +89,17 @@ def remaining(headers: Mapping[str, str], now: float | None = None
     return count, min(max(0.0, wait), MAX_PAUSE_S)
 
 
+def _digits(value: str) -> bool:
+    """ASCII digits only: `str.isdigit` also takes `²` and the like, which int() and float()
+    refuse (an upstream's header is latin-1 bytes: `\xb2` is one)."""
+    return value.isascii() and value.isdigit()
+
+
 def _whole(value: str) -> bool:
     """A relative wait in whole seconds (`1`, `1s`, `2m0s`): rounded up, as Retry-After is. A
     unix time or a date is an instant, however coarse."""
     value = value.strip()
-    if value.isdigit():
+    if _digits(value):
         return float(value) <= 1e9
     parts = _GO_DURATION.findall(value)
     return bool(parts) and all(u != "ms" and "." not in n for n, u in parts)
@@ -126,7 +132,7 @@ def retry_after(value: str | None, now: float | None = None) -> float | None:
     """Seconds from a Retry-After header (delta-seconds or an HTTP date)."""
     if not value:
         return None
-    if value.strip().isdigit():
+    if _digits(value.strip()):
         return min(float(value), MAX_RETRY_AFTER_S)
     try:
         when = email.utils.parsedate_to_datetime(value).timestamp()

@@ -22,7 +22,7 @@ async def read_limited(request: Request, limit: int) -> bytes:
     connection and a file descriptor for ever: after the deadline it gets 408 and the
     connection is closed. One that goes away raises ClientDisconnect (app/errors.py)."""
     declared = request.headers.get("content-length")
-    if declared and declared.isdigit() and int(declared) > limit:
+    if declared and declared.isascii() and declared.isdigit() and int(declared) > limit:
         raise ApiError(413, "body_too_large", f"the request body exceeds {limit} bytes")
     chunks: list[bytes] = []
     seconds = request.app.state.runtime.settings.body_timeout_s
