@@ -4,6 +4,7 @@ once, events as they come, the cost read from the stream."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import os
 import signal
 import subprocess
@@ -211,6 +212,30 @@ async def test_a_stream_settles_its_cost_from_its_usage_event(
         third = await http.post("/proxy/llm/chat/completions", json=CHAT,
                                 headers={"X-Queue-Cost": "1", "X-Queue-Max-Wait": "2"})
         assert third.status_code == 503  # 7 + 13 spent (the JSON answer kept its estimate)
+
+
+async def test_an_answer_whose_cost_cannot_be_read_still_frees_its_slot(
+    gateway: Gateway, llm: str, start_api: StartApi, start_dispatcher: StartDispatcher
+) -> None:
+    """A hostile answer where `cost_from` reads a number: JSON nested 5,000 deep (the parser
+    gives up), or a number of 400 digits (no float holds it). The caller has it as sent, its
+    task ends, and its slot is free for the next (its unread cost keeps the reservation, the
+    whole second's units): before, the first held the slot for as long as the process lived
+    (its lease renewed, its task never ended)."""
+    auth = await proxied(gateway, llm, max_concurrency=1, cost_from="json:usage.total_tokens",
+                         limits=[{"limiter": "fixed_window", "rate": 1000,
+                                  "interval_ms": 1000, "per": "cost"}])
+    base = await start_api()
+    await start_dispatcher()
+    deep = b"[" * 5000 + b"]" * 5000
+    huge = b'{"usage": {"total_tokens": ' + b"9" * 400 + b"}}"
+    async with httpx.AsyncClient(base_url=base, headers=auth, timeout=30) as http:
+        for body in (deep, huge):
+            r = await http.post("/proxy/llm/hostile", content=b"{}", headers={
+                "X-Mock-Body-Base64": base64.b64encode(body).decode(), "X-Queue-Max-Wait": "5"})
+            assert r.status_code == 200 and r.content == body, r.text[:300]
+            done = await gateway.status(auth, r.headers["x-queue-task-id"])
+            assert done["task_status"] == "completed", done
 
 
 async def test_a_stream_longer_than_its_lease_keeps_it(

@@ -22,7 +22,10 @@ EVENT_BYTES = 1 << 20  # nor an event larger than this
 def _number(value: Any) -> float | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
-    return float(value)
+    try:
+        return float(value)
+    except OverflowError:  # an integer of hundreds of digits
+        return None
 
 
 class CostReader:
@@ -57,7 +60,7 @@ class CostReader:
             return
         try:
             event = json.loads(data)
-        except ValueError:
+        except (ValueError, RecursionError):  # an event nested thousands deep is no cost
             return
         for i, path in enumerate(self._paths):
             value = _number(at_path(event, path))

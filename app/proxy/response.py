@@ -130,10 +130,20 @@ class RelayResponse(Response):
         exec_ms = (time.monotonic() - call.call_started) * 1000
         ok = why is None and 200 <= status < 300
         text = why or ("" if ok else f"upstream answered {status}")
-        real = cost.cost(self.answer.headers) if why is None else None
+        real = self._real_cost(cost) if why is None else None
         acking, written = call.finishing("completed" if ok else "failed", text, status, exec_ms,
                                          real)
         return self._logged(acking, why), written
+
+    def _real_cost(self, cost: CostReader) -> int | None:
+        """What the answer says it cost; None (the reservation stands) when it cannot be read
+        however it fails: the task must end and free its slot whatever the answer held."""
+        try:
+            return cost.cost(self.answer.headers)
+        except Exception:
+            log.exception("the answer's cost could not be read",
+                          extra={"task_id": self.call.task_id, "endpoint": self.call.endpoint.id})
+            return None
 
     async def _logged(self, acking: Awaitable[bool], why: str | None) -> None:
         acked = await acking

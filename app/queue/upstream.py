@@ -194,13 +194,13 @@ def real_cost(cost_from: str | None, headers: Any, text: str) -> int | None:
     elif where == "json" and text:
         try:
             value = at_path(json.loads(text), name.split("."))
-        except ValueError:
+        except (ValueError, RecursionError):  # an answer nested thousands deep is no cost
             return None
     if isinstance(value, bool) or value is None:
         return None
     try:
         cost = float(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # a 400-digit integer too
         return None
     return round(cost) if 0 <= cost <= MAX_COST else None
 
