@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from app.queue.http1 import BadAnswer
 from app.queue.upstream import Outcome, Request, call, upstream_client
 
 #: What the server does with one request: raw bytes to write (the connection stays open), or a
@@ -316,6 +317,41 @@ async def test_a_megabyte_of_headers_is_an_error(
     out, took = await timed(client, req(f"{up.url}/hdr"))
     assert not out.ok and (out.status_code is None or out.refused)
     assert took < TIMEOUT_S
+
+
+def endless_line(prefix: bytes, sent: list[int]) -> Answer:
+    """`prefix`, then a line that never ends, as fast as the client takes it."""
+    async def answer(_: bytes, writer: asyncio.StreamWriter) -> None:
+        writer.write(prefix)
+        while True:
+            writer.write(b"a" * 65536)
+            await writer.drain()
+            sent[0] += 65536
+    return answer
+
+
+@pytest.mark.parametrize("prefix", [
+    b"HTTP/1.1 200 ",  # the reason phrase
+    b"HTTP/1.1 200 OK\r\nX-Endless: ",
+    b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\nX-Trailer: ",
+], ids=["status", "header", "trailer"])
+async def test_a_line_without_end_is_refused_without_being_held(
+    upstream: Callable[..., Awaitable[Upstream]], client: Any, prefix: bytes
+) -> None:
+    """The parser holds a line until it ends, growing it a read at a time: one that never
+    ends took memory and CPU without bound until the timeout. Refused once over
+    MAX_HEAD_BYTES, the connection closed, the upstream stopped a few reads later."""
+    sent = [0]
+    up = await upstream(endless_line(prefix, sent))
+    out, took = await timed(client, req(f"{up.url}/line"))
+    assert not out.ok and took < TIMEOUT_S / 2, (out, took)
+    assert sent[0] < 16 << 20, sent[0]  # what loopback's buffers hold, not all it could send
+    sent[0] = 0
+    relayed = await upstream(endless_line(prefix, sent))
+    with pytest.raises(BadAnswer):
+        answer = await client.relay("GET", f"{relayed.url}/line", [], b"", TIMEOUT_S)
+        await body_of(answer)
+    assert sent[0] < 16 << 20, sent[0]
 
 
 # 13, 15, 16: the request -------------------------------------------------------------------

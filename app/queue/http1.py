@@ -216,6 +216,7 @@ class _Connection(asyncio.Protocol):
         self._waiter: asyncio.Future[Answer] | None = None
         self._headers: dict[str, str] = {}
         self._head_bytes = 0
+        self._unparsed = 0  # bytes fed since the parser last made progress (data_received)
         self._body = bytearray()
         self._max_bytes = 0
         self._spill: int | None = None
@@ -266,6 +267,7 @@ class _Connection(asyncio.Protocol):
         assert self._transport is not None
         self._waiter = asyncio.get_running_loop().create_future()
         self._headers, self._head_bytes, self._body = {}, 0, bytearray()
+        self._unparsed = 0
         self._max_bytes, self._head_only, self._spill = max_bytes, head_only, spill
         self._relay_idle_s, self._stream, self._raw = relay_idle_s, None, []
         self._head_done = self._framed = self._interim = False
@@ -289,6 +291,7 @@ class _Connection(asyncio.Protocol):
             self.close()
             return
         self.heard = True
+        self._unparsed += len(data)
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -296,6 +299,12 @@ class _Connection(asyncio.Protocol):
         except httptools.HttpParserError as exc:
             cause = exc.__context__ if isinstance(exc.__context__, BadAnswer) else exc
             self._fail(BadAnswer(f"not an HTTP answer: {cause}"))
+        else:
+            # The parser holds a line until it ends (a status line, a header, a trailer, a
+            # chunk's size), growing it a read at a time: one with no end would take memory
+            # and CPU without bound, long before MAX_HEAD_BYTES counts it.
+            if self._unparsed > MAX_HEAD_BYTES:
+                self._fail(BadAnswer(f"an answer line over {MAX_HEAD_BYTES} bytes"))
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
@@ -314,12 +323,14 @@ class _Connection(asyncio.Protocol):
     # httptools callbacks
 
     def on_message_begin(self) -> None:
+        self._unparsed = 0
         if self._waiter is None or self._waiter.done():  # a second answer to one request
             self.close()
             raise BadAnswer("an answer nobody asked for")  # stops the parser here
         self._interim = False
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        self._unparsed = 0
         if self._head_done:  # a chunked body's trailer: not the answer's headers
             return
         self._head_bytes += len(name) + len(value)
@@ -332,6 +343,7 @@ class _Connection(asyncio.Protocol):
             self._raw.append((bytes(name), bytes(value)))
 
     def on_headers_complete(self) -> None:
+        self._unparsed = 0
         status = self._parser.get_status_code()
         if 100 <= status < 200:
             self._interim, self._headers, self._head_bytes, self._raw = True, {}, 0, []
@@ -356,6 +368,7 @@ class _Connection(asyncio.Protocol):
             self._start_stream(b"")
 
     def on_body(self, chunk: bytes) -> None:
+        self._unparsed = 0
         if self._stream is not None:
             self._stream.feed(chunk)
             return
@@ -370,6 +383,7 @@ class _Connection(asyncio.Protocol):
             self.close()
 
     def on_message_complete(self) -> None:
+        self._unparsed = 0
         if self._interim:
             return
         if self._stream is not None:
