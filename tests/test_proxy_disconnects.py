@@ -214,6 +214,34 @@ async def test_a_stream_settles_its_cost_from_its_usage_event(
         assert third.status_code == 503  # 7 + 13 spent (the JSON answer kept its estimate)
 
 
+async def test_a_cancel_before_the_upstream_answers_stops_the_call(
+    gateway: Gateway, llm: str, start_api: StartApi, start_dispatcher: StartDispatcher
+) -> None:
+    """Its owner cancels the request while the upstream takes 10 s to answer: the cancel frees
+    the slot at once, so the call must stop too (within a third of a lease), or it would run
+    on beside the next one past the cap of 1. The caller is told `409 task_cancelled`."""
+    auth = await proxied(gateway, llm, max_concurrency=1)
+    base = await start_api()
+    await start_dispatcher()
+    httpx.post(f"{llm}/_mock/config", json={"latency_ms": 10_000}).raise_for_status()
+    async with httpx.AsyncClient(base_url=base, headers=auth, timeout=30) as http:
+        first = asyncio.ensure_future(http.post("/proxy/llm/chat/completions", json=CHAT))
+        (running,) = await until(lambda: tasks_of(gateway, "processing"), timeout=10)
+
+        async def called() -> bool:
+            return bool(mock_stats(llm)["in_flight"])
+
+        await until(called)
+        cancelled = await gateway.http.post(f"/api/v1/tasks/{running['task_id']}/cancel",
+                                            headers=auth)
+        assert cancelled.status_code == 200, cancelled.text
+        began = time.monotonic()
+        got = await first
+        assert got.status_code == 409 and got.json()["error"]["code"] == "task_cancelled"
+        assert time.monotonic() - began < 3, "not within a third of a lease"
+        assert (await gateway.status(auth, running["task_id"]))["task_status"] == "cancelled"
+
+
 async def test_an_answer_whose_cost_cannot_be_read_still_frees_its_slot(
     gateway: Gateway, llm: str, start_api: StartApi, start_dispatcher: StartDispatcher
 ) -> None:

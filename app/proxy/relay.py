@@ -260,9 +260,13 @@ class ProxyCall:
         pauses, the task goes back to its place in line: wait again). Errors end the task."""
         self.call_started = started = time.monotonic()
         ep = self.endpoint
+        if self.gone.done():  # left as it was admitted: nothing is called
+            await self.finish("failed", CALLER_LOST, None, -1, None)
+            raise CallerGone
         try:
-            # The endpoint's upstream_headers (the provider's key) replace any of the caller's.
-            headers = secrets.outgoing(self.headers, ep.credentials)
+            # The endpoint's upstream_headers (the provider's key) replace any of the caller's;
+            # a copy either way: a call sent again after a pause must not carry two keys.
+            headers = list(secrets.outgoing(self.headers, ep.credentials))
             if self.trace is not None:  # the upstream joins the trace under the proxy span
                 headers = self.trace.outgoing(headers)
             headers.append(("Idempotency-Key", self.task_id))
@@ -304,9 +308,15 @@ class ProxyCall:
     async def _unless_gone(self, opening: Awaitable[Answer]) -> Answer:
         """The answer's head, unless the caller leaves first (a slow upstream may take long
         before its first byte): the call is then aborted (the client closes its connection
-        when cancelled) and the task ended."""
-        with Interrupt(self.gone):
+        when cancelled) and the task ended. So too when the lease is lost meanwhile (a cancel
+        by the owner or an operator freed the slot): the call must not run on outside the cap."""
+        with Interrupt(self.gone, self.lease_lost) as stop:
             return await opening
+        if stop.by is self.lease_lost:
+            self._stop_renewing()
+            self.token = ""  # the task is not ours to end any more
+            raise ApiError(409, "task_cancelled", "the request's task was cancelled while its "
+                           "call was on: the call was stopped", task_id=self.task_id)
         await self.finish("failed", CALLER_LOST, None,
                           (time.monotonic() - self.call_started) * 1000, None)
         raise CallerGone
