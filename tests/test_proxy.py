@@ -225,6 +225,41 @@ async def test_a_head_request_has_no_body_and_the_next_call_goes_on(
     assert calls[0]["peer"] != calls[1]["peer"]
 
 
+async def test_a_304_goes_back_without_a_body_and_the_connection_goes_on(
+    gateway: Gateway, start_api: StartApi, start_dispatcher: StartDispatcher
+) -> None:
+    """A conditional GET answered `304 Not Modified` with the representation's Content-Length
+    (RFC 9110 allows it): relayed without that length, which the caller's server would have
+    waited for (then cut the connection); the task completed; the next call on the same
+    connection is answered."""
+    async def upstream(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+            while True:
+                await reader.readuntil(b"\r\n\r\n")
+                writer.write(b'HTTP/1.1 304 Not Modified\r\nETag: "v1"\r\n'
+                             b"Content-Length: 1234\r\n\r\n")
+                await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(upstream, "127.0.0.1", 0)
+    try:
+        port = server.sockets[0].getsockname()[1]
+        await gateway.add_endpoint("files", f"http://127.0.0.1:{port}/files", proxy=True,
+                                   methods=["GET"], forward_headers=[])
+        auth = await gateway.new_key()
+        base = await start_api()
+        await start_dispatcher()
+        async with httpx.AsyncClient(base_url=base, headers=auth, timeout=10) as http:
+            for _ in range(2):  # one connection: the first answer ended where it should
+                r = await http.get("/proxy/files/a.bin", headers={"If-None-Match": '"v1"'})
+                assert r.status_code == 304 and r.headers["etag"] == '"v1"', r.headers
+                assert "content-length" not in r.headers and r.content == b""
+                done = await gateway.status(auth, r.headers["x-queue-task-id"])
+                assert done["task_status"] == "completed", done
+    finally:
+        server.close()
+
+
 @contextlib.contextmanager
 def stalling(proc: subprocess.Popen[bytes], every_s: float, for_s: float) -> Iterator[None]:
     """Stop the process for `for_s` every `every_s` (SIGSTOP / SIGCONT): a busy event loop, a

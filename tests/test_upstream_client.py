@@ -476,7 +476,8 @@ async def test_answers_are_what_their_framing_and_status_say(
 ) -> None:
     """A body without a length cut by a reset is an error, not a shorter success; a 204 may
     declare any length (it has no body); a Transfer-Encoding other than chunked is read to the
-    connection's end; the headers of bytes past an answer never join it."""
+    connection's end; the headers of bytes past an answer never join it; chunked framing is
+    read over every Transfer-Encoding line."""
     up = await upstream(resetting(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\npart"))
     cut, _ = await timed(client, req(f"{up.url}/a"))
     assert cut.status_code is None and cut.retryable
@@ -492,6 +493,13 @@ async def test_answers_are_what_their_framing_and_status_say(
     up = await upstream(ok(b"first") + extra)
     first, _ = await timed(client, req(f"{up.url}/d"))
     assert (first.text, first.retry_after_s) == ("first", None)
+
+    # Two Transfer-Encoding lines, chunked the last coding: the body is chunked, so a close
+    # before its last chunk is a cut answer, never a whole one.
+    up = await upstream(closing(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\n"
+                                b"Transfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n"))
+    two, _ = await timed(client, req(f"{up.url}/e"))
+    assert two.status_code is None and two.retryable, two
 
 
 # the proxy's relayed calls (UpstreamClient.relay) ---------------------------------------------

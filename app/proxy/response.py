@@ -19,6 +19,8 @@ from app.queue.http1 import Answer
 
 log = logging.getLogger(__name__)
 #: Hop-by-hop headers (RFC 9110 7.6.1) describe the upstream's connection, not the answer.
+#: Answers that never have a body, whatever their Content-Length says (RFC 9110 6.4.1).
+BODILESS = frozenset({204, 304})
 HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-connection", b"te", b"trailer",
                         b"transfer-encoding", b"upgrade", b"proxy-authenticate"})
 
@@ -27,6 +29,8 @@ def relayed_headers(answer: Answer, task_id: str, waited_ms: int) -> list[tuple[
     raw = answer.raw or []
     named = {v.strip().lower() for n, v in raw if n.lower() == b"connection"
              for v in v.split(b",")}
+    if answer.status in BODILESS:  # its length is the representation's, not this answer's
+        named.add(b"content-length")  # the caller's server would wait for that many bytes
     out = [(n.lower(), v) for n, v in raw
            if n.lower() not in HOP_BY_HOP and n.lower() not in named]
     out += [(b"x-queue-task-id", task_id.encode()), (b"x-queue-waited-ms", str(waited_ms).encode())]
@@ -128,7 +132,7 @@ class RelayResponse(Response):
         self.ended = True
         call, status = self.call, self.status_code
         exec_ms = (time.monotonic() - call.call_started) * 1000
-        ok = why is None and 200 <= status < 300
+        ok = why is None and (200 <= status < 300 or status == 304)  # 304: not modified
         text = why or ("" if ok else f"upstream answered {status}")
         real = self._real_cost(cost) if why is None else None
         acking, written = call.finishing("completed" if ok else "failed", text, status, exec_ms,

@@ -339,6 +339,8 @@ class _Connection(asyncio.Protocol):
         key = name.decode("latin-1").lower()
         if key not in self._headers:
             self._headers[key] = value.decode("latin-1")
+        elif key == "transfer-encoding":  # its codings over every line: chunked may be last
+            self._headers[key] += ", " + value.decode("latin-1")
         if self._relay_idle_s is not None:
             self._raw.append((bytes(name), bytes(value)))
 
