@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 import os
 import signal
 import subprocess
@@ -240,6 +241,37 @@ async def test_a_cancel_before_the_upstream_answers_stops_the_call(
         assert got.status_code == 409 and got.json()["error"]["code"] == "task_cancelled"
         assert time.monotonic() - began < 3, "not within a third of a lease"
         assert (await gateway.status(auth, running["task_id"]))["task_status"] == "cancelled"
+
+
+async def test_a_caller_that_stops_reading_frees_its_slot(
+    gateway: Gateway, llm: str, start_api: StartApi, start_dispatcher: StartDispatcher
+) -> None:
+    """A caller that asks for 64 MB and reads none of it, its connection left open: once a
+    write to it has waited past the endpoint's timeout (1.5 s here), the next renewal ends the
+    call and its task (`failed`), and the slot goes to the next caller. Before, the slot was
+    held for as long as the caller kept its connection."""
+    auth = await proxied(gateway, llm, max_concurrency=1, timeout_ms=1500)
+    base = await start_api()
+    await start_dispatcher()
+    host, port = base.removeprefix("http://").split(":")
+    _reads_nothing, writer = await asyncio.open_connection(host, int(port))
+    writer.write(f"POST /proxy/llm/big HTTP/1.1\r\nHost: {host}\r\n"
+                 f"Authorization: {auth['Authorization']}\r\nX-Mock-Binary: 67108864;seed=1\r\n"
+                 f"Content-Length: 2\r\n\r\n{{}}".encode())
+    await writer.drain()
+    try:
+        (stuck,) = await until(lambda: tasks_of(gateway, "processing"), timeout=10)
+        (ended,) = await until(lambda: tasks_of(gateway, "failed"), timeout=15)
+        assert ended["task_id"] == stuck["task_id"]
+        shown = await gateway.http.get(f"/admin/v1/tasks/{ended['task_id']}",
+                                       headers=gateway.admin)
+        assert "stopped reading" in json.dumps(shown.json()), shown.text
+        async with httpx.AsyncClient(base_url=base, headers=auth, timeout=30) as http:
+            r = await http.post("/proxy/llm/chat/completions", json=CHAT,
+                                headers={"X-Queue-Max-Wait": "5"})
+            assert r.status_code == 200, r.text
+    finally:
+        writer.close()
 
 
 async def test_an_answer_whose_cost_cannot_be_read_still_frees_its_slot(

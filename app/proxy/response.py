@@ -14,7 +14,7 @@ from starlette.types import Message, Receive, Scope, Send
 
 from app.core.interrupt import Interrupt
 from app.proxy.cost import CostReader
-from app.proxy.relay import CALLER_LOST, ProxyCall
+from app.proxy.relay import CALLER_LOST, CALLER_STALLED, ProxyCall
 from app.queue.http1 import Answer
 
 log = logging.getLogger(__name__)
@@ -54,7 +54,7 @@ class RelayResponse(Response):
         try:
             # The caller leaving or the lease lost (an operator's cancel) stops the relay
             # wherever it waits: for the upstream's next bytes or the caller's socket.
-            with Interrupt(call.gone, call.lease_lost) as stop:
+            with Interrupt(call.gone, call.lease_lost, call.caller_stalled) as stop:
                 if call.gone.done():  # uvicorn's send would take the answer without a word
                     why = CALLER_LOST
                 else:
@@ -64,9 +64,11 @@ class RelayResponse(Response):
                     except Exception as exc:  # the upstream broke off, or the caller's socket
                         why = _failure(exc)
             if stop.by is not None:
-                why = CALLER_LOST if stop.by is call.gone else "the lease was lost (cancelled)"
+                why = (CALLER_LOST if stop.by is call.gone else CALLER_STALLED
+                       if stop.by is call.caller_stalled else "the lease was lost (cancelled)")
         finally:
             call.lease_lost.cancel()
+            call.caller_stalled.cancel()
             call.gone.cancel()
             self.stream.close()  # aborts the upstream's call if it is still on
             status = self.status_code
@@ -79,7 +81,7 @@ class RelayResponse(Response):
                                             else None))
 
     async def _pump(self, send: Send, cost: CostReader) -> None:
-        stream = self.stream
+        stream, call = self.stream, self.call
         head: Message = {"type": "http.response.start", "status": self.status_code,
                          "headers": self.raw_headers}
         start: Message | None = head
@@ -98,9 +100,12 @@ class RelayResponse(Response):
                 await send(start)
                 start = None
             # uvicorn's send waits while the caller's socket is backed up: the upstream is
-            # read no faster than the caller takes it. The last piece goes with the answer's
-            # end (a chunked answer's last chunk and its terminator in one write).
+            # read no faster than the caller takes it (and the renewals watch how long it
+            # waits). The last piece goes with the answer's end (a chunked answer's last chunk
+            # and its terminator in one write).
+            call.sending_since = time.monotonic()
             await send({"type": "http.response.body", "body": chunk, "more_body": not last})
+            call.sending_since = 0.0
         if ending is None:  # an empty body, or one that ended with its connection
             ending = await self._end_first(cost)
             if start is not None:
