@@ -244,13 +244,15 @@ async def test_a_cancel_before_the_upstream_answers_stops_the_call(
 
 
 async def test_a_caller_that_stops_reading_frees_its_slot(
-    gateway: Gateway, llm: str, start_api: StartApi, start_dispatcher: StartDispatcher
+    gateway: Gateway, llm: str, start_api: StartApi, start_dispatcher: StartDispatcher,
+    env: dict[str, str],
 ) -> None:
     """A caller that asks for 64 MB and reads none of it, its connection left open: once a
-    write to it has waited past the endpoint's timeout (1.5 s here), the next renewal ends the
-    call and its task (`failed`), and the slot goes to the next caller. Before, the slot was
-    held for as long as the caller kept its connection."""
-    auth = await proxied(gateway, llm, max_concurrency=1, timeout_ms=1500)
+    write to it has waited QGW_SEND_TIMEOUT_S (1.5 s here), the call ends, its task `failed`
+    for that reason (not as if the upstream had broken off), and the slot goes to the next
+    caller."""
+    env["QGW_SEND_TIMEOUT_S"] = "1.5"
+    auth = await proxied(gateway, llm, max_concurrency=1)
     base = await start_api()
     await start_dispatcher()
     host, port = base.removeprefix("http://").split(":")

@@ -79,12 +79,6 @@ class ProxyCall:
     # Done once a renewal found the lease gone (a future, not an Event: waited on as it is).
     lease_lost: asyncio.Future[None] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future())
-    # When a write of the answer to the caller began that has not returned (0: none), and
-    # done once a renewal found one blocked past the endpoint's timeout: a caller that stops
-    # reading must not hold its slot for as long as it keeps its connection open.
-    sending_since: float = 0.0
-    caller_stalled: asyncio.Future[None] = field(
-        default_factory=lambda: asyncio.get_running_loop().create_future())
 
     @property
     def keys(self) -> Keys:
@@ -225,8 +219,7 @@ class ProxyCall:
 
     async def _renew(self) -> None:
         """Keep the lease while the call is on (renewed a third of it in, then each third); a
-        lost lease (an operator's cancel, a Redis that lost it) aborts the call, as does a
-        write to the caller blocked past the endpoint's timeout (it stopped reading)."""
+        lost lease (an operator's cancel, a Redis that lost it) aborts the call."""
         lease_ms = self.rt.settings.lease_ms
         k, e = self.keys, self.endpoint.id
         while True:
@@ -241,11 +234,6 @@ class ProxyCall:
                     if not self.lease_lost.done():
                         self.lease_lost.set_result(None)
                     return
-            since = self.sending_since
-            if since and time.monotonic() - since > self.endpoint.timeout_ms / 1000:
-                if not self.caller_stalled.done():
-                    self.caller_stalled.set_result(None)
-                return
             await asyncio.sleep(lease_ms / 3000)
 
     def traced(self, status_code: int | None, problem: str | None) -> None:

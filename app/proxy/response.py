@@ -16,6 +16,7 @@ from app.core.interrupt import Interrupt
 from app.proxy.cost import CostReader
 from app.proxy.relay import CALLER_LOST, CALLER_STALLED, ProxyCall
 from app.queue.http1 import Answer
+from app.sending import SendTimeout
 
 log = logging.getLogger(__name__)
 #: Hop-by-hop headers (RFC 9110 7.6.1) describe the upstream's connection, not the answer.
@@ -54,7 +55,7 @@ class RelayResponse(Response):
         try:
             # The caller leaving or the lease lost (an operator's cancel) stops the relay
             # wherever it waits: for the upstream's next bytes or the caller's socket.
-            with Interrupt(call.gone, call.lease_lost, call.caller_stalled) as stop:
+            with Interrupt(call.gone, call.lease_lost) as stop:
                 if call.gone.done():  # uvicorn's send would take the answer without a word
                     why = CALLER_LOST
                 else:
@@ -64,11 +65,9 @@ class RelayResponse(Response):
                     except Exception as exc:  # the upstream broke off, or the caller's socket
                         why = _failure(exc)
             if stop.by is not None:
-                why = (CALLER_LOST if stop.by is call.gone else CALLER_STALLED
-                       if stop.by is call.caller_stalled else "the lease was lost (cancelled)")
+                why = CALLER_LOST if stop.by is call.gone else "the lease was lost (cancelled)"
         finally:
             call.lease_lost.cancel()
-            call.caller_stalled.cancel()
             call.gone.cancel()
             self.stream.close()  # aborts the upstream's call if it is still on
             status = self.status_code
@@ -81,7 +80,7 @@ class RelayResponse(Response):
                                             else None))
 
     async def _pump(self, send: Send, cost: CostReader) -> None:
-        stream, call = self.stream, self.call
+        stream = self.stream
         head: Message = {"type": "http.response.start", "status": self.status_code,
                          "headers": self.raw_headers}
         start: Message | None = head
@@ -100,12 +99,9 @@ class RelayResponse(Response):
                 await send(start)
                 start = None
             # uvicorn's send waits while the caller's socket is backed up: the upstream is
-            # read no faster than the caller takes it (and the renewals watch how long it
-            # waits). The last piece goes with the answer's end (a chunked answer's last chunk
-            # and its terminator in one write).
-            call.sending_since = time.monotonic()
+            # read no faster than the caller takes it. The last piece goes with the answer's
+            # end (a chunked answer's last chunk and its terminator in one write).
             await send({"type": "http.response.body", "body": chunk, "more_body": not last})
-            call.sending_since = 0.0
         if ending is None:  # an empty body, or one that ended with its connection
             ending = await self._end_first(cost)
             if start is not None:
@@ -174,6 +170,8 @@ def _failure(exc: BaseException | None) -> str | None:
         return None
     if isinstance(exc, OSError) and "disconnect" in type(exc).__name__.lower():
         return CALLER_LOST
+    if isinstance(exc, SendTimeout):  # a write waited QGW_SEND_TIMEOUT_S (app/sending.py)
+        return CALLER_STALLED
     if isinstance(exc, TimeoutError):
         return "upstream answer stalled past the endpoint's timeout"
     return f"upstream answer broke off: {type(exc).__name__}: {exc}"
