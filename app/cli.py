@@ -180,7 +180,9 @@ async def _serve_until_stopped(settings: Settings, sock: Any, dispatcher: bool) 
 
     # Every answer's writes have their deadline, around the whole app (app/sending.py).
     app = SendDeadline(create_app(rt, manage=False, on_started=banner), settings.send_timeout_s)
-    config = uvicorn.Config(app, log_config=None,
+    # No `Server: uvicorn` on every answer (nothing to fingerprint the gateway by), and a
+    # proxied answer keeps the upstream's own rather than carrying two.
+    config = uvicorn.Config(app, log_config=None, server_header=False,
                             access_log=False, timeout_graceful_shutdown=5,
                             limit_concurrency=uvicorn_limit(settings))
     try:

@@ -231,12 +231,13 @@ async def test_a_304_goes_back_without_a_body_and_the_connection_goes_on(
     """A conditional GET answered `304 Not Modified` with the representation's Content-Length
     (RFC 9110 allows it): relayed without that length, which the caller's server would have
     waited for (then cut the connection); the task completed; the next call on the same
-    connection is answered."""
+    connection is answered. Its Server header is the upstream's; its Date, one only."""
     async def upstream(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
             while True:
                 await reader.readuntil(b"\r\n\r\n")
                 writer.write(b'HTTP/1.1 304 Not Modified\r\nETag: "v1"\r\n'
+                             b"Date: Wed, 21 Oct 2015 07:28:00 GMT\r\nServer: files/1.0\r\n"
                              b"Content-Length: 1234\r\n\r\n")
                 await writer.drain()
         writer.close()
@@ -254,6 +255,10 @@ async def test_a_304_goes_back_without_a_body_and_the_connection_goes_on(
                 r = await http.get("/proxy/files/a.bin", headers={"If-None-Match": '"v1"'})
                 assert r.status_code == 304 and r.headers["etag"] == '"v1"', r.headers
                 assert "content-length" not in r.headers and r.content == b""
+                # One Date, the gateway's; the upstream's Server, and none of the gateway's.
+                names = [name for name, _ in r.headers.multi_items()]
+                assert names.count("date") == 1 and "2015" not in r.headers["date"]
+                assert names.count("server") == 1 and r.headers["server"] == "files/1.0"
                 done = await gateway.status(auth, r.headers["x-queue-task-id"])
                 assert done["task_status"] == "completed", done
     finally:

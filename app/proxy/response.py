@@ -19,11 +19,12 @@ from app.queue.http1 import Answer
 from app.sending import SendTimeout
 
 log = logging.getLogger(__name__)
-#: Hop-by-hop headers (RFC 9110 7.6.1) describe the upstream's connection, not the answer.
 #: Answers that never have a body, whatever their Content-Length says (RFC 9110 6.4.1).
 BODILESS = frozenset({204, 304})
+#: Hop-by-hop headers (RFC 9110 7.6.1) describe the upstream's connection, not the answer;
+#: and the gateway's server sets `Date` itself (one only: RFC 9110 6.6.1).
 HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-connection", b"te", b"trailer",
-                        b"transfer-encoding", b"upgrade", b"proxy-authenticate"})
+                        b"transfer-encoding", b"upgrade", b"proxy-authenticate", b"date"})
 
 
 def relayed_headers(answer: Answer, task_id: str, waited_ms: int) -> list[tuple[bytes, bytes]]:
