@@ -39,6 +39,19 @@ async def tasks_of(gateway: Gateway, status: str) -> list[dict[str, Any]]:
     return items
 
 
+async def raw_post(base: str, auth: dict[str, str], path: str, header: str
+                   ) -> asyncio.StreamWriter:
+    """POST `{}` to `path` on a socket of its own, which reads nothing of the answer: the
+    caller closes it (or leaves it open, unread) as a test needs."""
+    host, port = base.removeprefix("http://").split(":")
+    _, writer = await asyncio.open_connection(host, int(port))
+    writer.write(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nAuthorization: "
+                 f"{auth['Authorization']}\r\n{header}\r\nContent-Length: 2\r\n\r\n{{}}"
+                 .encode())
+    await writer.drain()
+    return writer
+
+
 async def until(check: Any, timeout: float = 10) -> Any:
     deadline = time.monotonic() + timeout
     while not (value := await check()):
@@ -55,12 +68,8 @@ async def test_caller_gone_while_waiting_cancels_its_task(
     # admit it itself).
     auth = await proxied(gateway, llm, paused=True)
     base = await start_api()
-    host, port = base.removeprefix("http://").split(":")
-    _, writer = await asyncio.open_connection(host, int(port))
-    writer.write(f"POST /proxy/llm/chat/completions HTTP/1.1\r\nHost: {host}\r\n"
-                 f"Authorization: {auth['Authorization']}\r\nContent-Type: application/json\r\n"
-                 f"Content-Length: 2\r\n\r\n{{}}".encode())
-    await writer.drain()
+    writer = await raw_post(base, auth, "/proxy/llm/chat/completions",
+                            "Content-Type: application/json")
     (pending,) = await until(lambda: tasks_of(gateway, "pending"), timeout=30)
     writer.close()
     await until(lambda: tasks_of(gateway, "cancelled"), timeout=3)
@@ -255,12 +264,7 @@ async def test_a_caller_that_stops_reading_frees_its_slot(
     auth = await proxied(gateway, llm, max_concurrency=1)
     base = await start_api()
     await start_dispatcher()
-    host, port = base.removeprefix("http://").split(":")
-    _reads_nothing, writer = await asyncio.open_connection(host, int(port))
-    writer.write(f"POST /proxy/llm/big HTTP/1.1\r\nHost: {host}\r\n"
-                 f"Authorization: {auth['Authorization']}\r\nX-Mock-Binary: 67108864;seed=1\r\n"
-                 f"Content-Length: 2\r\n\r\n{{}}".encode())
-    await writer.drain()
+    writer = await raw_post(base, auth, "/proxy/llm/big", "X-Mock-Binary: 67108864;seed=1")
     try:
         (stuck,) = await until(lambda: tasks_of(gateway, "processing"), timeout=10)
         (ended,) = await until(lambda: tasks_of(gateway, "failed"), timeout=15)
