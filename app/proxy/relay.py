@@ -32,10 +32,10 @@ from app.core.keys import Keys
 from app.endpoints import EndpointConfig
 from app.errors import ApiError
 from app.models import SubmitRequest, SubmitResponse
-from app.queue.acks import ACK_KEYS
-from app.queue.claims import CLAIM_FIELDS, ack_cost_keys, claim_args, claim_keys, settle_limits
+from app.proxy.calls import EndpointCalls, endpoint_calls
+from app.queue.claims import CLAIM_FIELDS, settle_limits
 from app.queue.fairness import starvation_keys
-from app.queue.http1 import Answer, BadAnswer
+from app.queue.http1 import Answer, BadAnswer, Target
 from app.queue.ids import new_task_id
 from app.queue.signals import pause_s
 from app.queue.tasks import Followup
@@ -73,6 +73,7 @@ class ProxyCall:
     admitted_at: float = 0.0  # loop time its claim admitted it (the latest claim's)
     spent: int = 1  # what that admission spent of per-cost limits (the task's `cost`)
     call_started: float = 0.0
+    _head: tuple[Target, bytes] | None = None  # the call's, built with the submit (_prepare)
     _renewing: asyncio.Task[None] | None = None
     _renewal_due: asyncio.TimerHandle | None = None  # before the first renewal (no task yet)
     trace: tracing.ProxyTrace | None = None  # its `proxy` span, when tracing is on
@@ -110,17 +111,23 @@ class ProxyCall:
                            "connection", task_id=res)
         if own is not None and await self._claimed(own.reply, asked):
             return
+        self._head = None  # it waits: built again when admitted
         if res.wait_time is not None and req.max_wait_s and res.wait_time > req.max_wait_s:
             await self.withdraw()
             raise _too_long(self.max_wait_s, res.wait_time)
 
+    @property
+    def calls(self) -> EndpointCalls:
+        s = self.rt.settings
+        return endpoint_calls(self.keys, self.endpoint, s.lease_ms, s.rate_guard_ms)
+
     def _own_claim(self) -> Followup:
         """claim-12.lua for this one task (`only`): it claims it if it is the first the
         dispatchers' claim would; otherwise what it leaves is theirs, as after any claim."""
-        ep, s, k = self.endpoint, self.rt.settings, self.keys
-        return Followup(self.rt.queue.scripts.claim, claim_keys(k, ep), claim_args(
-            k, ep, 1, f"proxy.{os.urandom(8).hex()}", s.lease_ms, s.rate_guard_ms,
-            only=self.task_id))
+        calls = self.calls
+        return Followup(self.rt.queue.scripts.claim, calls.claim_keys,
+                        calls.claim_argv(f"proxy.{os.urandom(8).hex()}", self.task_id),
+                        meanwhile=self._prepare)
 
     async def _claimed(self, reply: Any, asked: float) -> bool:
         """Whether its own claim admitted it."""
@@ -264,16 +271,11 @@ class ProxyCall:
         if self.gone.done():  # left as it was admitted: nothing is called
             await self.finish("failed", CALLER_LOST, None, -1, None)
             raise CallerGone
+        head, self._head = self._head, None  # built with the submit, for this call only
         try:
-            # The endpoint's upstream_headers (the provider's key) replace any of the caller's;
-            # a copy either way: a call sent again after a pause must not carry two keys.
-            headers = list(secrets.outgoing(self.headers, ep.credentials))
-            if self.trace is not None:  # the upstream joins the trace under the proxy span
-                headers = self.trace.outgoing(headers)
-            headers.append(("Idempotency-Key", self.task_id))
             answer = await self._unless_gone(self.rt.http.relay(
-                self.method, self.url, headers, self.body, ep.timeout_ms / 1000,
-                self._on_sent()))
+                self.method, self.url, self._outgoing(), self.body, ep.timeout_ms / 1000,
+                self._on_sent(), head))
         except secrets.Undecryptable as exc:
             await self.finish("failed", f"upstream credentials: {exc}", None, -1, None)
             raise ApiError(503, "credentials_unavailable", str(exc), {"Retry-After": "5"},
@@ -294,6 +296,27 @@ class ProxyCall:
         answer.stream.close()
         await self._back_in_line(answer.status, pause, (time.monotonic() - started) * 1000)
         return None
+
+    def _outgoing(self) -> list[tuple[str, str]]:
+        """The upstream's headers: the endpoint's upstream_headers (the provider's key) replace
+        any of the caller's; a copy either way (a call sent again after a pause must not carry
+        two keys)."""
+        headers = list(secrets.outgoing(self.headers, self.endpoint.credentials))
+        if self.trace is not None:  # the upstream joins the trace under the proxy span
+            headers = self.trace.outgoing(headers)
+        headers.append(("Idempotency-Key", self.task_id))
+        return headers
+
+    def _prepare(self) -> None:
+        """The call's head, built while Redis runs the submit and its own claim: for a call
+        that follows them at once. One that waits in line builds it when it is admitted (the
+        endpoint's credentials may have changed meanwhile); so does one that cannot be built
+        (`call` then meets the error where it is handled)."""
+        try:
+            self._head = self.rt.http.relay_head(self.method, self.url, self._outgoing(),
+                                                 self.body)
+        except (secrets.Undecryptable, ValueError):
+            self._head = None
 
     def _on_sent(self) -> Callable[[], None] | None:
         """Under sliding windows: once the request has left, its admission's entries move to
@@ -362,13 +385,11 @@ class ProxyCall:
         self._stop_renewing()
         if not self.token:
             return _result(False), True
-        k, e, ep = self.keys, self.endpoint.id, self.endpoint
-        limit_keys, limits = settle_limits(ep, k, self.rt.settings.rate_guard_ms)
+        calls = self.calls
         acking, written = self.rt.queue.scripts.ack.send(
-            keys=[*k.of(e, *ACK_KEYS), *limit_keys, *ack_cost_keys(ep, k, limit_keys),
-                  k.task(self.task_id)],
-            args=[e, "", 1, *limits, self.task_id, self.token, status, text,
-                  code or "", round(exec_ms), 0, "" if cost is None else cost,
+            keys=[*calls.ack_keys, self.keys.task(self.task_id)],
+            args=[self.endpoint.id, "", 1, *calls.ack_limits, self.task_id, self.token, status,
+                  text, code or "", round(exec_ms), 0, "" if cost is None else cost,
                   ""])  # no result kept: the body went to its caller
         return self._acked(acking), written
 

@@ -96,8 +96,17 @@ class UpstreamClient:
         head = self._head(method, where, headers, body, own=True)
         return await self._call(method, where, head, body, max_bytes, on_sent, spill, None)
 
+    def relay_head(self, method: str, url: str, headers: list[tuple[str, str]],
+                   body: bytes) -> tuple[Target, bytes]:
+        """Where a relayed call goes and its request's head, for `relay` (a ValueError for
+        what cannot be sent): built ahead by a caller with time to spare (a proxied request,
+        while Redis runs its submit)."""
+        where = target(url)
+        return where, self._head(method, where, headers, body or None, own=False)
+
     async def relay(self, method: str, url: str, headers: list[tuple[str, str]], body: bytes,
-                    timeout_s: float, on_sent: Callable[[], None] | None = None) -> Answer:
+                    timeout_s: float, on_sent: Callable[[], None] | None = None,
+                    head: tuple[Target, bytes] | None = None) -> Answer:
         """A proxied call: the request with only the headers given (no encoding asked for),
         the answer handed on once its status and headers are in (within `timeout_s`), its
         body as sent (`Answer.stream`, never decoded; no wait for more longer than
@@ -106,11 +115,12 @@ class UpstreamClient:
 
         A request written into a kept connection the upstream had just closed (no byte of an
         answer came) goes again once on a new one, whatever its method: it carries the task's
-        Idempotency-Key, and the caller is waiting on it."""
-        where = target(url)
-        head = self._head(method, where, headers, body or None, own=False)
+        Idempotency-Key, and the caller is waiting on it.
+
+        `head`: relay_head's for the same call, if built already."""
+        where, raw = head or self.relay_head(method, url, headers, body)
         async with asyncio.timeout(timeout_s):
-            return await self._call(method, where, head, body, 0, on_sent, None, timeout_s)
+            return await self._call(method, where, raw, body, 0, on_sent, None, timeout_s)
 
     async def _call(self, method: str, where: Target, head: bytes, body: bytes | None,
                     max_bytes: int, on_sent: Callable[[], None] | None, spill: int | None,

@@ -9,7 +9,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
@@ -53,6 +53,10 @@ class Followup:
     keys: list[Any]
     args: list[Any]
     reply: Any = None  # its reply, or the exception it met, once the submit has returned
+    #: Run once the two are on their way (on one Redis: written; on a Cluster, sent when
+    #: awaited, just after), while Redis runs them: the caller's work that does not need
+    #: their answer. It must not raise.
+    meanwhile: Callable[[], None] | None = None
 
 
 def _json(value: dict[str, Any]) -> str:
@@ -238,8 +242,11 @@ class TaskQueue:
         have it, so a failover cannot lose an acknowledged task."""
         replicas = self.settings.redis_wait_replicas
         if then is not None:  # never with replicas to confirm (submit)
-            res, then.reply = await Lua.together(self.redis, [
+            both = Lua.together(self.redis, [
                 (self.scripts.submit, keys, args), (then.lua, then.keys, then.args)])
+            if then.meanwhile is not None:
+                then.meanwhile()
+            res, then.reply = await both
             if isinstance(res, NoScriptError):  # neither ran (Redis restarted): one by one
                 res = await self.scripts.submit(keys=keys, args=args)
                 then.reply = None
