@@ -273,9 +273,11 @@ class ProxyCall:
             raise CallerGone
         head, self._head = self._head, None  # built with the submit, for this call only
         try:
+            if head is None:
+                head = self.rt.http.relay_head(self.method, self.url, self._outgoing(), self.body)
             answer = await self._unless_gone(self.rt.http.relay(
-                self.method, self.url, self._outgoing(), self.body, ep.timeout_ms / 1000,
-                self._on_sent(), head))
+                self.method, self.url, [], self.body, ep.timeout_ms / 1000, self._on_sent(),
+                head))
         except secrets.Undecryptable as exc:
             await self.finish("failed", f"upstream credentials: {exc}", None, -1, None)
             raise ApiError(503, "credentials_unavailable", str(exc), {"Retry-After": "5"},

@@ -117,7 +117,8 @@ class UpstreamClient:
         answer came) goes again once on a new one, whatever its method: it carries the task's
         Idempotency-Key, and the caller is waiting on it.
 
-        `head`: relay_head's for the same call, if built already."""
+        `head`: relay_head's for this call, if built already (`url` and `headers` are then
+        not read again)."""
         where, raw = head or self.relay_head(method, url, headers, body)
         async with asyncio.timeout(timeout_s):
             return await self._call(method, where, raw, body, 0, on_sent, None, timeout_s)
