@@ -313,11 +313,12 @@ class ProxyCall:
         """The call's head, built while Redis runs the submit and its own claim: for a call
         that follows them at once. One that waits in line builds it when it is admitted (the
         endpoint's credentials may have changed meanwhile); so does one that cannot be built
-        (`call` then meets the error where it is handled)."""
+        (`call` then meets the error where it is handled; here, between the submit's write
+        and its reply, nothing may raise)."""
         try:
             self._head = self.rt.http.relay_head(self.method, self.url, self._outgoing(),
                                                  self.body)
-        except (secrets.Undecryptable, ValueError):
+        except Exception:
             self._head = None
 
     def _on_sent(self) -> Callable[[], None] | None:
