@@ -9,6 +9,7 @@ from typing import Any
 
 from fastapi import FastAPI
 from fastapi_offline import FastAPIOffline
+from starlette.types import ASGIApp
 
 from app import __version__, errors, logs, openapi
 from app.connections import RequestCap, max_requests
@@ -65,12 +66,27 @@ def create_app(
                    dashboard.router, proxy.router):
         app.include_router(router)
     openapi.install(app)
-    # Added before the counter, so inside it: it counts the fast lane's answers too.
-    fast_lane(app, tasks.router, {tasks.submit: tasks.submit, tasks.status: tasks.status_fast})
-    fast_lane(app, proxy.router, {proxy.proxy: proxy.proxy_fast})
-    app.add_middleware(HttpRequests, counts=runtime.scrapes.http)  # /metrics, by route
-    if (cap := max_requests(runtime.settings)) is not None:  # outermost: refuses before all
-        app.add_middleware(RequestCap, limit=cap)
+    lanes = [fast_lane(app, tasks.router, {tasks.submit: tasks.submit,
+                                           tasks.status: tasks.status_fast}),
+             fast_lane(app, proxy.router, {proxy.proxy: proxy.proxy_fast})]
+    cap = max_requests(runtime.settings)
+
+    def front(stack: ASGIApp) -> ASGIApp:
+        for lane in lanes:
+            stack = lane(stack)
+        stack = HttpRequests(stack, counts=runtime.scrapes.http)  # /metrics, fast lanes too
+        return stack if cap is None else RequestCap(stack, limit=cap)  # refuses before all
+
+    _in_front(app, front)
     # Patterns catch keys and permits; these two have no recognisable shape.
     logs.redact(runtime.settings.admin_secret, runtime.settings.permit_key.decode())
     return app
+
+
+def _in_front(app: FastAPI, wrap: Callable[[ASGIApp], ASGIApp]) -> None:
+    """`wrap`'s middleware in front of the app's whole stack, not inside FastAPI's own layers
+    (its server error, telemetry and body-limit middleware, a fifth of a proxied request's
+    way to its handler, which the fast lanes do without: their errors go through the app's
+    handlers, and an unexpected one is answered 500 by the server as it was by the first)."""
+    build = app.build_middleware_stack
+    app.build_middleware_stack = lambda: wrap(build())  # type: ignore[method-assign]

@@ -1,12 +1,13 @@
 """The hot routes, answered in front of Starlette's routing and FastAPI's per-request work.
 
 A submit spent more CPU in the layers between the server and its handler (the router trying
-each route's pattern, two exception-handling wrappers, an exit stack per request, FastAPI's
+each route's pattern, the exception-handling wrappers, an exit stack per request, FastAPI's
 dependency solving for a route that has none, each layer wrapping `send` again) than in the
 handler itself. A route named here is matched by method and path from a middleware placed
-just inside the /metrics request counter: its fast handler takes only the request (it reads
-its body, parameters and caller itself) and may decline a request (None), which then takes
-the usual way; its errors go through the app's own exception handlers. The FastAPI route
+in front of the app's own stack, just inside the /metrics request counter: its fast handler
+takes only the request (it reads its body, parameters and caller itself) and may decline a
+request (None), which then takes the usual way; its errors go through the app's own
+exception handlers. The FastAPI route
 behind it still describes it in the OpenAPI document and serves every other spelling of the
 path (a trailing slash, a HEAD).
 """
@@ -25,11 +26,13 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 FastHandler = Callable[[Request], Awaitable[Response | None]]
 
 
-def fast_lane(app: FastAPI, router: APIRouter, handlers: dict[Any, FastHandler]) -> None:
-    """Answer these routes of `router` (by their endpoint function) with the fast handler
-    given for each; call before adding the middleware that should see them (the counter).
-    A route's path is fixed, ends in its one parameter (`/tasks/{task_id}`), or is a prefix,
-    one segment and the rest (`/proxy/{endpoint_id}/{path:path}`)."""
+def fast_lane(app: FastAPI, router: APIRouter, handlers: dict[Any, FastHandler]
+              ) -> Callable[[ASGIApp], ASGIApp]:
+    """The middleware answering these routes of `router` (by their endpoint function) with
+    the fast handler given for each, to put in front of what answers the rest (app/main.py
+    puts it in front of the app's whole stack). A route's path is fixed, ends in its one
+    parameter (`/tasks/{task_id}`), or is a prefix, one segment and the rest
+    (`/proxy/{endpoint_id}/{path:path}`)."""
     exact: dict[tuple[str, str], tuple[APIRoute, FastHandler]] = {}
     tails: dict[tuple[str, str], tuple[APIRoute, FastHandler, str]] = {}
     rests: dict[tuple[str, str], tuple[APIRoute, FastHandler, str, str]] = {}
@@ -48,7 +51,7 @@ def fast_lane(app: FastAPI, router: APIRouter, handlers: dict[Any, FastHandler])
             else:
                 raise ValueError(f"{route.path}: not a path the fast lane matches")
     _refuse_shadowed(app, tails)
-    app.add_middleware(_FastLane, owner=app, exact=exact, tails=tails, rests=rests)
+    return lambda inner: _FastLane(inner, app, exact, tails, rests)
 
 
 #: `/prefix/` `{segment}` `/{rest:path}`: a prefix that no other route of the app starts with.
@@ -91,7 +94,7 @@ class _FastLane:
         except Exception as exc:
             on_error = self._exception_handler(exc)
             if on_error is None:
-                raise  # a bug: the server error middleware outside answers 500
+                raise  # a bug: the server answers 500 (as the app's error middleware would)
             response = await on_error(request, exc)
         if response is None:  # declined: the router answers, as for any other request
             await self.app(scope, receive, send)
