@@ -38,7 +38,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._load import spawn
+from bench._load import ROOT, spawn
 from bench.e2e_cpu import cpu_s
 from tests.servers import QGW, free_port, stop, wait_port
 
@@ -119,10 +119,12 @@ async def mock_config(mock: str, **settings: object) -> None:
         (await http.post(f"{mock}/_mock/config", json=settings)).raise_for_status()
 
 
-async def start_ours(mock: str, data: Path) -> tuple[object, int, dict[str, str]]:
+async def start_ours(mock: str, data: Path, tree: Path = ROOT
+                     ) -> tuple[object, int, dict[str, str]]:
+    """`qgw serve` from `tree`'s code (another checkout: bench/proxy_ab.py)."""
     port = free_port()
     env = {"QGW_ADMIN_TOKEN": ADMIN, "QGW_DATA_DIR": str(data), "QGW_LOG_LEVEL": "warning"}
-    proc = spawn([*QGW, "serve", "--port", str(port)], env)
+    proc = spawn([*QGW, "serve", "--port", str(port)], env, cwd=tree)
     await asyncio.to_thread(wait_port, port, 60.0, proc)
     admin = {"Authorization": f"Bearer {ADMIN}"}
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", headers=admin) as http:
