@@ -164,13 +164,6 @@ class AutoPipeline:
         (fut,) = self.execute_many([args])
         return fut, not any(f is fut for _, f in self._waiting)
 
-    def writable(self) -> bool:
-        """Whether `execute_now` would write at once: a connection is held, open, and its
-        transport takes more."""
-        conn = self._conn
-        return conn is not None and not connection_closed(conn) and \
-            conn._writer.transport.get_write_buffer_size() < BATCH_BYTES  # type: ignore[union-attr]
-
     def _flush(self) -> None:
         self._flushing = False
         if self._conn is not None:

@@ -94,10 +94,6 @@ class Lua:
         fut, written = self._batched.execute_now(*self._evalsha(keys, args))
         return self._reloading(fut, keys, args), written
 
-    def writable(self) -> bool:
-        """Whether `send` would write the call at once (see AutoPipeline.writable)."""
-        return self._batched is not None and self._batched.writable()
-
     async def _reloading(self, fut: Awaitable[Any], keys: Sequence[Any], args: Sequence[Any]
                          ) -> Any:
         try:

@@ -5,9 +5,8 @@ first, it is admitted there and then (not a dispatcher's wake, its claim, a stat
 read later). Otherwise a dispatcher's claim admits it, which this process hears as a status
 event (no polling). Then this process makes the call, renews the lease while the answer
 streams, and finishes the task through the ack script (settling the cost, counting the stats)
-like a dispatcher finishes a queued call: written to Redis right after the answer's last bytes,
-before this process does anything else (written and answered before them where it cannot be
-written at once), its reply read after (app/proxy/response.py).
+like a dispatcher finishes a queued call: written to Redis before the answer's last bytes go to
+the caller, its reply read after.
 
 The lease is what a process killed mid-stream leaves behind: the reaper ends the task `failed`
 ("caller connection lost", lua/reap-7.lua) when it lapses, and never runs it again.
@@ -380,10 +379,6 @@ class ProxyCall:
         False when the lease was no longer ours."""
         ending, _ = self.finishing(status, text, code, exec_ms, cost)
         return await ending
-
-    def ack_writable(self) -> bool:
-        """Whether `finishing` would write its ack to Redis at once (Lua.writable)."""
-        return bool(self.token) and self.rt.queue.scripts.ack.writable()
 
     def finishing(self, status: str, text: str, code: int | None, exec_ms: float,
                   cost: int | None) -> tuple[Awaitable[bool], bool]:

@@ -88,47 +88,40 @@ class RelayResponse(Response):
         if not stream.ready:  # nothing of the body here yet: the head goes at once
             await send(head)
             start = None
-        # Otherwise it goes with the first piece: two writes back to back, which the caller
-        # reads at one wake rather than two.
+        # Otherwise it goes with the first piece (after the ack, when that piece is the last):
+        # two writes back to back, which the caller reads at one wake rather than two.
+        ending: asyncio.Future[None] | None = None
         async for chunk in stream:
             cost.feed(chunk)
-            if stream.at_end:  # the last piece goes with the answer's end (one write)
-                await self._last(send, start, chunk, cost)
-                return
+            last = stream.at_end
+            if last:
+                ending = await self._end_first(cost)
             if start is not None:
                 await send(start)
                 start = None
             # uvicorn's send waits while the caller's socket is backed up: the upstream is
-            # read no faster than the caller takes it.
-            await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        await self._last(send, start, b"", cost)  # an empty body, or one ended by its connection
-
-    async def _last(self, send: Send, start: Message | None, chunk: bytes,
-                    cost: CostReader) -> None:
-        """The answer's last bytes (its head too, if it has not gone) and the task's end, in an
-        order that lets nobody who has the whole answer read the task as still `processing`:
-        its ack is written to Redis right after the last bytes, before this process does
-        anything else (its next request, a status read among them, comes after it on the
-        same connection), where it can be written at once (one Redis, a connection held);
-        elsewhere (a Cluster, no connection held) it is written and answered first. Its reply
-        is awaited by the pump's caller: with the answer complete, the server tells the
-        request it is over (a disconnect), which must not read as a caller gone."""
-        ending: asyncio.Future[None] | None = None
-        if not self.call.ack_writable():
-            ending, written = self._ending(cost)
-            if not written:
-                await asyncio.shield(ending)
-        if start is not None:
-            await send(start)
-        await send({"type": "http.response.body", "body": chunk, "more_body": False})
-        if ending is None:  # the caller has it all: ended (had it not, the relay's end would)
-            ending, _ = self._ending(cost)
+            # read no faster than the caller takes it. The last piece goes with the answer's
+            # end (a chunked answer's last chunk and its terminator in one write).
+            await send({"type": "http.response.body", "body": chunk, "more_body": not last})
+        if ending is None:  # an empty body, or one that ended with its connection
+            ending = await self._end_first(cost)
+            if start is not None:
+                await send(start)
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        # Its reply is awaited by the caller of the pump: with the answer complete, the server
+        # tells the request it is over (a disconnect), which must not read as a caller gone.
         self.acking = ending
 
-    def _ending(self, cost: CostReader) -> tuple[asyncio.Future[None], bool]:
-        """The task's end as a completed call, started now (see `_end`)."""
-        acking, written = self._end(None, cost)
-        return asyncio.ensure_future(acking), written
+    async def _end_first(self, cost: CostReader) -> asyncio.Future[None]:
+        """The task ends before its caller has the last byte (a Content-Length answer is whole
+        then): whoever then asks for its status reads it ended, not still `processing`. Its
+        ack is written to Redis here and its reply awaited once the last bytes are on their
+        way; first, when it could not be written at once (a Cluster, no connection held)."""
+        ending, written = self._end(None, cost)
+        task = asyncio.ensure_future(ending)
+        if not written:
+            await asyncio.shield(task)
+        return task
 
     async def _finish(self, why: str | None, cost: CostReader) -> None:
         ending, _ = self._end(why, cost)
