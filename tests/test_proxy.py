@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
+from app.core.registry import SPREAD_S
 from app.runtime import Runtime
 from tests.conftest import Gateway
 from tests.servers import QGW, free_port, mock_log, mock_upstream, stop, wait_port
@@ -81,6 +82,38 @@ async def test_queued_tasks_and_proxied_calls_share_the_cap(
     view = await gateway.status(auth, tid)
     assert view["task_type"] == "proxy" and view["task_status"] == "completed"
     assert view["result_status_code"] == 200
+
+
+async def test_a_request_that_waited_calls_with_the_endpoint_as_it_is_when_admitted(
+    gateway: Gateway, llm: str, start_api: StartApi, start_dispatcher: StartDispatcher
+) -> None:
+    """upstream_headers rotated while a proxied request waits in line (cap 1, the upstream
+    held): its call carries the new value, as a dispatcher's call of a queued task would; the
+    request admitted before the edit kept the old one."""
+    auth = await proxied(gateway, llm, max_concurrency=1,
+                         upstream_headers={"Authorization": "Bearer sk-old"})
+    base = await start_api()
+    await start_dispatcher()
+    httpx.post(f"{llm}/_mock/config", json={"hold": True}).raise_for_status()
+    async with httpx.AsyncClient(base_url=base, headers=auth, timeout=30) as http:
+        first = asyncio.ensure_future(http.post("/proxy/llm/chat/completions", json=CHAT))
+        for _ in range(100):
+            if mock_stats(llm)["in_flight"] == 1:
+                break
+            await asyncio.sleep(0.1)
+        second = asyncio.ensure_future(http.post("/proxy/llm/chat/completions", json=CHAT))
+        await asyncio.sleep(0.5)  # in line behind the held call
+        r = await gateway.http.patch("/admin/v1/endpoints/llm", headers=gateway.admin, json={
+            "upstream_headers": {"Authorization": "Bearer sk-new"}})
+        assert r.status_code == 200, r.text
+        await asyncio.sleep(SPREAD_S)  # the edit reaches the API process
+        assert not second.done()
+        httpx.post(f"{llm}/_mock/release").raise_for_status()
+        answers = await asyncio.gather(first, second)
+    assert [a.status_code for a in answers] == [200, 200], answers[1].text
+    assert int(answers[1].headers["x-queue-waited-ms"]) > 500
+    sent = [e["headers"]["authorization"] for e in mock_log(llm)]  # type: ignore[index]
+    assert sent == ["Bearer sk-old", "Bearer sk-new"]
 
 
 async def test_key_consumed_headers_forwarded_and_paths_kept_under_target(

@@ -157,6 +157,7 @@ class ProxyCall:
         with self.rt.events.watch(self.task_id) as w:
             while True:
                 if await self._admitted():
+                    self._current()
                     return
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -181,6 +182,12 @@ class ProxyCall:
                 409, "task_not_pending", f"the request's task is {status}",
                 task_id=self.task_id)
         return False
+
+    def _current(self) -> None:
+        """After a wait in line, the endpoint as it is now: an edit meanwhile (its
+        upstream_headers rotated, its limits, its timeout) is what its call and its ack use,
+        as a dispatcher's call would. Deleted meanwhile: the version it was admitted under."""
+        self.endpoint = self.rt.registry.get(self.endpoint.id) or self.endpoint
 
     def _admit(self, token: str) -> None:
         self.token, self.admitted = token, time.monotonic()
@@ -311,8 +318,9 @@ class ProxyCall:
 
     def _prepare(self) -> None:
         """The call's head, built while Redis runs the submit and its own claim: for a call
-        that follows them at once. One that waits in line builds it when it is admitted (the
-        endpoint's credentials may have changed meanwhile); so does one that cannot be built
+        that follows them at once. One that waits in line builds it when it is admitted, from
+        the endpoint as it is then (`_current`: its credentials may have changed); so does one
+        that cannot be built
         (`call` then meets the error where it is handled; here, between the submit's write
         and its reply, nothing may raise)."""
         try:
