@@ -84,6 +84,34 @@ async def test_queued_tasks_and_proxied_calls_share_the_cap(
     assert view["result_status_code"] == 200
 
 
+@pytest.mark.backends("single", "cluster")
+async def test_a_repeated_idempotency_key_is_not_called_again(
+    gateway: Gateway, llm: str, start_api: StartApi, start_dispatcher: StartDispatcher
+) -> None:
+    """The caller's Idempotency-Key names its task, as for a submit: a repeat is not called
+    again but answered 409 `duplicate_request` with the first task's id (its answer went to
+    the first connection); another key is a new call. The upstream gets the task's id."""
+    auth = await proxied(gateway, llm)
+    base = await start_api()
+    await start_dispatcher()
+    async with httpx.AsyncClient(base_url=base, headers=auth, timeout=30) as http:
+        once = {"Idempotency-Key": "order-17"}
+        first = await http.post("/proxy/llm/chat/completions", json=CHAT, headers=once)
+        again = await http.post("/proxy/llm/chat/completions", json=CHAT, headers=once)
+        other = await http.post("/proxy/llm/chat/completions", json=CHAT,
+                                headers={"Idempotency-Key": "order-18"})
+        bad = await http.post("/proxy/llm/chat/completions", json=CHAT,
+                              headers={"Idempotency-Key": "x" * 129})
+    assert first.status_code == 200 and other.status_code == 200, first.text
+    assert again.status_code == 409, again.text
+    error = again.json()["error"]
+    assert error["code"] == "duplicate_request"
+    assert error["task_id"] == first.headers["x-queue-task-id"]
+    assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_idempotency_key"
+    assert [e["idempotency_key"] for e in mock_log(llm)] == [
+        first.headers["x-queue-task-id"], other.headers["x-queue-task-id"]]
+
+
 async def test_a_request_that_waited_calls_with_the_endpoint_as_it_is_when_admitted(
     gateway: Gateway, llm: str, start_api: StartApi, start_dispatcher: StartDispatcher
 ) -> None:
@@ -139,6 +167,8 @@ async def test_key_consumed_headers_forwarded_and_paths_kept_under_target(
         for bad in ("../x", "a/../../x", "a%2Fb", "a%2fb", "a;b", "a%5Cb", "a\\b", "%2e%2e/x",
                     "a%00", "./x"):
             assert await raw_status(base, f"/proxy/llm/{bad}", key) == 404, bad
+        # The endpoint's id escaped: never the bare target_url (the path after it was lost).
+        assert await raw_status(base, "/proxy/ll%6D/chat/completions", key) == 404
         assert len(mock_log(llm)) == 1  # none of them was called
         r = await http.post("/proxy/llm/chat/completions", json=CHAT,
                             headers={**auth, "X-Queue-Priority": "11"})

@@ -41,8 +41,9 @@ async def proxy(request: Request, endpoint_id: str, path: str) -> Response:
     if endpoint is None or not endpoint.enabled or not endpoint.proxy:
         raise ApiError(404, "endpoint_not_registered",
                        f"no enabled endpoint {endpoint_id!r} open to the proxy")
-    url = upstream_url(endpoint.target_url, _rest(request, endpoint_id),
-                       request.scope.get("query_string", b"").decode("latin-1"))
+    rest = _rest(request, endpoint_id)
+    url = None if rest is None else upstream_url(
+        endpoint.target_url, rest, request.scope.get("query_string", b"").decode("latin-1"))
     if url is None:
         raise ApiError(404, "path_not_allowed", "the path leaves the endpoint's target_url")
     if request.method not in endpoint.methods:
@@ -94,9 +95,10 @@ for _method in METHODS:  # one operation a method: each its own id in the OpenAP
                          response_class=Response)
 
 
-def _rest(request: Request, endpoint_id: str) -> str:
+def _rest(request: Request, endpoint_id: str) -> str | None:
     """The path after /proxy/{endpoint_id}, as the caller sent it (percent-escapes kept:
-    an encoded slash must be seen as one, not decoded into a separator)."""
+    an encoded slash must be seen as one, not decoded into a separator); None when the id
+    was sent escaped (`/proxy/ll%6D/...`): what follows it cannot be told apart safely."""
     scope = request.scope
     raw: bytes = scope.get("raw_path") or scope["path"].encode()
     path = raw.decode("latin-1").split("?", 1)[0]
@@ -104,7 +106,7 @@ def _rest(request: Request, endpoint_id: str) -> str:
     if root and path.startswith(root):
         path = path[len(root):]
     prefix = f"/proxy/{endpoint_id}/"
-    return path[len(prefix):] if path.startswith(prefix) else ""
+    return path[len(prefix):] if path.startswith(prefix) else None
 
 
 def _queue_headers(request: Request) -> tuple[int, float, int, str | None]:
