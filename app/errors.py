@@ -157,3 +157,10 @@ def install(app: FastAPI) -> None:
             503, "redis_unavailable", "the queue store is unavailable; retry shortly",
             {"Retry-After": "1"},
         )
+
+    @app.exception_handler(Exception)
+    async def _bug(_: Request, exc: Exception) -> JSONResponse:
+        # Run by the server error middleware (and the fast lanes): the answer in our shape,
+        # with nothing of the exception in it; the exception goes on to the server's log.
+        return error_response(500, "internal_error", "the gateway met an unexpected error; "
+                              "its log has the details")

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
+import httpx
 import pytest
 from fastapi import APIRouter, FastAPI, Request
 
@@ -272,3 +274,25 @@ async def test_a_task_search_takes_times_only_as_iso_8601(
     r = await gateway.http.get("/admin/v1/tasks", headers=gateway.admin, params={
         "status": "failed", "cursor": "-88469909327378:x", "since": "0082-08-24T15:42:55+17:39"})
     assert r.status_code == 422 and r.json()["error"]["code"] == "bad_cursor", r.text
+
+
+async def test_an_unexpected_error_is_answered_in_the_error_shape(
+    ready: tuple[Gateway, dict[str, str], str], start_api: Any
+) -> None:
+    """An error no handler names (here Redis refusing writes: out of memory) is a 500 in the
+    API's error shape, with nothing of the exception in it, on a keep-alive connection that
+    stays usable; what is queued stays, and all is well again once Redis is."""
+    gateway, auth, queued = ready
+    base = await start_api()
+    redis = gateway.rt.redis
+    async with httpx.AsyncClient(base_url=base, headers=auth, timeout=10) as http:
+        await redis.config_set("maxmemory", 1)  # every write refused: OOM
+        try:
+            refused = await http.post("/api/v1/tasks", json={"target_url": TARGET})
+        finally:
+            await redis.config_set("maxmemory", 0)
+        _is_error(refused, 500, "internal_error")
+        assert "OOM" not in refused.text and "memory" not in refused.text
+        status = await http.get(f"/api/v1/tasks/{queued}")
+        assert status.status_code == 200 and status.json()["task_status"] == "pending"
+        assert (await http.post("/api/v1/tasks", json={"target_url": TARGET})).status_code == 202

@@ -14,6 +14,7 @@ path (a trailing slash, a HEAD).
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -24,6 +25,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 FastHandler = Callable[[Request], Awaitable[Response | None]]
+log = logging.getLogger(__name__)
 
 
 def fast_lane(app: FastAPI, router: APIRouter, handlers: dict[Any, FastHandler]
@@ -94,7 +96,12 @@ class _FastLane:
         except Exception as exc:
             on_error = self._exception_handler(exc)
             if on_error is None:
-                raise  # a bug: the server answers 500 (as the app's error middleware would)
+                # A bug: logged, and answered by the app's handler for Exception (the one its
+                # server error middleware runs); without one, raised for the server's 500.
+                on_error = self._server_error()
+                if on_error is None:
+                    raise
+                log.exception("unexpected error in %s %s", scope["method"], scope["path"])
             response = await on_error(request, exc)
         if response is None:  # declined: the router answers, as for any other request
             await self.app(scope, receive, send)
@@ -125,6 +132,11 @@ class _FastLane:
                 scope["route"], scope["path_params"] = route, {name: segment, rest_name: rest}
                 return handler
         return None
+
+    def _server_error(self) -> Callable[..., Awaitable[Response]] | None:
+        """The app's handler for Exception (what its server error middleware runs)."""
+        handlers: dict[Any, Any] = self.owner.exception_handlers
+        return handlers.get(Exception)
 
     def _exception_handler(self, exc: Exception) -> Callable[..., Awaitable[Response]] | None:
         handlers: dict[Any, Any] = self.owner.exception_handlers
