@@ -107,6 +107,7 @@ async def test_headers_at_once_then_events_as_they_come(
     assert len(arrivals) == 1 + 6 + 1 + 1  # role, six tokens, stop, [DONE]
 
 
+@pytest.mark.backends("single", "cluster")
 async def test_api_killed_mid_stream_fails_the_task_once_its_lease_lapses(
     gateway: Gateway, llm: str, env: dict[str, str], start_dispatcher: StartDispatcher
 ) -> None:
@@ -170,6 +171,7 @@ def test_cost_read_from_openai_and_anthropic_streams() -> None:
     assert body.cost({}) == 9
 
 
+@pytest.mark.backends("single", "cluster")
 async def test_caller_gone_before_the_upstream_answers_aborts_the_call(
     gateway: Gateway, llm: str, start_api: StartApi, start_dispatcher: StartDispatcher
 ) -> None:
@@ -193,6 +195,7 @@ async def test_caller_gone_before_the_upstream_answers_aborts_the_call(
     assert view["task_result"] == "caller connection lost"
 
 
+@pytest.mark.backends("single", "cluster")
 async def test_a_stream_settles_its_cost_from_its_usage_event(
     gateway: Gateway, llm: str, start_api: StartApi, start_dispatcher: StartDispatcher
 ) -> None:
@@ -224,6 +227,7 @@ async def test_a_stream_settles_its_cost_from_its_usage_event(
         assert third.status_code == 503  # 7 + 13 spent (the JSON answer kept its estimate)
 
 
+@pytest.mark.backends("single", "cluster")
 async def test_a_cancel_before_the_upstream_answers_stops_the_call(
     gateway: Gateway, llm: str, start_api: StartApi, start_dispatcher: StartDispatcher
 ) -> None:

@@ -80,6 +80,7 @@ async def test_429_then_ok_goes_back_in_line(
     assert view["task_status"] == "completed" and view["attempts"] == 2
 
 
+@pytest.mark.backends("single", "cluster")
 async def test_priority_order_behind_a_held_upstream(
     gateway: Gateway, llm: str, start_api: StartApi, start_dispatcher: StartDispatcher
 ) -> None:
@@ -107,6 +108,7 @@ async def test_priority_order_behind_a_held_upstream(
         ["first", "high", "mid", "low"]
 
 
+@pytest.mark.backends("single", "cluster")
 async def test_closing_the_stream_aborts_the_call_and_frees_the_slot(
     gateway: Gateway, llm: str, start_api: StartApi, start_dispatcher: StartDispatcher
 ) -> None:
