@@ -52,13 +52,14 @@ async def paired(first: Path, second: Path, rounds: int) -> tuple[float, dict[Pa
     mport = free_port()
     mock_proc = spawn([*QGW, "mock-upstream", "--openai", "--port", str(mport), "--chunks", "50"])
     procs: list[object] = [mock_proc]
-    try:
-        await asyncio.to_thread(wait_port, mport, 30.0, mock_proc)
-        mock = f"http://127.0.0.1:{mport}"
-        await mock_config(mock, latency_ms=0)
-        targets: list[tuple[str, dict[str, str], int | None]] = [
-            (f"{mock}/v1/chat/completions", {}, None)]
-        with tempfile.TemporaryDirectory() as tmp:
+    # The gateways (their embedded Redis among them) stop before their data directory goes.
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            await asyncio.to_thread(wait_port, mport, 30.0, mock_proc)
+            mock = f"http://127.0.0.1:{mport}"
+            await mock_config(mock, latency_ms=0)
+            targets: list[tuple[str, dict[str, str], int | None]] = [
+                (f"{mock}/v1/chat/completions", {}, None)]
             for i, tree in enumerate((first, second)):
                 proc, port, auth = await start_ours(mock, Path(tmp) / str(i), tree)
                 procs.append(proc)
@@ -77,9 +78,9 @@ async def paired(first: Path, second: Path, rounds: int) -> tuple[float, dict[Pa
                         await asyncio.sleep(GAP_S)
                 cpu = [(cpu_s(pid) - c0) / rounds * 1000 if pid else 0.0
                        for (_, _, pid), c0 in zip(targets, cpu0, strict=True)]
-    finally:
-        for proc in procs:
-            stop(proc)  # type: ignore[arg-type]
+        finally:
+            for proc in procs:
+                stop(proc)  # type: ignore[arg-type]
     direct = statistics.median(times[0])
     diff = statistics.median(b - a for a, b in zip(times[1], times[2], strict=True)) * 1000
     return diff, {tree: f"added p50 {(statistics.median(times[k]) - direct) * 1000:+.3f} ms, "

@@ -115,9 +115,10 @@ async def test_a_repeated_idempotency_key_is_not_called_again(
 async def test_a_request_that_waited_calls_with_the_endpoint_as_it_is_when_admitted(
     gateway: Gateway, llm: str, start_api: StartApi, start_dispatcher: StartDispatcher
 ) -> None:
-    """upstream_headers rotated while a proxied request waits in line (cap 1, the upstream
-    held): its call carries the new value, as a dispatcher's call of a queued task would; the
-    request admitted before the edit kept the old one."""
+    """The endpoint moved (target_url) and its upstream_headers rotated in one edit while a
+    proxied request waits in line (cap 1, the upstream held): its call goes to the new URL
+    with the new key, as a dispatcher's call of a queued task would; never the new key to the
+    old host. The request admitted before the edit kept both old ones."""
     auth = await proxied(gateway, llm, max_concurrency=1,
                          upstream_headers={"Authorization": "Bearer sk-old"})
     base = await start_api()
@@ -131,8 +132,9 @@ async def test_a_request_that_waited_calls_with_the_endpoint_as_it_is_when_admit
             await asyncio.sleep(0.1)
         second = asyncio.ensure_future(http.post("/proxy/llm/chat/completions", json=CHAT))
         await asyncio.sleep(0.5)  # in line behind the held call
+        moved = llm.replace("127.0.0.1", "localhost")  # the same mock, by another name
         r = await gateway.http.patch("/admin/v1/endpoints/llm", headers=gateway.admin, json={
-            "upstream_headers": {"Authorization": "Bearer sk-new"}})
+            "target_url": f"{moved}/v1", "upstream_headers": {"Authorization": "Bearer sk-new"}})
         assert r.status_code == 200, r.text
         await asyncio.sleep(SPREAD_S)  # the edit reaches the API process
         assert not second.done()
@@ -140,8 +142,9 @@ async def test_a_request_that_waited_calls_with_the_endpoint_as_it_is_when_admit
         answers = await asyncio.gather(first, second)
     assert [a.status_code for a in answers] == [200, 200], answers[1].text
     assert int(answers[1].headers["x-queue-waited-ms"]) > 500
-    sent = [e["headers"]["authorization"] for e in mock_log(llm)]  # type: ignore[index]
-    assert sent == ["Bearer sk-old", "Bearer sk-new"]
+    sent = [(e["headers"]["host"].split(":")[0], e["headers"]["authorization"])  # type: ignore[index]
+            for e in mock_log(llm)]
+    assert sent == [("127.0.0.1", "Bearer sk-old"), ("localhost", "Bearer sk-new")]
 
 
 async def test_key_consumed_headers_forwarded_and_paths_kept_under_target(

@@ -33,6 +33,7 @@ from app.endpoints import EndpointConfig
 from app.errors import ApiError
 from app.models import SubmitRequest, SubmitResponse
 from app.proxy.calls import EndpointCalls, endpoint_calls
+from app.proxy.paths import upstream_url
 from app.queue.claims import CLAIM_FIELDS, settle_limits
 from app.queue.fairness import starvation_keys
 from app.queue.http1 import Answer, BadAnswer, Target
@@ -66,6 +67,7 @@ class ProxyCall:
     cost: int
     idem_key: str | None
     gone: asyncio.Future[Any]  # done once the caller has disconnected
+    path: tuple[str, str] = ("", "")  # `url` past target_url: the raw path, the query
     arrived: float = field(default_factory=time.monotonic)
     task_id: str = ""
     token: str = ""
@@ -184,10 +186,15 @@ class ProxyCall:
         return False
 
     def _current(self) -> None:
-        """After a wait in line, the endpoint as it is now: an edit meanwhile (its
-        upstream_headers rotated, its limits, its timeout) is what its call and its ack use,
-        as a dispatcher's call would. Deleted meanwhile: the version it was admitted under."""
-        self.endpoint = self.rt.registry.get(self.endpoint.id) or self.endpoint
+        """After a wait in line, the endpoint as it is now: an edit meanwhile (its target_url,
+        its upstream_headers rotated, its limits, its timeout) is what its call and its ack
+        use, as a dispatcher's call would; the URL and the key change together, so a key never
+        goes to the host it replaced. Deleted meanwhile: the version it was admitted under."""
+        now = self.rt.registry.get(self.endpoint.id)
+        if now is None or now is self.endpoint:
+            return
+        self.endpoint = now
+        self.url = upstream_url(now.target_url, *self.path) or self.url
 
     def _admit(self, token: str) -> None:
         self.token, self.admitted = token, time.monotonic()

@@ -41,10 +41,10 @@ async def proxy(request: Request, endpoint_id: str, path: str) -> Response:
     if endpoint is None or not endpoint.enabled or not endpoint.proxy:
         raise ApiError(404, "endpoint_not_registered",
                        f"no enabled endpoint {endpoint_id!r} open to the proxy")
-    rest = _rest(request, endpoint_id)
-    url = None if rest is None else upstream_url(
-        endpoint.target_url, rest, request.scope.get("query_string", b"").decode("latin-1"))
-    if url is None:
+    rest, query = _rest(request, endpoint_id), request.scope.get("query_string", b"").decode(
+        "latin-1")
+    url = None if rest is None else upstream_url(endpoint.target_url, rest, query)
+    if url is None or rest is None:
         raise ApiError(404, "path_not_allowed", "the path leaves the endpoint's target_url")
     if request.method not in endpoint.methods:
         raise ApiError(405, "method_not_allowed",
@@ -57,7 +57,7 @@ async def proxy(request: Request, endpoint_id: str, path: str) -> Response:
     body = await read_limited(request, rt.settings.max_body_bytes)
     gone = asyncio.ensure_future(_until_disconnect(request.receive))
     call = ProxyCall(rt, caller, endpoint, request.method, url, _forwarded(request), body,
-                     priority, max_wait_s, cost, idem, gone)
+                     priority, max_wait_s, cost, idem, gone, path=(rest, query))
     if tracing.ENABLED:
         call.trace = tracing.ProxyTrace(request.headers, request.method, url, endpoint.id)
     try:
