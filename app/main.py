@@ -86,7 +86,7 @@ def create_app(
 def _in_front(app: FastAPI, wrap: Callable[[ASGIApp], ASGIApp]) -> None:
     """`wrap`'s middleware in front of the app's whole stack, not inside FastAPI's own layers
     (its server error, telemetry and body-limit middleware, a fifth of a proxied request's
-    way to its handler, which the fast lanes do without: their errors go through the app's
-    handlers, and an unexpected one is answered 500 by the server as it was by the first)."""
+    way to its handler, which the fast lanes do without: their errors, unexpected ones too,
+    go through the app's own handlers, app/routes/fastlane.py)."""
     build = app.build_middleware_stack
     app.build_middleware_stack = lambda: wrap(build())  # type: ignore[method-assign]

@@ -67,7 +67,7 @@ class ProxyCall:
     cost: int
     idem_key: str | None
     gone: asyncio.Future[Any]  # done once the caller has disconnected
-    path: tuple[str, str] = ("", "")  # `url` past target_url: the raw path, the query
+    path: tuple[str, str]  # `url` past target_url: the raw path and the query (_current)
     arrived: float = field(default_factory=time.monotonic)
     task_id: str = ""
     token: str = ""
@@ -326,10 +326,9 @@ class ProxyCall:
     def _prepare(self) -> None:
         """The call's head, built while Redis runs the submit and its own claim: for a call
         that follows them at once. One that waits in line builds it when it is admitted, from
-        the endpoint as it is then (`_current`: its credentials may have changed); so does one
-        that cannot be built
-        (`call` then meets the error where it is handled; here, between the submit's write
-        and its reply, nothing may raise)."""
+        the endpoint as it is then (`_current`); so does one that cannot be built: `call`
+        meets the error again where errors are handled (here, between the submit's write and
+        its reply, nothing may raise)."""
         try:
             self._head = self.rt.http.relay_head(self.method, self.url, self._outgoing(),
                                                  self.body)
