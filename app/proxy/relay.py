@@ -29,6 +29,7 @@ from redis.exceptions import RedisError
 from app import secrets, tracing
 from app.core.interrupt import Interrupt
 from app.core.keys import Keys
+from app.core.loop import persist
 from app.endpoints import EndpointConfig
 from app.errors import ApiError
 from app.models import SubmitRequest, SubmitResponse
@@ -75,6 +76,7 @@ class ProxyCall:
     admitted_at: float = 0.0  # loop time its claim admitted it (the latest claim's)
     spent: int = 1  # what that admission spent of per-cost limits (the task's `cost`)
     call_started: float = 0.0
+    lease_until: float = 0.0  # monotonic: when the lease lapses unless renewed (_acked)
     _head: tuple[Target, bytes] | None = None  # the call's, built with the submit (_prepare)
     _renewing: asyncio.Task[None] | None = None
     _renewal_due: asyncio.TimerHandle | None = None  # before the first renewal (no task yet)
@@ -198,6 +200,7 @@ class ProxyCall:
 
     def _admit(self, token: str) -> None:
         self.token, self.admitted = token, time.monotonic()
+        self.lease_until = self.admitted + self.rt.settings.lease_ms / 1000
         if self.trace is not None:
             self.trace.task(self.task_id, self.waited_ms)
         # A timer, not a task, until the first renewal is due: most calls end before it.
@@ -244,6 +247,7 @@ class ProxyCall:
         lease_ms = self.rt.settings.lease_ms
         k, e = self.keys, self.endpoint.id
         while True:
+            asked = time.monotonic()
             try:
                 res = await self.rt.queue.scripts.extend(
                     keys=[k.active(e), k.task(self.task_id)],
@@ -255,6 +259,7 @@ class ProxyCall:
                     if not self.lease_lost.done():
                         self.lease_lost.set_result(None)
                     return
+                self.lease_until = asked + lease_ms / 1000
             await asyncio.sleep(lease_ms / 3000)
 
     def traced(self, status_code: int | None, problem: str | None) -> None:
@@ -402,21 +407,30 @@ class ProxyCall:
         self._stop_renewing()
         if not self.token:
             return _result(False), True
-        calls = self.calls
-        acking, written = self.rt.queue.scripts.ack.send(
-            keys=[*calls.ack_keys, self.keys.task(self.task_id)],
-            args=[self.endpoint.id, "", 1, *calls.ack_limits, self.task_id, self.token, status,
-                  text, code or "", round(exec_ms), 0, "" if cost is None else cost,
-                  ""])  # no result kept: the body went to its caller
-        return self._acked(acking), written
+        calls, ack = self.calls, self.rt.queue.scripts.ack
+        keys = [*calls.ack_keys, self.keys.task(self.task_id)]
+        args = [self.endpoint.id, "", 1, *calls.ack_limits, self.task_id, self.token, status,
+                text, code or "", round(exec_ms), 0, "" if cost is None else cost,
+                ""]  # no result kept: the body went to its caller
+        acking, written = ack.send(keys=keys, args=args)
+        return self._acked(acking, lambda: ack(keys=keys, args=args)), written
 
-    async def _acked(self, acking: Awaitable[Any]) -> bool:
+    async def _acked(self, acking: Awaitable[Any], again: Callable[[], Awaitable[Any]]
+                     ) -> bool:
+        """The ack's outcome. One that Redis fails (an outage, a failover) is sent again
+        until it lands or the lease would lapse, as a dispatcher's acks are: the caller has
+        its answer, and its task must not end `failed` ("caller connection lost") for a
+        Redis that was away meanwhile. Sent twice it is harmless: the second finds its token
+        released by the first."""
         try:
             res = await acking
         except (RedisError, OSError) as exc:
-            log.warning("could not finish the task: %s; its lease will lapse", exc,
-                        extra=self._extra())
-            return False
+            window = self.lease_until - time.monotonic()
+            res = await persist("proxied call's ack", again, window) if window > 0 else None
+            if res is None:
+                log.warning("could not finish the task: %s; its lease will lapse", exc,
+                            extra=self._extra())
+                return False
         self.token = ""
         return bool(int(res[1]))
 

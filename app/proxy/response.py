@@ -119,8 +119,9 @@ class RelayResponse(Response):
         way; first, when it could not be written at once (a Cluster, no connection held)."""
         ending, written = self._end(None, cost)
         task = asyncio.ensure_future(ending)
-        if not written:
-            await asyncio.shield(task)
+        if not written:  # its first try, at most: retried through an outage, it goes on
+            # behind the last bytes, which a Redis away holds no longer than a command would
+            await asyncio.wait({task}, timeout=self.call.rt.settings.redis_timeout_s)
         return task
 
     async def _finish(self, why: str | None, cost: CostReader) -> None:
