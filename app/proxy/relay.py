@@ -177,9 +177,9 @@ class ProxyCall:
     async def _admitted(self) -> bool:
         """True once a claim admitted the task (its lease token is ours); False while it
         waits; raises when it ended meanwhile."""
-        status, token = await self._state()
+        status, token, age_s = await self._state()
         if status == "processing" and token:
-            self._admit(token)
+            self._admit(token, age_s)
             return True
         if status != "pending":  # expired (its max wait), cancelled by an operator
             raise _too_long(self.max_wait_s, None) if status == "expired" else ApiError(
@@ -198,24 +198,27 @@ class ProxyCall:
         self.endpoint = now
         self.url = upstream_url(now.target_url, *self.path) or self.url
 
-    def _admit(self, token: str) -> None:
+    def _admit(self, token: str, age_s: float = 0.0) -> None:
+        """Admitted `age_s` ago (by a dispatcher's claim, heard since) with lease `token`."""
         self.token, self.admitted = token, time.monotonic()
-        self.lease_until = self.admitted + self.rt.settings.lease_ms / 1000
+        self.lease_until = self.admitted - age_s + self.rt.settings.lease_ms / 1000
         if self.trace is not None:
             self.trace.task(self.task_id, self.waited_ms)
         # A timer, not a task, until the first renewal is due: most calls end before it.
         self._renewal_due = asyncio.get_running_loop().call_later(
-            self.rt.settings.lease_ms / 3000, self._start_renewing)
+            max(0.0, self.rt.settings.lease_ms / 3000 - age_s), self._start_renewing)
 
-    async def _state(self) -> tuple[str | None, str | None]:
-        """The task's status and lease token; once admitted, when that was (turn-1.lua)."""
+    async def _state(self) -> tuple[str | None, str | None, float]:
+        """The task's status, its lease token and how long ago it was admitted (s), once it
+        was (turn-1.lua)."""
         asked = asyncio.get_running_loop().time()
         status, lease, age_ms, cost = await self.rt.queue.scripts.turn(
             keys=[self.keys.task(self.task_id)], args=[])
         # The admission's loop time, rather early than late: the script's way here counts as
         # part of the delay, which moves the window's entry later (the safe side).
         self.admitted_at, self.spent = asked - int(age_ms) / 1000, int(cost or 1)
-        return (None if status is None else str(status)), (None if lease is None else str(lease))
+        return ((None if status is None else str(status)),
+                (None if lease is None else str(lease)), int(age_ms) / 1000)
 
     async def _give_up(self) -> None:
         """Its max wait is over: withdrawn, 503; unless a claim took it just now."""
@@ -230,9 +233,11 @@ class ProxyCall:
         try:
             await self.rt.queue.cancel(self.caller.user_id, self.task_id)
         except ApiError:
-            status, token = await self._state()
+            status, token, age_s = await self._state()
             if status == "processing" and token:
+                self._current()  # its ack settles what the claim admitted it under
                 self.token = token
+                self.lease_until = time.monotonic() - age_s + self.rt.settings.lease_ms / 1000
                 await self.finish("failed", CALLER_LOST, None, -1, None)
 
     # -- the lease ---------------------------------------------------------------------------
