@@ -170,9 +170,12 @@ class MockUpstream:
             latency = float(headers.get("x-mock-latency-ms", self.latency_ms))
             if latency and status != 429:
                 await asyncio.sleep(latency / 1000)
+            # Headers to answer with, as a JSON object (rate-limit signals, Retry-After).
+            told = [(name.encode(), str(value).encode()) for name, value
+                    in json.loads(headers.get("x-mock-reply-headers", "{}")).items()]
             if self.openai and status == 200 and mock_openai.is_openai_path(scope["path"]):
                 await mock_openai.answer(scope["path"], body, len(self.log), self.chunks,
-                                         self.chunk_ms, send, [])
+                                         self.chunk_ms, send, told)
                 return
             if binary := headers.get("x-mock-binary"):
                 await _send_binary(send, status, *_binary_spec(binary))
@@ -187,10 +190,7 @@ class MockUpstream:
                 reply = "x" * max(0, size - 2)  # a JSON string of `size` bytes
             cookie = headers.get("x-mock-set-cookie")
             extra = [(b"set-cookie", f"{cookie}; Path=/".encode())] if cookie else []
-            # Headers to answer with, as a JSON object (rate-limit signals, Retry-After).
-            for name, value in json.loads(headers.get("x-mock-reply-headers", "{}")).items():
-                extra.append((name.encode(), str(value).encode()))
-            await _send_json(send, status, reply, extra)
+            await _send_json(send, status, reply, extra + told)
         finally:
             self.in_flight -= 1
 

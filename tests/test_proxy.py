@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -242,6 +243,38 @@ async def test_first_in_line_is_admitted_by_its_api_process_under_the_same_rules
         assert not second.done()
         second.cancel()
     assert len(mock_log(llm)) == 1
+
+
+@pytest.mark.backends("single", "cluster")
+async def test_rate_limit_headers_on_an_answer_hold_the_next_calls(
+    gateway: Gateway, llm: str, start_api: StartApi, start_dispatcher: StartDispatcher
+) -> None:
+    """A 200 saying its upstream takes one more call before a reset 2 s away: of the two
+    calls that follow at once, one goes, the other waits for the reset. Then a 200 saying
+    none remain pauses the endpoint until its reset: the next call waits for it. As with a
+    dispatcher's answers (app/queue/acks.py); the proxy used to drop both signals, and the
+    upstream saw the calls it had just said it would refuse."""
+    auth = await proxied(gateway, llm)
+    base = await start_api()
+    await start_dispatcher()  # admits what waited
+
+    def told(left: int) -> dict[str, str]:
+        return {"X-Mock-Reply-Headers": json.dumps({
+            "x-ratelimit-remaining-requests": str(left), "x-ratelimit-reset-requests": "2s"})}
+
+    async with httpx.AsyncClient(base_url=base, headers=auth, timeout=30) as http:
+        async def call(headers: dict[str, str] | None = None) -> None:
+            r = await http.post("/proxy/llm/chat/completions", json=CHAT, headers=headers)
+            assert r.status_code == 200, r.text
+
+        await call(told(1))
+        await asyncio.gather(call(), call())
+        await call(told(0))
+        await call()
+    t = [float(e["t"]) for e in mock_log(llm)]  # type: ignore[arg-type]
+    assert len(t) == 5
+    assert t[1] - t[0] < 1000 and t[2] - t[0] > 1000  # one at once, one after the reset
+    assert t[4] - t[3] > 1000  # paused until the reset (a whole 2 s, aligned to the second)
 
 
 async def test_upstream_connections_are_kept_for_the_next_call(

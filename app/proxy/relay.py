@@ -20,7 +20,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,7 +39,7 @@ from app.queue.claims import CLAIM_FIELDS, settle_limits
 from app.queue.fairness import starvation_keys
 from app.queue.http1 import Answer, BadAnswer, Target
 from app.queue.ids import new_task_id
-from app.queue.signals import pause_s
+from app.queue.signals import pause_s, remaining
 from app.queue.tasks import Followup
 from app.ratelimit.sent import sliding_logs
 from app.runtime import Runtime
@@ -405,28 +405,49 @@ class ProxyCall:
         return await ending
 
     def finishing(self, status: str, text: str, code: int | None, exec_ms: float,
-                  cost: int | None) -> tuple[Awaitable[bool], bool]:
+                  cost: int | None, told: Mapping[str, str] | None = None
+                  ) -> tuple[Awaitable[bool], bool]:
         """`finish`, started: the awaitable of its outcome, and whether its ack is written to
         Redis already (one Redis, a connection held): what this process sends next then
-        reaches Redis's clients after it, without waiting for its reply."""
+        reaches Redis's clients after it, without waiting for its reply. `told`: the answer's
+        headers, whose rate-limit signals count as a dispatcher's answers' do."""
         self._stop_renewing()
         if not self.token:
             return _result(False), True
-        calls, ack = self.calls, self.rt.queue.scripts.ack
+        calls, scripts, e = self.calls, self.rt.queue.scripts, self.endpoint.id
+        pause_ms, left = self._signals(code, told)
         keys = [*calls.ack_keys, self.keys.task(self.task_id)]
-        args = [self.endpoint.id, "", 1, *calls.ack_limits, self.task_id, self.token, status,
-                text, code or "", round(exec_ms), 0, "" if cost is None else cost,
+        args = [e, "", 1, *calls.ack_limits, self.task_id, self.token, status, text,
+                code or "", round(exec_ms), pause_ms, "" if cost is None else cost,
                 ""]  # no result kept: the body went to its caller
-        acking, written = ack.send(keys=keys, args=args)
-        return self._acked(acking, lambda: ack(keys=keys, args=args)), written
+        acking, written = scripts.ack.send(keys=keys, args=args)
+        budget = None
+        if left is not None:  # right after the ack (budget-2.lua counts the calls still on)
+            budget, _ = scripts.budget.send(keys=list(self.keys.of(e, "stats", "active")),
+                                            args=[left[0], round(left[1] * 1000)])
+        return self._acked(acking, lambda: scripts.ack(keys=keys, args=args), budget), written
 
-    async def _acked(self, acking: Awaitable[Any], again: Callable[[], Awaitable[Any]]
-                     ) -> bool:
+    def _signals(self, code: int | None, told: Mapping[str, str] | None
+                 ) -> tuple[int, tuple[int, float] | None]:
+        """What an answer's headers ask of the whole endpoint, as app/queue/acks.py reads a
+        dispatcher's answers: a pause (ms, 0 = none; a depleted `x-ratelimit-remaining-*`
+        with its reset, on a 200 too) and how many more calls the upstream takes before its
+        reset. Nothing when the endpoint does not honour upstream limits."""
+        if told is None or code is None or not self.endpoint.honor_upstream_limits:
+            return 0, None
+        pause = pause_s(code, told)
+        if pause:
+            log.warning("upstream asks for a pause of %.1f s", pause, extra=self._extra())
+        return (0 if pause is None else max(1, round(pause * 1000))), remaining(told)
+
+    async def _acked(self, acking: Awaitable[Any], again: Callable[[], Awaitable[Any]],
+                     budget: Awaitable[Any] | None = None) -> bool:
         """The ack's outcome. One that Redis fails (an outage, a failover) is sent again
         until it lands or the lease would lapse, as a dispatcher's acks are: the caller has
         its answer, and its task must not end `failed` ("caller connection lost") for a
         Redis that was away meanwhile. Sent twice it is harmless: the second finds its token
-        released by the first."""
+        released by the first. The upstream's count after it (`budget`) is news for the
+        next answer to tell again should it fail."""
         try:
             res = await acking
         except (RedisError, OSError) as exc:
@@ -436,6 +457,13 @@ class ProxyCall:
                 log.warning("could not finish the task: %s; its lease will lapse", exc,
                             extra=self._extra())
                 return False
+        finally:
+            if budget is not None:
+                try:
+                    await budget
+                except (RedisError, OSError) as exc:
+                    log.warning("could not keep the upstream's count: %s", exc,
+                                extra=self._extra())
         self.token = ""
         return bool(int(res[1]))
 

@@ -139,7 +139,7 @@ class RelayResponse(Response):
         text = why or ("" if ok else f"upstream answered {status}")
         real = self._real_cost(cost) if why is None else None
         acking, written = call.finishing("completed" if ok else "failed", text, status, exec_ms,
-                                         real)
+                                         real, self.answer.headers)
         return self._logged(acking, why), written
 
     def _real_cost(self, cost: CostReader) -> int | None:
