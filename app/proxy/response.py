@@ -33,8 +33,10 @@ def relayed_headers(answer: Answer, task_id: str, waited_ms: int) -> list[tuple[
              for v in v.split(b",")}
     if answer.status in BODILESS:  # its length is the representation's, not this answer's
         named.add(b"content-length")  # the caller's server would wait for that many bytes
-    out = [(n.lower(), v) for n, v in raw
-           if n.lower() not in HOP_BY_HOP and n.lower() not in named]
+    # X-Queue-* are the gateway's to say: an upstream's own (a forged task id) are dropped,
+    # as a caller's are on the way there.
+    out = [(name, v) for n, v in raw if (name := n.lower()) not in HOP_BY_HOP
+           and name not in named and not name.startswith(b"x-queue-")]
     out += [(b"x-queue-task-id", task_id.encode()), (b"x-queue-waited-ms", str(waited_ms).encode())]
     return out
 
