@@ -104,6 +104,10 @@ class Runtime:
         self.read_slots = ReadSlots(s.max_large_reads_per_key)
         self.keys = Keys(s.key_prefix, cluster=redis_url.is_cluster(self.redis_url))
         scripts = Scripts.register(self.redis)
+        # Written ahead of what this process sends next (Lua.send: a proxied call's ack goes
+        # before its caller's last bytes), a script must be in Redis's cache already: met as
+        # NOSCRIPT, it runs again only after its reply, behind what followed it.
+        await scripts.ack.load()
         ep_mirror: Mirror[EndpointConfig] = Mirror(
             self.redis, self.keys, "endpoints", EndpointConfig.model_validate,
             lambda: self.endpoints.load_all(), self.keys.live if self.keys.cluster else None)

@@ -168,12 +168,20 @@ async def test_key_consumed_headers_forwarded_and_paths_kept_under_target(
         assert sent["authorization"] == "Bearer sk-provider"  # the endpoint's, not the caller's
         assert sent["openai-beta"] == "v2" and "x-queue-priority" not in sent
         assert entry["idempotency_key"] == r.headers["x-queue-task-id"]
+        # The gateway's own answer headers are its own: an upstream's are dropped.
+        forged = {"X-Queue-Task-Id": "forged", "X-Queue-Waited-Ms": "99999", "X-Queue-Xyz": "1"}
+        r = await http.post("/proxy/llm/embeddings", json={"input": "a"}, headers={
+            "X-API-Key": key, "X-Mock-Reply-Headers": json.dumps(forged)})
+        assert r.status_code == 200, r.text
+        assert r.headers.get_list("x-queue-task-id") == [mock_log(llm)[-1]["idempotency_key"]]
+        assert len(r.headers.get_list("x-queue-waited-ms")) == 1
+        assert r.headers["x-queue-waited-ms"] != "99999" and "x-queue-xyz" not in r.headers
         for bad in ("../x", "a/../../x", "a%2Fb", "a%2fb", "a;b", "a%5Cb", "a\\b", "%2e%2e/x",
                     "a%00", "./x"):
             assert await raw_status(base, f"/proxy/llm/{bad}", key) == 404, bad
         # The endpoint's id escaped: never the bare target_url (the path after it was lost).
         assert await raw_status(base, "/proxy/ll%6D/chat/completions", key) == 404
-        assert len(mock_log(llm)) == 1  # none of them was called
+        assert len(mock_log(llm)) == 2  # none of them was called
         r = await http.post("/proxy/llm/chat/completions", json=CHAT,
                             headers={**auth, "X-Queue-Priority": "11"})
         assert r.status_code == 403 and r.json()["error"]["code"] == "priority_not_allowed"
@@ -243,6 +251,28 @@ async def test_first_in_line_is_admitted_by_its_api_process_under_the_same_rules
         assert not second.done()
         second.cancel()
     assert len(mock_log(llm)) == 1
+
+
+async def test_calls_one_after_another_need_no_dispatcher(
+    gateway: Gateway, llm: str, start_api: StartApi
+) -> None:
+    """A cap of 1 and no dispatcher: each call, first in line once the one before it has
+    ended, is admitted by its own API process, as the one before's ack reaches Redis before
+    its caller's last bytes. Also for a process whose Redis has not the ack script cached
+    (flushed here, as by a restart): its first ack met NOSCRIPT and ran again only after the
+    next call's claim had found the slot still taken, which left that call to dispatchers
+    (none here: it waited out its max wait). Single Redis: a Cluster's
+    ack is awaited before the last bytes anyway."""
+    auth = await proxied(gateway, llm, max_concurrency=1)
+    for _ in range(3):  # a process each time: its first ack is the one at stake
+        await gateway.rt.redis.script_flush()
+        base = await start_api()
+        async with httpx.AsyncClient(base_url=base, timeout=30, headers={
+                **auth, "X-Queue-Max-Wait": "5"}) as http:
+            for _ in range(2):
+                r = await http.post("/proxy/llm/chat/completions", json=CHAT)
+                assert r.status_code == 200, r.text
+    assert len(mock_log(llm)) == 6
 
 
 @pytest.mark.backends("single", "cluster")
