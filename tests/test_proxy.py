@@ -54,6 +54,15 @@ async def raw_status(base: str, path: str, key: str) -> int:
     return int(line.split()[1])
 
 
+async def until(check: Callable[[], Awaitable[Any]], timeout: float = 10) -> Any:
+    """`check()`'s first true value, asked every 50 ms for up to `timeout` s."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not (value := await check()):
+        assert asyncio.get_running_loop().time() < deadline, "condition never held"
+        await asyncio.sleep(0.05)
+    return value
+
+
 async def proxied(gateway: Gateway, llm: str, **fields: Any) -> dict[str, str]:
     """An endpoint `llm` open to the proxy in front of the mock's /v1; a key for it."""
     await gateway.add_endpoint("llm", f"{llm}/v1", proxy=True, forward_headers=[], **fields)
@@ -64,15 +73,31 @@ async def proxied(gateway: Gateway, llm: str, **fields: Any) -> dict[str, str]:
 async def test_queued_tasks_and_proxied_calls_share_the_cap(
     gateway: Gateway, llm: str, start_api: StartApi, start_dispatcher: StartDispatcher
 ) -> None:
+    """The upstream holds its calls: 3 queued tasks in flight, then 3 proxied requests (one
+    fits), then 3 more queued tasks: 4 in flight, both kinds among them, never a fifth. Once
+    released, all are served, with never more than 4 at once."""
     auth = await proxied(gateway, llm, max_concurrency=4)
-    httpx.post(f"{llm}/_mock/config", json={"latency_ms": 150}).raise_for_status()
+    httpx.post(f"{llm}/_mock/config", json={"hold": True}).raise_for_status()
     base = await start_api()
     await start_dispatcher()
-    queued = [(await gateway.submit(auth, f"{llm}/v1"))["task_id"] for _ in range(8)]
+
+    async def in_flight(n: int) -> bool:
+        return bool(mock_stats(llm)["in_flight"] == n)
+
+    queued = [(await gateway.submit(auth, f"{llm}/v1"))["task_id"] for _ in range(3)]
+    await until(lambda: in_flight(3))
     async with httpx.AsyncClient(base_url=base, headers=auth, timeout=30) as http:
-        answers = await asyncio.gather(*(
-            http.post("/proxy/llm/chat/completions", json=CHAT) for _ in range(8)))
-    assert [r.status_code for r in answers] == [200] * 8, answers[0].text
+        proxying = asyncio.gather(*(
+            http.post("/proxy/llm/chat/completions", json=CHAT) for _ in range(3)))
+        await until(lambda: in_flight(4))
+        queued += [(await gateway.submit(auth, f"{llm}/v1"))["task_id"] for _ in range(3)]
+        await asyncio.sleep(1)  # time enough for a fifth, were one let through
+        held = mock_log(llm)
+        assert mock_stats(llm)["in_flight"] == 4 and len(held) == 4
+        assert sorted(e["path"] for e in held) == ["/v1"] * 3 + ["/v1/chat/completions"]
+        httpx.post(f"{llm}/_mock/release").raise_for_status()
+        answers = await proxying
+    assert [r.status_code for r in answers] == [200] * 3, answers[0].text
     assert answers[0].json()["object"] == "chat.completion"
     done = await gateway.wait_finished(auth, queued)
     assert {d["task_status"] for d in done} == {"completed"}
@@ -201,6 +226,7 @@ async def test_key_consumed_headers_forwarded_and_paths_kept_under_target(
         assert r.status_code == 404 and r.json()["error"]["code"] == "endpoint_not_registered"
 
 
+@pytest.mark.backends("single", "cluster")
 async def test_max_wait_ends_in_503_with_retry_after(
     gateway: Gateway, llm: str, start_api: StartApi
 ) -> None:
@@ -215,8 +241,6 @@ async def test_max_wait_ends_in_503_with_retry_after(
     assert r.json()["error"]["code"] == "wait_exceeded"
     assert int(r.headers["retry-after"]) >= 1 and r.json()["error"]["wait_time"] >= 1
     assert mock_log(llm) == []
-
-
 
 
 @pytest.mark.backends("single", "cluster")

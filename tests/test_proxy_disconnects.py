@@ -26,6 +26,7 @@ from tests.test_proxy import (
     mock_stats,
     openai_server,
     proxied,
+    until,
 )
 
 __all__ = ["llm", "openai_server"]
@@ -52,14 +53,6 @@ async def raw_post(base: str, auth: dict[str, str], path: str, header: str
     return writer
 
 
-async def until(check: Any, timeout: float = 10) -> Any:
-    deadline = time.monotonic() + timeout
-    while not (value := await check()):
-        assert time.monotonic() < deadline, "condition never held"
-        await asyncio.sleep(0.05)
-    return value
-
-
 @pytest.mark.backends("single", "cluster")
 async def test_caller_gone_while_waiting_cancels_its_task(
     gateway: Gateway, llm: str, start_api: StartApi, start_dispatcher: StartDispatcher
@@ -83,6 +76,7 @@ async def test_caller_gone_while_waiting_cancels_its_task(
     assert (await tasks_of(gateway, "cancelled"))[0]["task_id"] == pending["task_id"]
 
 
+@pytest.mark.backends("single", "cluster")
 async def test_headers_at_once_then_events_as_they_come(
     gateway: Gateway, llm: str, start_api: StartApi, start_dispatcher: StartDispatcher
 ) -> None:

@@ -478,6 +478,7 @@ async def _result(value: bool) -> bool:
 def _too_long(max_wait_s: float, estimate: Any) -> ApiError:
     retry = max(1, math.ceil(float(estimate))) if estimate is not None else max(
         1, math.ceil(max_wait_s))
-    return ApiError(503, "wait_exceeded", f"the request did not reach the upstream within its "
-                    f"max wait of {max_wait_s:g} s", {"Retry-After": str(retry)},
-                    wait_time=retry)
+    # Not "did not reach the upstream": one the upstream kept asking to wait (429s with a
+    # pause, each sending it back in line) did reach it.
+    return ApiError(503, "wait_exceeded", f"the request was not served within its max wait "
+                    f"of {max_wait_s:g} s", {"Retry-After": str(retry)}, wait_time=retry)
