@@ -12,7 +12,7 @@ from pathlib import Path
 
 from app import ROOT
 
-PACKAGES = {"python3-venv", "mariadb-server", "nginx-light", "chromium", "prometheus"}
+PACKAGES = {"python3-venv", "mariadb-server", "nginx-light", "chromium", "prometheus", "curl"}
 
 
 def test_without_root_it_names_the_missing_packages_in_one_line(tmp_path: Path) -> None:
