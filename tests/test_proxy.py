@@ -244,6 +244,25 @@ async def test_max_wait_ends_in_503_with_retry_after(
 
 
 @pytest.mark.backends("single", "cluster")
+async def test_an_upstream_that_keeps_pausing_it_ends_in_503_at_its_max_wait(
+    gateway: Gateway, llm: str, start_api: StartApi, start_dispatcher: StartDispatcher
+) -> None:
+    """Each call refused with a pause (429, Retry-After: 1) sends the request back in line,
+    never to its caller as a 429; at its max wait the caller gets 503 wait_exceeded."""
+    auth = await proxied(gateway, llm)
+    base = await start_api()
+    await start_dispatcher()
+    refuse = {"X-Mock-Status": "429", "X-Mock-Reply-Headers": '{"retry-after": "1"}',
+              "X-Queue-Max-Wait": "3"}
+    async with httpx.AsyncClient(base_url=base, headers=auth, timeout=30) as http:
+        r = await http.post("/proxy/llm/chat/completions", json=CHAT, headers=refuse)
+    assert r.status_code == 503, r.text
+    assert r.json()["error"]["code"] == "wait_exceeded" and r.headers["retry-after"]
+    calls = mock_log(llm)
+    assert len(calls) >= 2 and {e["status"] for e in calls} == {429}  # paused, tried again
+
+
+@pytest.mark.backends("single", "cluster")
 async def test_first_in_line_is_admitted_by_its_api_process_under_the_same_rules(
     gateway: Gateway, llm: str, start_api: StartApi
 ) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import hashlib
 import json
 import os
 import signal
@@ -13,8 +14,10 @@ import time
 from typing import Any
 
 import httpx
+import psutil
 import pytest
 
+from app.mock_upstream import binary_body
 from app.proxy.cost import CostReader
 from tests.conftest import Gateway
 from tests.servers import QGW, free_port, mock_log, stop, wait_port
@@ -133,6 +136,10 @@ async def test_api_killed_mid_stream_fails_the_task_once_its_lease_lapses(
         await until(lambda: _async(mock_stats(llm)["in_flight"] == 0))
         await asyncio.sleep(1.5)
         assert len(mock_log(llm)) == 1  # never run again
+        # Its slot (the cap is 1) is free: the next request through the gateway is served.
+        task = await gateway.submit(auth, f"{llm}/v1")
+        (done,) = await gateway.wait_finished(auth, [task["task_id"]], timeout=10)
+        assert done["task_status"] == "completed"
     finally:
         stop(proc)
 
@@ -321,3 +328,53 @@ async def test_a_stream_longer_than_its_lease_keeps_it(
     assert len(events) == 1 + 45 + 1 + 1 and events[-1] == "data: [DONE]"  # role, tokens, stop
     view = await gateway.status(auth, task_id)
     assert view["task_status"] == "completed", view
+
+
+async def test_a_200_mb_answer_streams_through_in_bounded_memory(
+    gateway: Gateway, llm: str, env: dict[str, str], start_dispatcher: StartDispatcher
+) -> None:
+    """A 200 MB answer relayed whole and byte-exact while the API process relaying it grows by
+    less than 32 MB: read and passed on a piece at a time, never held whole."""
+    size = 200 << 20
+    auth = await proxied(gateway, llm, methods=["GET"], timeout_ms=120_000)
+    await start_dispatcher()
+    port = free_port()
+    proc = subprocess.Popen([*QGW, "api", "--port", str(port)], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        await asyncio.to_thread(wait_port, port, 30.0, proc)
+        watched = psutil.Process(proc.pid)
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", headers=auth,
+                                     timeout=120) as http:
+            async def fetch(nbytes: int, seed: int) -> bytes:
+                h = hashlib.sha256()
+                async with http.stream("GET", "/proxy/llm/video", headers={
+                        "X-Mock-Binary": f"{nbytes};seed={seed}"}) as r:
+                    assert r.status_code == 200
+                    async for chunk in r.aiter_raw():
+                        h.update(chunk)
+                return h.digest()
+
+            await fetch(2 << 20, 1)  # warm: connections, buffers
+            base, peak = watched.memory_info().rss, 0
+
+            async def watch() -> None:
+                nonlocal peak
+                while True:
+                    peak = max(peak, watched.memory_info().rss)
+                    await asyncio.sleep(0.02)
+
+            watching = asyncio.create_task(watch())
+            try:
+                digest = await fetch(size, 9)
+            finally:
+                watching.cancel()
+        expected = hashlib.sha256()
+        for chunk in binary_body(size, 9):
+            expected.update(chunk)
+        assert digest == expected.digest()
+        growth = peak - base
+        print(f"the API process grew by {growth / 2**20:.1f} MiB relaying {size >> 20} MiB")
+        assert growth < 32 << 20, f"the API process grew by {growth / 2**20:.1f} MiB"
+    finally:
+        stop(proc)
