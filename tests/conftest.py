@@ -230,11 +230,17 @@ async def _migrated(settings: Settings) -> None:
     await asyncio.to_thread(migrate.upgrade, settings.db_url)
 
 
-async def _started(settings: Settings, with_dispatcher: bool) -> Runtime:
+async def _started(settings: Settings, with_dispatcher: bool, give_up_s: float = 60) -> Runtime:
     """A runtime started as `qgw` starts one: a Redis that does not answer in time (a node
-    starved of CPU for a second on a loaded 2-core host) is retried, not a failed test."""
-    rt = await start_runtime(settings, with_dispatcher, asyncio.Event())
-    assert rt is not None  # None only once the (never set) stop event is set
+    starved of CPU for a second on a loaded 2-core host) is retried, not a failed test; one
+    that never answers fails the test after `give_up_s`."""
+    give_up = asyncio.Event()
+    timer = asyncio.get_running_loop().call_later(give_up_s, give_up.set)
+    try:
+        rt = await start_runtime(settings, with_dispatcher, give_up)
+    finally:
+        timer.cancel()
+    assert rt is not None, f"Redis did not answer for {give_up_s:g} s"
     return rt
 
 
