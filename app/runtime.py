@@ -7,6 +7,7 @@ import contextlib
 import logging
 import os
 import socket
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -86,6 +87,7 @@ class Runtime:
     _blocking: Redis | None = field(default=None, init=False)
     _embedded: EmbeddedRedis | None = field(default=None, init=False)
     _watchers: list[asyncio.Task[Any]] = field(default_factory=list, init=False)
+    _afterwards: set[asyncio.Task[Any]] = field(default_factory=set, init=False)
     _beat: asyncio.Task[None] | None = field(default=None, init=False)
 
     async def start(self) -> None:
@@ -104,10 +106,13 @@ class Runtime:
         self.read_slots = ReadSlots(s.max_large_reads_per_key)
         self.keys = Keys(s.key_prefix, cluster=redis_url.is_cluster(self.redis_url))
         scripts = Scripts.register(self.redis)
-        # Written ahead of what this process sends next (Lua.send: a proxied call's ack goes
-        # before its caller's last bytes), a script must be in Redis's cache already: met as
-        # NOSCRIPT, it runs again only after its reply, behind what followed it.
-        await scripts.ack.load()
+        if not self.keys.cluster:
+            # Written ahead of what this process sends next (Lua.send, one Redis: a proxied
+            # call's ack goes before its caller's last bytes), a script must be in Redis's
+            # cache already: met as NOSCRIPT, it runs again only after its reply, behind what
+            # followed it. (A Cluster's are sent when awaited: nothing is written ahead.)
+            await scripts.ack.load()
+            await scripts.budget.load()
         ep_mirror: Mirror[EndpointConfig] = Mirror(
             self.redis, self.keys, "endpoints", EndpointConfig.model_validate,
             lambda: self.endpoints.load_all(), self.keys.live if self.keys.cluster else None)
@@ -149,6 +154,13 @@ class Runtime:
                 self.redis, heartbeat_path(s),
                 lambda: heartbeats.announce(self.redis, self.keys, dispatcher)))
             self._watchers.append(self._beat)
+
+    def afterwards(self, work: Coroutine[Any, Any, Any]) -> None:
+        """Run `work` in the background, beyond the request that started it (a proxied call's
+        ack retried through an outage); cancelled at stop."""
+        task = asyncio.create_task(work)
+        self._afterwards.add(task)
+        task.add_done_callback(self._afterwards.discard)
 
     async def retire_endpoint(self, endpoint_id: str) -> None:
         """Delete an endpoint, only an idle one (409 otherwise), so no task is stranded in a
@@ -194,7 +206,7 @@ class Runtime:
             await self.lifecycle.stop()
         if self.webhooks:
             await self.webhooks.stop()
-        await cancel_all(self._watchers)
+        await cancel_all([*self._watchers, *self._afterwards])
         await self.events.stop()
         await self.send_times.close()
         await self.http.close()

@@ -230,7 +230,7 @@ async def _migrated(settings: Settings) -> None:
     await asyncio.to_thread(migrate.upgrade, settings.db_url)
 
 
-async def _started(settings: Settings, with_dispatcher: bool, give_up_s: float = 60) -> Runtime:
+async def _started(settings: Settings, with_dispatcher: bool, give_up_s: float = 15) -> Runtime:
     """A runtime started as `qgw` starts one: a Redis that does not answer in time (a node
     starved of CPU for a second on a loaded 2-core host) is retried, not a failed test; one
     that never answers fails the test after `give_up_s`."""

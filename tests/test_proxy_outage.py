@@ -21,11 +21,12 @@ __all__ = ["llm", "openai_server"]
 
 @pytest.fixture
 def settings(own_redis: RedisServer, tmp_path: Path) -> Settings:
-    """Overrides conftest's: the test's own Redis, and a lease (6 s) longer than its outage."""
+    """Overrides conftest's: the test's own Redis, and a lease (12 s) well past its outage and
+    the ack's retries after it (back-off of up to 2 s, jittered)."""
     return Settings(
         redis_url=own_redis.url, database_url=f"sqlite+aiosqlite:///{tmp_path}/qgw.db",
         data_dir=tmp_path, key_prefix=f"t{uuid.uuid4().hex[:10]}", admin_token=ADMIN,
-        permit_secret="test-permit-secret", lease_ms=6000, reap_interval_ms=200,
+        permit_secret="test-permit-secret", lease_ms=12000, reap_interval_ms=200,
     )
 
 

@@ -30,10 +30,11 @@ async def test_the_readme_walkthroughs_run_as_written(tmp_path: Path) -> None:
     readme = (ROOT / "README.md").read_text()
     port, mock, openai_mock = free_port(), free_port(), free_port()
 
+    ports = {"8080": port, "9000": mock, "9001": openai_mock}
+
     def here(text: str) -> str:
-        return (text.replace("8080", str(port)).replace("9000", str(mock))
-                .replace("9001", str(openai_mock))
-                .replace(".venv/bin/qgw", shlex.join(QGW)))
+        text = re.sub(r"\b(8080|9000|9001)\b", lambda m: str(ports[m[1]]), text)
+        return text.replace(".venv/bin/qgw", shlex.join(QGW))
 
     (ten,) = blocks(readme, "Ten lines", "sh")
     (register,) = blocks(readme, "The OpenAI SDK through the gateway", "sh")

@@ -421,11 +421,20 @@ class ProxyCall:
                 code or "", round(exec_ms), pause_ms, "" if cost is None else cost,
                 ""]  # no result kept: the body went to its caller
         acking, written = scripts.ack.send(keys=keys, args=args)
-        budget = None
-        if left is not None:  # right after the ack (budget-2.lua counts the calls still on)
+        if left is not None:  # after the ack (on one Redis written right behind it): the
+            # calls still on are those it counts; its outcome is nobody's to wait for
             budget, _ = scripts.budget.send(keys=list(self.keys.of(e, "stats", "active")),
                                             args=[left[0], round(left[1] * 1000)])
-        return self._acked(acking, lambda: scripts.ack(keys=keys, args=args), budget), written
+            self.rt.afterwards(self._told(budget))
+        sent = time.monotonic()
+
+        def again() -> Awaitable[Any]:
+            """The ack once more; the upstream's pause, if any, counted from the first."""
+            if pause_ms:
+                args[-3] = max(0, pause_ms - round((time.monotonic() - sent) * 1000))
+            return scripts.ack(keys=keys, args=args)
+
+        return self._acked(acking, again), written
 
     def _signals(self, code: int | None, told: Mapping[str, str] | None
                  ) -> tuple[int, tuple[int, float] | None]:
@@ -440,32 +449,39 @@ class ProxyCall:
             log.warning("upstream asks for a pause of %.1f s", pause, extra=self._extra())
         return (0 if pause is None else max(1, round(pause * 1000))), remaining(told)
 
-    async def _acked(self, acking: Awaitable[Any], again: Callable[[], Awaitable[Any]],
-                     budget: Awaitable[Any] | None = None) -> bool:
-        """The ack's outcome. One that Redis fails (an outage, a failover) is sent again
-        until it lands or the lease would lapse, as a dispatcher's acks are: the caller has
-        its answer, and its task must not end `failed` ("caller connection lost") for a
-        Redis that was away meanwhile. Sent twice it is harmless: the second finds its token
-        released by the first. The upstream's count after it (`budget`) is news for the
-        next answer to tell again should it fail."""
+    async def _told(self, budget: Awaitable[Any]) -> None:
+        try:
+            await budget
+        except (RedisError, OSError) as exc:  # the upstream's next answer tells it again
+            log.warning("could not keep the upstream's count: %s", exc, extra=self._extra())
+
+    async def _acked(self, acking: Awaitable[Any], again: Callable[[], Awaitable[Any]]
+                     ) -> bool:
+        """The ack's first try. One that Redis fails (an outage, a failover) is sent again in
+        the background until it lands or the lease would lapse, as a dispatcher's acks are:
+        the caller has its answer (or its 502 now), and the task must not end `failed`
+        ("caller connection lost") for a Redis that was away meanwhile. Sent twice it is
+        harmless: the second finds its token released by the first."""
         try:
             res = await acking
         except (RedisError, OSError) as exc:
             window = self.lease_until - time.monotonic()
-            res = await persist("proxied call's ack", again, window) if window > 0 else None
-            if res is None:
+            if window > 0:
+                self.rt.afterwards(self._ack_again(again, window, exc))
+            else:
                 log.warning("could not finish the task: %s; its lease will lapse", exc,
                             extra=self._extra())
-                return False
-        finally:
-            if budget is not None:
-                try:
-                    await budget
-                except (RedisError, OSError) as exc:
-                    log.warning("could not keep the upstream's count: %s", exc,
-                                extra=self._extra())
+            return False
         self.token = ""
         return bool(int(res[1]))
+
+    async def _ack_again(self, again: Callable[[], Awaitable[Any]], window: float,
+                         exc: BaseException) -> None:
+        if await persist("proxied call's ack", again, window) is None:
+            log.warning("could not finish the task: %s; its lease will lapse", exc,
+                        extra=self._extra())
+        else:
+            self.token = ""
 
     def _extra(self) -> dict[str, str]:
         return {"task_id": self.task_id, "endpoint": self.endpoint.id}
