@@ -421,11 +421,11 @@ class ProxyCall:
                 code or "", round(exec_ms), pause_ms, "" if cost is None else cost,
                 ""]  # no result kept: the body went to its caller
         acking, written = scripts.ack.send(keys=keys, args=args)
-        if left is not None:  # after the ack (on one Redis written right behind it): the
-            # calls still on are those it counts; its outcome is nobody's to wait for
+        budget = None
+        if left is not None:  # after the ack, which it counts the calls still on without
+            # (on one Redis written right behind it; on a Cluster sent once the ack is back)
             budget, _ = scripts.budget.send(keys=list(self.keys.of(e, "stats", "active")),
                                             args=[left[0], round(left[1] * 1000)])
-            self.rt.afterwards(self._told(budget))
         sent = time.monotonic()
 
         def again() -> Awaitable[Any]:
@@ -434,7 +434,7 @@ class ProxyCall:
                 args[-3] = max(0, pause_ms - round((time.monotonic() - sent) * 1000))
             return scripts.ack(keys=keys, args=args)
 
-        return self._acked(acking, again), written
+        return self._acked(acking, again, budget), written
 
     def _signals(self, code: int | None, told: Mapping[str, str] | None
                  ) -> tuple[int, tuple[int, float] | None]:
@@ -455,16 +455,23 @@ class ProxyCall:
         except (RedisError, OSError) as exc:  # the upstream's next answer tells it again
             log.warning("could not keep the upstream's count: %s", exc, extra=self._extra())
 
-    async def _acked(self, acking: Awaitable[Any], again: Callable[[], Awaitable[Any]]
-                     ) -> bool:
+    async def _acked(self, acking: Awaitable[Any], again: Callable[[], Awaitable[Any]],
+                     budget: Awaitable[Any] | None = None) -> bool:
         """The ack's first try. One that Redis fails (an outage, a failover) is sent again in
         the background until it lands or the lease would lapse, as a dispatcher's acks are:
         the caller has its answer (or its 502 now), and the task must not end `failed`
         ("caller connection lost") for a Redis that was away meanwhile. Sent twice it is
-        harmless: the second finds its token released by the first."""
+        harmless: the second finds its token released by the first. The upstream's count
+        (`budget`) follows the ack, within this outcome (as the ack, it must be in before the
+        caller's next call: on a Cluster, awaited before the last bytes); in the background
+        when the ack failed or was cancelled."""
         try:
             res = await acking
-        except (RedisError, OSError) as exc:
+        except BaseException as exc:
+            if budget is not None:
+                self.rt.afterwards(self._told(budget))
+            if not isinstance(exc, RedisError | OSError):
+                raise
             window = self.lease_until - time.monotonic()
             if window > 0:
                 self.rt.afterwards(self._ack_again(again, window, exc))
@@ -472,6 +479,8 @@ class ProxyCall:
                 log.warning("could not finish the task: %s; its lease will lapse", exc,
                             extra=self._extra())
             return False
+        if budget is not None:
+            await self._told(budget)
         self.token = ""
         return bool(int(res[1]))
 
