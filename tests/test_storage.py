@@ -345,6 +345,7 @@ async def test_an_endpoint_goes_only_when_idle_and_its_results_reach_sql_first(
     assert not await gateway.rt.redis.zcard(gateway.rt.keys.outbox("bye"))
 
 
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)  # Redis's TTLs: any database
 async def test_a_call_that_outlasts_the_pending_ttl_keeps_its_task(
     settings: Settings, upstream: str
 ) -> None:
