@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import hashlib
 import json
 import random
 import time
@@ -64,6 +65,15 @@ def binary_body(size: int, seed: int = 0) -> Iterator[bytes]:
         yield head + chunk if first else chunk
         left -= n
         first = False
+
+
+def binary_digest(size: int, seed: int = 0) -> bytes:
+    """The SHA-256 of `binary_body(size, seed)`, built a chunk at a time: what a test compares
+    a relayed or stored answer with, without holding it."""
+    h = hashlib.sha256()
+    for chunk in binary_body(size, seed):
+        h.update(chunk)
+    return h.digest()
 
 
 def _binary_spec(value: str) -> tuple[int, int, str, bool]:

@@ -31,7 +31,7 @@ from queue_gateway_client import (
 )
 from queue_gateway_client._download import CHUNK
 
-from app.mock_upstream import binary_body
+from app.mock_upstream import binary_digest
 from app.settings import Settings
 from tests.conftest import Gateway
 
@@ -175,15 +175,6 @@ class CuttingProxy:
                 return
 
 
-def digest(size: int, seed: int) -> bytes:
-    """The SHA-256 of what `X-Mock-Binary: <size>;seed=<seed>` answers, built a chunk at a
-    time (the whole of it in the test's memory would blur the client's)."""
-    h = hashlib.sha256()
-    for chunk in binary_body(size, seed):
-        h.update(chunk)
-    return h.digest()
-
-
 def file_digest(path: Path) -> bytes:
     with path.open("rb") as f:
         return hashlib.file_digest(f, "sha256").digest()
@@ -245,7 +236,7 @@ async def test_save_streams_a_stored_result_to_disk_in_bounded_memory(
 
     saved, peak, loaded = await asyncio.to_thread(run)
     assert saved == out / "video.png" and saved.stat().st_size == SIZE
-    assert file_digest(saved) == digest(SIZE, 11)
+    assert file_digest(saved) == binary_digest(SIZE, 11)
     assert peak < MEMORY, f"{peak} bytes held to save {SIZE}"
     assert not loaded
     assert [s.status for s in transport.sent] == [200]
@@ -262,7 +253,7 @@ async def test_content_is_read_when_first_used_even_after_the_client_closed(
     to a pipe, it is written into the pipe, not renamed over it."""
     url, base, key = await _served(gateway, upstream, start_api, dispatcher_process, "dl-lazy")
     tid = await _external(base, key, url, 2 * MB, 12)
-    want = digest(2 * MB, 12)
+    want = binary_digest(2 * MB, 12)
     transport = Recording()
     out = tmp_path / "out"
     out.mkdir()
@@ -324,7 +315,7 @@ async def test_a_cut_download_resumes_with_a_range_and_the_etag(
                 return qgw.download(tid, tmp_path / "cut.png")
 
         saved = await asyncio.to_thread(run)
-    assert file_digest(saved) == digest(SIZE, 13)
+    assert file_digest(saved) == binary_digest(SIZE, 13)
     whole, rest = transport.sent
     assert (whole.range, whole.status) == (None, 200)
     assert rest.range is not None
@@ -356,7 +347,7 @@ async def test_an_async_save_starts_over_when_the_range_is_not_honoured(
             peak = tracemalloc.get_traced_memory()[1]
         finally:
             tracemalloc.stop()
-    assert saved.stat().st_size == SIZE and file_digest(saved) == digest(SIZE, 14)
+    assert saved.stat().st_size == SIZE and file_digest(saved) == binary_digest(SIZE, 14)
     assert peak < MEMORY, f"{peak} bytes held to save {SIZE}"
     assert [(s.range is not None, s.status) for s in transport.sent] == [(False, 200),
                                                                          (True, 200)]

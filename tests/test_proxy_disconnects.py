@@ -17,7 +17,7 @@ import httpx
 import psutil
 import pytest
 
-from app.mock_upstream import binary_body
+from app.mock_upstream import binary_digest
 from app.proxy.cost import CostReader
 from tests.conftest import Gateway
 from tests.servers import QGW, free_port, mock_log, stop, wait_port
@@ -31,6 +31,7 @@ from tests.test_proxy import (
     proxied,
     until,
 )
+from tests.test_result_store import peak_rss
 
 __all__ = ["llm", "openai_server"]
 
@@ -356,24 +357,14 @@ async def test_a_200_mb_answer_streams_through_in_bounded_memory(
                 return h.digest()
 
             await fetch(2 << 20, 1)  # warm: connections, buffers
-            base, peak = watched.memory_info().rss, 0
-
-            async def watch() -> None:
-                nonlocal peak
-                while True:
-                    peak = max(peak, watched.memory_info().rss)
-                    await asyncio.sleep(0.02)
-
-            watching = asyncio.create_task(watch())
+            base, stop_watching = watched.memory_info().rss, asyncio.Event()
+            peak = asyncio.create_task(peak_rss(watched, stop_watching))
             try:
                 digest = await fetch(size, 9)
             finally:
-                watching.cancel()
-        expected = hashlib.sha256()
-        for chunk in binary_body(size, 9):
-            expected.update(chunk)
-        assert digest == expected.digest()
-        growth = peak - base
+                stop_watching.set()
+        assert digest == binary_digest(size, 9)
+        growth = await peak - base
         print(f"the API process grew by {growth / 2**20:.1f} MiB relaying {size >> 20} MiB")
         assert growth < 32 << 20, f"the API process grew by {growth / 2**20:.1f} MiB"
     finally:

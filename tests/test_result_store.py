@@ -14,7 +14,7 @@ from typing import Any
 import psutil
 import pytest
 
-from app.mock_upstream import binary_body
+from app.mock_upstream import binary_digest
 from app.settings import Settings
 from tests.conftest import Gateway
 from tests.servers import SeaweedFS
@@ -50,14 +50,7 @@ def settings(settings: Settings, store_kind: str, s3_env: dict[str, str],
     return settings.model_copy(update=update)
 
 
-def _digest(size: int, seed: int) -> bytes:
-    h = hashlib.sha256()
-    for chunk in binary_body(size, seed):
-        h.update(chunk)
-    return h.digest()
-
-
-async def _peak_rss(proc: psutil.Process, stop: asyncio.Event) -> int:
+async def peak_rss(proc: psutil.Process, stop: asyncio.Event) -> int:
     peak = 0
     while not stop.is_set():
         try:
@@ -93,7 +86,7 @@ async def test_a_200_mb_answer_streams_through_the_store_byte_exact(
     watched = psutil.Process(proc.pid)
     base = watched.memory_info().rss
     stop = asyncio.Event()
-    peak = asyncio.create_task(_peak_rss(watched, stop))
+    peak = asyncio.create_task(peak_rss(watched, stop))
     task = await gateway.submit(auth, url,
                                 headers={"X-Mock-Binary": [f"{BIG};seed=9;type=video/mp4"]})
     (done,) = await gateway.wait_finished(auth, [task["task_id"]], timeout=240)
@@ -110,7 +103,7 @@ async def test_a_200_mb_answer_streams_through_the_store_byte_exact(
         assert r.status_code == 200 and r.headers["content-type"] == "video/mp4"
         async for chunk in r.aiter_bytes():
             h.update(chunk)
-    assert h.digest() == _digest(BIG, 9)
+    assert h.digest() == binary_digest(BIG, 9)
     r = await gateway.http.get(f"/api/v1/tasks/{task['task_id']}/result",
                                headers={**auth, "Range": f"bytes={BIG - 1000}-"})
     assert r.status_code == 206 and len(r.content) == 1000

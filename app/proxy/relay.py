@@ -35,7 +35,7 @@ from app.errors import ApiError
 from app.models import SubmitRequest, SubmitResponse
 from app.proxy.calls import EndpointCalls, endpoint_calls
 from app.proxy.paths import upstream_url
-from app.queue.claims import CLAIM_FIELDS, settle_limits
+from app.queue.claims import CLAIM_FIELDS, asked_pause_ms, settle_limits
 from app.queue.fairness import starvation_keys
 from app.queue.http1 import Answer, BadAnswer, Target
 from app.queue.ids import new_task_id
@@ -201,12 +201,16 @@ class ProxyCall:
     def _admit(self, token: str, age_s: float = 0.0) -> None:
         """Admitted `age_s` ago (by a dispatcher's claim, heard since) with lease `token`."""
         self.token, self.admitted = token, time.monotonic()
-        self.lease_until = self.admitted - age_s + self.rt.settings.lease_ms / 1000
+        self._leased(age_s)
         if self.trace is not None:
             self.trace.task(self.task_id, self.waited_ms)
         # A timer, not a task, until the first renewal is due: most calls end before it.
         self._renewal_due = asyncio.get_running_loop().call_later(
             max(0.0, self.rt.settings.lease_ms / 3000 - age_s), self._start_renewing)
+
+    def _leased(self, age_s: float) -> None:
+        """Its lease was set `age_s` ago (by the claim that admitted it)."""
+        self.lease_until = time.monotonic() - age_s + self.rt.settings.lease_ms / 1000
 
     async def _state(self) -> tuple[str | None, str | None, float]:
         """The task's status, its lease token and how long ago it was admitted (s), once it
@@ -237,7 +241,7 @@ class ProxyCall:
             if status == "processing" and token:
                 self._current()  # its ack settles what the claim admitted it under
                 self.token = token
-                self.lease_until = time.monotonic() - age_s + self.rt.settings.lease_ms / 1000
+                self._leased(age_s)
                 await self.finish("failed", CALLER_LOST, None, -1, None)
 
     # -- the lease ---------------------------------------------------------------------------
@@ -444,10 +448,7 @@ class ProxyCall:
         reset. Nothing when the endpoint does not honour upstream limits."""
         if told is None or code is None or not self.endpoint.honor_upstream_limits:
             return 0, None
-        pause = pause_s(code, told)
-        if pause:
-            log.warning("upstream asks for a pause of %.1f s", pause, extra=self._extra())
-        return (0 if pause is None else max(1, round(pause * 1000))), remaining(told)
+        return asked_pause_ms(self.endpoint, pause_s(code, told), self.task_id), remaining(told)
 
     async def _told(self, budget: Awaitable[Any]) -> None:
         try:

@@ -159,9 +159,15 @@ def refused(outcome: Outcome) -> bool:
 
 def pause_ms(claim: Claim, outcome: Outcome) -> int:
     """The pause the upstream asked of the whole endpoint (0 = none, or not honoured)."""
-    if outcome.pause_s is None or not claim.endpoint.honor_upstream_limits:
+    return asked_pause_ms(claim.endpoint, outcome.pause_s, claim.task_id)
+
+
+def asked_pause_ms(endpoint: EndpointConfig, pause_s: float | None, task_id: str) -> int:
+    """`pause_s` (signals.pause_s of an answer) as ack-7.lua takes it: ms, 0 = none or not
+    honoured by the endpoint (a dispatcher's answers and a proxied call's alike)."""
+    if pause_s is None or not endpoint.honor_upstream_limits:
         return 0
-    if outcome.pause_s:
-        log.warning("upstream asks for a pause of %.1f s", outcome.pause_s,
-                    extra={"task_id": claim.task_id, "endpoint": claim.endpoint.id})
-    return max(1, round(outcome.pause_s * 1000))
+    if pause_s:
+        log.warning("upstream asks for a pause of %.1f s", pause_s,
+                    extra={"task_id": task_id, "endpoint": endpoint.id})
+    return max(1, round(pause_s * 1000))
