@@ -1,6 +1,6 @@
 """The drop-in proxy under the rules of its endpoint's line (docs/guides/proxy.md, "What a
-proxied request is"): a request the upstream paused keeps its place in line, the caller's daily
-quota refuses it as it refuses a submit, metrics and the admin listings count it, its default
+proxied request is"): a request the upstream paused keeps its place in line, per_user fairness
+interleaves callers, the caller's daily quota refuses it as it refuses a submit, metrics and the admin listings count it, its default
 max wait is 60 s, and an Anthropic stream settles its cost to input + output tokens."""
 
 from __future__ import annotations
@@ -295,3 +295,39 @@ async def test_an_anthropic_stream_settles_its_cost_to_input_plus_output_tokens(
         assert fits.status_code == 200, fits.text
         assert int(fits.headers["x-queue-waited-ms"]) < 3000
     assert [e["path"] for e in mock_log(upstream)] == ["/v1/messages"] * 2
+
+
+@pytest.mark.backends("single", "cluster")
+async def test_per_user_fairness_interleaves_proxied_callers(
+    gateway: Gateway, upstream: str, start_api: StartApi, start_dispatcher: StartDispatcher
+) -> None:
+    """A per_user endpoint of cap 1, its upstream held: user 1's first request is in flight,
+    three more of theirs wait, then user 2 sends two. Released, user 2's are served among user
+    1's, not after all of them (first in, first out would serve 1, 1, 1, 1, 2, 2)."""
+    await gateway.add_endpoint("fair", f"{upstream}/v1", proxy=True, forward_headers=[],
+                               max_concurrency=1, fairness="per_user")
+    one, two = await gateway.new_key(user_id=1), await gateway.new_key(user_id=2)
+    base = await start_api()
+    await start_dispatcher()
+    httpx.post(f"{upstream}/_mock/config", json={"hold": True}).raise_for_status()
+    async with httpx.AsyncClient(base_url=base, timeout=30) as http:
+        def ask(auth: dict[str, str], name: str) -> asyncio.Future[Any]:
+            return asyncio.ensure_future(http.post("/proxy/fair/x", json={"who": name},
+                                                   headers=auth))
+
+        async def waiting(n: int) -> bool:
+            return len(await tasks_of(gateway, "fair", "pending")) == n
+
+        sent = [ask(one, "1a")]
+        await until(lambda: _async(mock_stats(upstream)["in_flight"] == 1))
+        for i, (auth, name) in enumerate([(one, "1b"), (one, "1c"), (one, "1d"),
+                                          (two, "2a"), (two, "2b")]):
+            sent.append(ask(auth, name))
+            await until(lambda n=i + 1: waiting(n))  # type: ignore[misc]
+        httpx.post(f"{upstream}/_mock/release").raise_for_status()
+        answers = await asyncio.gather(*sent)
+    assert [r.status_code for r in answers] == [200] * 6, [r.text for r in answers]
+    order = [who(e) for e in mock_log(upstream)]
+    assert order[0] == "1a" and sorted(order) == ["1a", "1b", "1c", "1d", "2a", "2b"], order
+    assert order.index("2b") < order.index("1d"), order  # user 2 did not wait for all of 1's
+    assert [n for n in order if n[0] == "1"] == ["1a", "1b", "1c", "1d"], order  # each in turn
