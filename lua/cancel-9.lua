@@ -8,7 +8,10 @@ KEYS[1] task    KEYS[2] queue    KEYS[3] active    KEYS[4] wake    KEYS[5] outbo
 KEYS[6] retry    KEYS[7] stats    KEYS[8] hooks (lifecycle.lua)    KEYS[9] probe (upstream.lua):
 an online probe cancelled is no probe any more; the next claim sends another
 ARGV[1] task id    ARGV[2] user id    ARGV[3] unused (the done TTL: set once SQL has the row)    ARGV[4] endpoint id
-Returns {'cancelled'} | {'missing'} | {'conflict', current status}.
+ARGV[5] optional: 'expire' for a caller's own max wait run out (a proxied request): a pending
+task ends `expired`, as the expiry sweep would end it (lifecycle.lua), and one already admitted
+is left to run (a conflict).
+Returns {'cancelled'} | {'expired'} | {'missing'} | {'conflict', current status}.
 ]]
 --@include now.lua
 --@include lifecycle.lua
@@ -19,6 +22,13 @@ Returns {'cancelled'} | {'missing'} | {'conflict', current status}.
 local f = redis.call('HMGET', KEYS[1], 'user_id', 'status', 'type', 'lease')
 if not f[1] or f[1] ~= ARGV[2] then return {'missing'} end
 local now = now_ms()
+if ARGV[5] == 'expire' then
+  if f[2] ~= 'pending' then return {'conflict', f[2]} end
+  redis.call('ZREM', KEYS[6], ARGV[1])  -- waiting out a pause the upstream asked for
+  expire_pending(KEYS[1], ARGV[1], KEYS[2], KEYS[7], KEYS[5], KEYS[8], now)
+  publish_changed(KEYS[2], {ARGV[1]})
+  return {'expired'}
+end
 if f[2] == 'pending' then
   redis.call('ZREM', KEYS[2], ARGV[1])
   redis.call('ZREM', KEYS[6], ARGV[1])  -- waiting out a retry back-off

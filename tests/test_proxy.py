@@ -238,9 +238,13 @@ async def test_max_wait_ends_in_503_with_retry_after(
         r = await http.post("/proxy/llm/chat/completions", json=CHAT,
                             headers={"X-Queue-Max-Wait": "0.5"})
     assert r.status_code == 503, r.text
-    assert r.json()["error"]["code"] == "wait_exceeded"
-    assert int(r.headers["retry-after"]) >= 1 and r.json()["error"]["wait_time"] >= 1
+    error = r.json()["error"]
+    assert error["code"] == "wait_exceeded"
+    assert int(r.headers["retry-after"]) >= 1 and error["wait_time"] >= 1
     assert mock_log(llm) == []
+    # Its task ended as one whose max wait ran out does (not `cancelled`: nobody cancelled it).
+    shown = await gateway.http.get(f"/admin/v1/tasks/{error['task_id']}", headers=gateway.admin)
+    assert shown.json()["task_status"] == "expired", shown.text
 
 
 @pytest.mark.backends("single", "cluster")

@@ -1,7 +1,8 @@
 """The drop-in proxy under the rules of its endpoint's line (docs/guides/proxy.md, "What a
 proxied request is"): a request the upstream paused keeps its place in line, per_user fairness
-interleaves callers, the caller's daily quota refuses it as it refuses a submit, metrics and the admin listings count it, its default
-max wait is 60 s, and an Anthropic stream settles its cost to input + output tokens."""
+interleaves callers, the caller's daily quota refuses it as it refuses a submit, metrics and
+the admin listings count it, its default max wait is 60 s (past it, its task `expired`), and an
+Anthropic stream settles its cost to input + output tokens."""
 
 from __future__ import annotations
 
@@ -219,7 +220,9 @@ async def test_the_default_max_wait_is_60_s(
         error = refused.json()["error"]
         assert error["code"] == "wait_exceeded" and error["wait_time"] == 61, error
         assert int(refused.headers["retry-after"]) >= 1
-        assert await tasks_of(gateway, "w61", "pending") == []  # withdrawn
+        assert await tasks_of(gateway, "w61", "pending") == []  # out of line: `expired`
+        expired = await tasks_of(gateway, "w61", "expired")
+        assert [t["task_id"] for t in expired] == [error["task_id"]], expired
         allowed = ask("w61", {"X-Queue-Max-Wait": "61"})
         (waiting61,) = await until(lambda: tasks_of(gateway, "w61", "pending"))
         waiting = ask("w59")

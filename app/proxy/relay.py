@@ -117,8 +117,7 @@ class ProxyCall:
             return
         self._head = None  # it waits: built again when admitted
         if res.wait_time is not None and req.max_wait_s and res.wait_time > req.max_wait_s:
-            await self.withdraw()
-            raise _too_long(self.max_wait_s, res.wait_time)
+            await self._give_up(res.wait_time)  # the line promises too long a wait
 
     @property
     def calls(self) -> EndpointCalls:
@@ -181,10 +180,11 @@ class ProxyCall:
         if status == "processing" and token:
             self._admit(token, age_s)
             return True
-        if status != "pending":  # expired (its max wait), cancelled by an operator
-            raise _too_long(self.max_wait_s, None) if status == "expired" else ApiError(
-                409, "task_not_pending", f"the request's task is {status}",
-                task_id=self.task_id)
+        if status == "expired":  # its max wait (the sweep was first)
+            raise _too_long(self.max_wait_s, None, self.task_id)
+        if status != "pending":  # cancelled by an operator
+            raise ApiError(409, "task_not_pending", f"the request's task is {status}",
+                           task_id=self.task_id)
         return False
 
     def _current(self) -> None:
@@ -224,25 +224,22 @@ class ProxyCall:
         return ((None if status is None else str(status)),
                 (None if lease is None else str(lease)), int(age_ms) / 1000)
 
-    async def _give_up(self) -> None:
-        """Its max wait is over: withdrawn, 503; unless a claim took it just now."""
+    async def _give_up(self, estimate: float | None = None) -> None:
+        """Its max wait is over, or the wait the line promises (`estimate`) is longer: its task
+        ends `expired` (as the expiry sweep would end it), out of line, and the caller has its
+        503; unless a claim took it meanwhile (admitted within its max wait, it runs), or it
+        ended otherwise (an operator's cancel: the caller reads that next)."""
         try:
-            await self.rt.queue.cancel(self.caller.user_id, self.task_id)
+            await self.rt.queue.cancel(self.caller.user_id, self.task_id, expire=True)
         except ApiError:
-            return  # admitted meanwhile (409): it runs
-        raise _too_long(self.max_wait_s, None)
+            return
+        raise _too_long(self.max_wait_s, estimate, self.task_id)
 
     async def withdraw(self) -> None:
-        """The caller left before its call: cancelled if still in line, ended if admitted."""
-        try:
+        """The caller left before its call: its task is cancelled, out of line or, admitted
+        meanwhile, its slot freed (nothing was called). One that ended already stays."""
+        with contextlib.suppress(ApiError):
             await self.rt.queue.cancel(self.caller.user_id, self.task_id)
-        except ApiError:
-            status, token, age_s = await self._state()
-            if status == "processing" and token:
-                self._current()  # its ack settles what the claim admitted it under
-                self.token = token
-                self._leased(age_s)
-                await self.finish("failed", CALLER_LOST, None, -1, None)
 
     # -- the lease ---------------------------------------------------------------------------
 
@@ -501,10 +498,11 @@ async def _result(value: bool) -> bool:
     return value
 
 
-def _too_long(max_wait_s: float, estimate: Any) -> ApiError:
+def _too_long(max_wait_s: float, estimate: Any, task_id: str) -> ApiError:
     retry = max(1, math.ceil(float(estimate))) if estimate is not None else max(
         1, math.ceil(max_wait_s))
     # Not "did not reach the upstream": one the upstream kept asking to wait (429s with a
     # pause, each sending it back in line) did reach it.
     return ApiError(503, "wait_exceeded", f"the request was not served within its max wait "
-                    f"of {max_wait_s:g} s", {"Retry-After": str(retry)}, wait_time=retry)
+                    f"of {max_wait_s:g} s", {"Retry-After": str(retry)}, wait_time=retry,
+                    task_id=task_id)

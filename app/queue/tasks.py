@@ -332,13 +332,15 @@ class TaskQueue:
         view._left_out = omitted is not None
         return view
 
-    async def cancel(self, user_id: int, task_id: str) -> TaskStatus:
+    async def cancel(self, user_id: int, task_id: str, expire: bool = False) -> TaskStatus:
+        """Cancelled, pending or running (its call aborted); with `expire`, a pending task ends
+        `expired` (its caller's own max wait ran out) and a running one is left to run (409)."""
         k, e = self.keys, endpoint_of(task_id)
         res = await self.scripts.cancel(
             keys=[k.task(task_id),
                   *k.of(e, "queue", "active", "wake", "outbox", "retry", "stats", "hooks",
                         "probe")],
-            args=[task_id, user_id, self.ttls.done_ms, e],
+            args=[task_id, user_id, self.ttls.done_ms, e, *(["expire"] if expire else [])],
         )
         if res[0] == "missing":
             res = ["conflict", await self._finished_status(user_id, task_id)]
@@ -346,7 +348,7 @@ class TaskQueue:
             raise ApiError(409, "task_not_cancellable",
                            f"task {task_id!r} is {res[1]} and cannot be cancelled",
                            task_status=res[1])
-        return TaskStatus.CANCELLED
+        return TaskStatus.EXPIRED if res[0] == "expired" else TaskStatus.CANCELLED
 
     async def complete(self, user_id: int, task_id: str, result: str | None) -> TaskStatus:
         """An admitted online task is done: its slot frees before the permit runs out."""
