@@ -168,6 +168,19 @@ def test_cost_read_from_openai_and_anthropic_streams() -> None:
     missing = CostReader("sse:usage.total_tokens")
     missing.feed(b'data: {"choices":[]}\n\n')
     assert missing.cost({}) is None  # the reservation stands
+    # The format's other line ends (CRLF, CR) and an event's JSON over several data: lines,
+    # cut anywhere between reads (between a CR and its LF too).
+    for end in (b"\r\n", b"\r"):
+        spread = (b'data: {"usage":' + end + b'data: {"total_tokens": 7}}' + end + end
+                  + b"data: [DONE]" + end + end)
+        for cut in range(1, len(spread)):
+            reader = CostReader("sse:usage.total_tokens")
+            reader.feed(spread[:cut])
+            reader.feed(spread[cut:])
+            assert reader.cost({}) == 7, (end, cut)
+    unended = CostReader("sse:usage.total_tokens")  # no blank line after the last event
+    unended.feed(b'data: {"usage": {"total_tokens": 4}}')
+    assert unended.cost({}) == 4
     body = CostReader("json:usage.total_tokens")
     body.feed(b'{"usage": {"total_tokens": 9}}')
     assert body.cost({}) == 9

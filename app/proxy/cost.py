@@ -1,7 +1,9 @@
 """A relayed answer's real cost, read while it streams by (`cost_from`, docs/api.md).
 
 `sse:<path>[+<path>...]` reads server-sent events: each path's value is taken from the last
-`data:` JSON event that has it, and the values are added. OpenAI's `stream_options.include_usage`
+`data:` JSON event that has it, and the values are added. Events are read as the format has
+them: lines end in CRLF, LF or CR, an event's `data:` lines are joined by newlines (JSON spread
+over several), and a blank line ends it. OpenAI's `stream_options.include_usage`
 puts the usage in the last event: `sse:usage.total_tokens`. Anthropic's stream tells the input
 tokens once, at its start (`message_start`), and the output tokens at its end (`message_delta`):
 `sse:message.usage.input_tokens+usage.output_tokens`. `json:` and `header:` read as for queued
@@ -37,7 +39,10 @@ class CostReader:
         self._paths = [p.split(".") for p in spec.split("+")] if where == "sse" else []
         self._first = {p[0] for p in self._paths}  # a cheap test before parsing an event
         self._found: list[float | None] = [None] * len(self._paths)
-        self._partial = b""
+        self._partial = b""  # a line begun, not yet ended
+        self._cr = False  # the last read ended in CR: an LF that opens the next ends no line
+        self._data: list[bytes] = []  # the event's data lines so far
+        self._size = 0  # their length: an event over EVENT_BYTES is not read
         self._json = bytearray() if where == "json" else None
 
     def feed(self, chunk: bytes) -> None:
@@ -47,13 +52,33 @@ class CostReader:
             else:
                 self._json = None
         elif self._paths:
-            lines = (self._partial + chunk).split(b"\n")
-            self._partial = lines.pop()
-            if len(self._partial) > EVENT_BYTES:
-                self._partial = b""
-            for line in lines:
-                if line.startswith(b"data:"):
-                    self._event(line[5:].strip())
+            self._events(chunk)
+
+    def _events(self, chunk: bytes) -> None:
+        if self._cr and chunk[:1] == b"\n":
+            chunk = chunk[1:]
+        self._cr = chunk[-1:] == b"\r"
+        text = self._partial + chunk
+        if b"\r" in text:
+            text = text.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+        lines = text.split(b"\n")
+        self._partial = lines.pop()
+        if len(self._partial) > EVENT_BYTES:
+            self._partial, self._size = b"", EVENT_BYTES + 1  # this event is not read
+        for line in lines:
+            if not line:
+                self._dispatch()
+            elif line.startswith(b"data:"):
+                value = line[6:] if line[5:6] == b" " else line[5:]
+                self._size += len(value) + 1
+                if self._size <= EVENT_BYTES:
+                    self._data.append(value)
+
+    def _dispatch(self) -> None:
+        """The event's end (a blank line, or the stream's)."""
+        if self._data and self._size <= EVENT_BYTES:
+            self._event(b"\n".join(self._data).strip())
+        self._data, self._size = [], 0
 
     def _event(self, data: bytes) -> None:
         if not data.startswith(b"{") or not any(f.encode() in data for f in self._first):
@@ -69,6 +94,7 @@ class CostReader:
 
     def cost(self, headers: dict[str, str]) -> int | None:
         if self.where == "sse":
+            self._events(b"\n\n")  # one the stream ended without its line ends still counts
             if not self._paths or any(v is None for v in self._found):
                 return None
             total = sum(v for v in self._found if v is not None)
