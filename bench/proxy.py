@@ -9,15 +9,18 @@ mock upstream (`qgw mock-upstream --openai`: 20 ms before its answer, then a str
    gateway's process tree's utime + stime over the phase (/proc), divided by its requests.
 2. Oversubscription: callers at 3x an upstream limit of 20/s for `--over-seconds`; the mock
    refuses (429) past 20 requests in a clock second. Ours: the endpoint's `rate` 20 per 1000 ms;
-   LiteLLM: its deployment's `rpm` 1200. Shows the share of the limit delivered, the upstream's
-   429s, and the answers callers got (errors; ours answers 503 past a caller's max wait, here
-   `--max-wait` s).
-LiteLLM runs from a virtualenv of its own (`--litellm`: its `litellm` executable; made with
-`pip install 'litellm[proxy]'`); without it that column is left out. Loopback only, bounded.
+   LiteLLM: its deployment's `rpm` 1200. Shows the share of the limit the upstream answered 200
+   while the callers came (its log), the upstream's 429s, and the callers' error answers by
+   kind and time: a gateway's own `503 wait_exceeded` (ours, when the caller's `--max-wait` s
+   would pass: at once, by the line's estimate, or at its end) apart from any other, and before
+   the caller's max wait ran out (`early`) or after. The goal counts the other errors early.
+LiteLLM runs from a virtualenv of its own (`--litellm`: its `litellm` executable; by default
+`pip install 'litellm[proxy]'` into a temp venv for the run; `none` leaves it out). Loopback
+only, bounded.
 Direct and ours take `--rounds` turns of `--seconds`/rounds at each rate, pooled, so that the
 machine's drift during the run falls on both alike.
 Usage: python bench/proxy.py [--seconds 10] [--over-seconds 60] [--rounds 3]
-       [--litellm /tmp/ll/bin/litellm]
+       [--litellm install|none|/tmp/ll/bin/litellm]
 """
 
 from __future__ import annotations
@@ -25,7 +28,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -54,6 +59,9 @@ class Phase:
     latency: list[float] = field(default_factory=list)  # to the last byte, s
     ttft: list[float] = field(default_factory=list)  # to the first data: event, s
     statuses: Counter[int] = field(default_factory=Counter)
+    # Each error answer (not a 200) by when it came: before the caller's max wait was out
+    # (`early`) or after; the gateway's own 503 wait_exceeded told apart from any other.
+    errors: Counter[str] = field(default_factory=Counter)
     cpu_s: float = 0.0
     wall_s: float = 0.0  # from the first request to the last answer
 
@@ -62,6 +70,7 @@ class Phase:
         self.latency += other.latency
         self.ttft += other.ttft
         self.statuses.update(other.statuses)
+        self.errors.update(other.errors)
         self.cpu_s += other.cpu_s
         self.wall_s += other.wall_s
 
@@ -71,24 +80,38 @@ class Phase:
 
 
 async def one(http: aiohttp.ClientSession, url: str, headers: dict[str, str],
-              out: Phase) -> None:
+              out: Phase, max_wait_s: float = math.inf) -> None:
     started = time.perf_counter()
     try:
         async with http.post(url, json=CHAT, headers=headers) as r:
-            first = None
-            async for _ in r.content.iter_any():
+            first, body = None, b""
+            async for piece in r.content.iter_any():
                 if first is None:
                     first = time.perf_counter() - started
+                if r.status != 200 and len(body) < 4096:
+                    body += piece
             out.statuses[r.status] += 1
             if r.status == 200:
                 out.latency.append(time.perf_counter() - started)
                 out.ttft.append(first or 0.0)
+            else:
+                out.errors[_kind(r.status, body, time.perf_counter() - started, max_wait_s)] += 1
     except (aiohttp.ClientError, TimeoutError):
         out.statuses[0] += 1
+        out.errors[_kind(0, b"", time.perf_counter() - started, max_wait_s)] += 1
+
+
+def _kind(status: int, body: bytes, took_s: float, max_wait_s: float) -> str:
+    """An error answer: the gateway's 503 wait_exceeded (the caller's max wait would pass, or
+    has) or another, and whether it came while the caller's max wait still ran."""
+    own = status == 503 and b'"wait_exceeded"' in body
+    what = "503 wait_exceeded" if own else (f"{status}" if status else "no answer")
+    return f"{what} {'early' if took_s < max_wait_s - 0.5 else 'after max wait'}"
 
 
 async def run_rate(url: str, headers: dict[str, str], rate: float, seconds: float,
-                   pid: int | None, timeout_s: float = 30) -> Phase:
+                   pid: int | None, timeout_s: float = 30,
+                   max_wait_s: float = math.inf) -> Phase:
     """Requests at `rate` a second for `seconds` (open loop), each awaited to its end."""
     out = Phase()
     cpu0 = cpu_s(pid) if pid else 0.0
@@ -100,7 +123,7 @@ async def run_rate(url: str, headers: dict[str, str], rate: float, seconds: floa
             delay = start + i / rate - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            calls.append(asyncio.create_task(one(http, url, headers, out)))
+            calls.append(asyncio.create_task(one(http, url, headers, out, max_wait_s)))
         await asyncio.gather(*calls)
         out.wall_s = time.perf_counter() - start
     out.cpu_s = (cpu_s(pid) - cpu0) if pid else 0.0
@@ -141,6 +164,23 @@ async def start_ours(mock: str, data: Path, tree: Path = ROOT
         key = r.json()["key"]
     await asyncio.sleep(1.5)  # the registry reaches every part of the process
     return proc, port, {"Authorization": f"Bearer {key}"}
+
+
+def install_litellm(where: Path) -> str | None:
+    """`pip install 'litellm[proxy]'` into a fresh venv under `where`: its `litellm`, or None
+    (and why) when that cannot be done."""
+    venv = where / "litellm-venv"
+    made = subprocess.run([sys.executable, "-m", "venv", str(venv)], capture_output=True,
+                          text=True)
+    python = venv / "bin" / "python"
+    if made.returncode == 0:
+        made = subprocess.run([str(python), "-m", "pip", "install", "-q", "litellm[proxy]"],
+                              capture_output=True, text=True)
+    if made.returncode != 0:
+        print(f"LiteLLM: skipped: its install failed: {made.stderr.strip()[-300:]}")
+        return None
+    print(f"LiteLLM installed in {venv}", flush=True)
+    return str(venv / "bin" / "litellm")
 
 
 async def start_litellm(exe: str, mock: str, data: Path, rpm: int | None) -> tuple[object, int]:
@@ -206,16 +246,22 @@ async def over_row(name: str, url: str, headers: dict[str, str], mock: str,
                    seconds: float, max_wait: float) -> str:
     await quiet(mock)
     await mock_config(mock, rate_per_s=LIMIT_PER_S)
-    p = await run_rate(url, headers, 3 * LIMIT_PER_S, seconds, None, timeout_s=max_wait + 30)
+    began = time.time() * 1000  # the mock's clock: its log's `t`
+    p = await run_rate(url, headers, 3 * LIMIT_PER_S, seconds, None, timeout_s=max_wait + 30,
+                       max_wait_s=max_wait)
     stats = await mock_stats(mock)
     upstream_429 = dict(stats["statuses"]).get("429", 0)  # type: ignore[call-overload]
+    # What the upstream answered while the callers came: the share of its limit a gateway kept
+    # it busy with (calls made later, for callers still in line, are not counted in it).
+    async with httpx.AsyncClient() as http:
+        log = (await http.get(f"{mock}/_mock/log")).json()
+    served = sum(1 for e in log if e["status"] == 200 and began <= e["t"] < began + seconds * 1000)
+    share = served / (LIMIT_PER_S * seconds)
     ok = p.statuses.get(200, 0)
-    # Over the time answers kept coming (callers still in line when the load stops are served
-    # until their max wait): what the limit allowed in that time.
-    share = ok / (LIMIT_PER_S * p.wall_s)
-    errors = sum(v for k, v in p.statuses.items() if k != 200)
-    return (f"| {name} | {ok} | {share:.3f} | {upstream_429} | {errors} | "
-            f"{dict(p.statuses)} |")
+    early = sum(v for k, v in p.errors.items() if k.endswith("early")
+                and not k.startswith("503 wait_exceeded"))
+    errors = ", ".join(f"{v} {k}" for k, v in sorted(p.errors.items())) or "none"
+    return f"| {name} | {ok} | {share:.3f} | {upstream_429} | {early} | {errors} |"
 
 
 async def main(args: argparse.Namespace) -> None:
@@ -226,6 +272,11 @@ async def main(args: argparse.Namespace) -> None:
                            "--latency-ms", "20", "--chunks", "50"])
         procs: list[object] = [mock_proc]
         try:
+            exe = args.litellm
+            if exe == "install":
+                exe = await asyncio.to_thread(install_litellm, data)
+            elif exe == "none":
+                exe = None
             await asyncio.to_thread(wait_port, mport, 30.0, mock_proc)
             mock = f"http://127.0.0.1:{mport}"
             ours, oport, auth = await start_ours(mock, data)
@@ -234,8 +285,8 @@ async def main(args: argparse.Namespace) -> None:
                 "direct": (f"{mock}/v1/chat/completions", {}, None),
                 "queue-gateway": (f"http://127.0.0.1:{oport}/proxy/llm/chat/completions", auth,
                                   ours.pid)}  # type: ignore[attr-defined]
-            if args.litellm:
-                ll, lport = await start_litellm(args.litellm, mock, data, None)
+            if exe:
+                ll, lport = await start_litellm(exe, mock, data, None)
                 procs.append(ll)
                 targets["litellm"] = (f"http://127.0.0.1:{lport}/v1/chat/completions",
                                       LITELLM_AUTH,
@@ -244,17 +295,18 @@ async def main(args: argparse.Namespace) -> None:
                   "| CPU ms/req | answers |\n|---|---|---|---|---|---|---|---|---|")
             for row in await latency_rows(targets, args.seconds, args.rounds, mock):
                 print(row, flush=True)
-            if args.litellm:  # its backlog of the latency phases must not reach the mock now
+            if exe:  # its backlog of the latency phases must not reach the mock now
                 stop(procs.pop())  # type: ignore[arg-type]
             print(f"\noversubscription: {3 * LIMIT_PER_S}/s for {args.over_seconds:g} s against "
-                  f"{LIMIT_PER_S}/s\n| gateway | delivered | share of limit | upstream 429s | "
-                  "errors to callers | answers |\n|---|---|---|---|---|---|")
+                  f"{LIMIT_PER_S}/s, callers' max wait {args.max_wait:g} s\n"
+                  "| gateway | answered 200 | share of limit | upstream 429s | "
+                  "other errors within max wait | error answers |\n|---|---|---|---|---|---|")
             over = {"X-Queue-Max-Wait": str(args.max_wait), **auth}
             print(await over_row("queue-gateway",
                                  f"http://127.0.0.1:{oport}/proxy/llm20/chat/completions", over,
                                  mock, args.over_seconds, args.max_wait), flush=True)
-            if args.litellm:
-                ll20, l20port = await start_litellm(args.litellm, mock, data, 60 * LIMIT_PER_S)
+            if exe:
+                ll20, l20port = await start_litellm(exe, mock, data, 60 * LIMIT_PER_S)
                 procs.append(ll20)
                 print(await over_row("litellm", f"http://127.0.0.1:{l20port}/v1/chat/"
                                      "completions", LITELLM_AUTH, mock, args.over_seconds,
@@ -272,7 +324,9 @@ if __name__ == "__main__":
     parser.add_argument("--max-wait", type=float, default=30)
     parser.add_argument("--rounds", type=int, default=3,
                         help="turns direct and ours take at each rate (their phases pooled)")
-    parser.add_argument("--litellm", default=os.environ.get("LITELLM_BIN"))
+    parser.add_argument("--litellm", default=os.environ.get("LITELLM_BIN", "install"),
+                        help="its `litellm` executable; `install` (the default): pip-installed "
+                        "into a temp venv for the run; `none`: left out")
     parsed = parser.parse_args()
     if parsed.rounds < 1:
         parser.error("--rounds must be 1 or more")
