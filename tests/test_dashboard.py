@@ -250,7 +250,8 @@ async def test_operator_acts_from_the_dashboard(
     gateway: Gateway, served: str, fresh_upstream: str, browser: object
 ) -> None:
     """Pause, purge with a confirmation, retry from a task's drill-down, the dispatchers and
-    the database shown, and a reload that charts the history the server kept."""
+    the database shown, a reload that charts the history the server kept, an upstream's pause
+    and a proxied request's task (no retry offered)."""
     from playwright.async_api import Browser, Dialog, expect
 
     assert isinstance(browser, Browser)
@@ -337,7 +338,29 @@ async def test_operator_acts_from_the_dashboard(
     print(f"\nscreenshots: {ARTIFACTS / 'dashboard-drilldown.png'}, "
           f"{ARTIFACTS / 'dashboard-actions.png'}")
     await _paused_by_upstream_shown(gateway, served, fresh_upstream, page)
+    await _proxied_task_shown(gateway, served, fresh_upstream, page)
     assert errors == []
+
+
+async def _proxied_task_shown(gateway: Gateway, served: str, upstream: str, page: Any) -> None:
+    """A proxied request the upstream failed is among its endpoint's failed tasks, of type
+    `proxy`, with no retry offered (the admin API refuses one: its caller is gone)."""
+    from playwright.async_api import expect
+
+    await gateway.add_endpoint("prox", f"{upstream}/v1", proxy=True, forward_headers=[])
+    auth = await gateway.new_key(user_id=7)
+    async with httpx.AsyncClient(base_url=served, headers=auth, timeout=30) as http:
+        r = await http.post("/proxy/prox/chat", json={}, headers={"X-Mock-Status": "500"})
+    assert r.status_code == 500, r.text
+    tid = r.headers["x-queue-task-id"]
+    await page.locator('tr[data-endpoint="prox"] td[data-field="id"]').click()
+    await page.locator('#task-tabs button[data-status="failed"]').click()
+    await page.locator(f'#task-rows tr[data-task="{tid}"]').click()
+    await expect(page.locator("#detail-status")).to_have_text("failed")
+    await expect(page.locator("#detail-fields")).to_contain_text("typeproxy")
+    await expect(page.locator("#detail-fields")).to_contain_text("result status500")
+    await expect(page.locator("#detail-retry")).to_be_hidden()
+    await expect(page.locator("#detail-cancel")).to_be_hidden()
 
 
 async def _paused_by_upstream_shown(gateway: Gateway, served: str, upstream: str,

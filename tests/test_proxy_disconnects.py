@@ -271,6 +271,7 @@ async def test_a_cancel_before_the_upstream_answers_stops_the_call(
         assert (await gateway.status(auth, running["task_id"]))["task_status"] == "cancelled"
 
 
+@pytest.mark.backends("single", "cluster")
 async def test_a_caller_that_stops_reading_frees_its_slot(
     gateway: Gateway, llm: str, start_api: StartApi, start_dispatcher: StartDispatcher,
     env: dict[str, str],
@@ -323,6 +324,7 @@ async def test_an_answer_whose_cost_cannot_be_read_still_frees_its_slot(
             assert done["task_status"] == "completed", done
 
 
+@pytest.mark.backends("single", "cluster")
 async def test_a_stream_longer_than_its_lease_keeps_it(
     gateway: Gateway, llm: str, start_api: StartApi, start_dispatcher: StartDispatcher
 ) -> None:

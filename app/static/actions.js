@@ -232,7 +232,9 @@ async function showTask(id) {
   setText($("detail-request"), t.request ? JSON.stringify(t.request, null, 2)
     : "no longer held (only the ending is kept once Redis lets a task go)");
   setText($("detail-result"), t.task_result ?? "–");
-  $("detail-retry").hidden = !["failed", "expired"].includes(t.task_status);
+  // A proxied request is never run again: its answer had one reader, its caller, now gone.
+  $("detail-retry").hidden = !["failed", "expired"].includes(t.task_status)
+    || t.task_type === "proxy";
   // A running task too: an offline call is aborted, an online task loses its permit.
   $("detail-cancel").hidden = !["pending", "processing"].includes(t.task_status);
 }
