@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
 import time
 from typing import Any
 
 import httpx
 import pytest
+from redis.asyncio import ConnectionPool, Redis, RedisCluster
 
 from tests.conftest import Gateway
 from tests.servers import mock_log
@@ -334,3 +336,65 @@ async def test_per_user_fairness_interleaves_proxied_callers(
     assert order[0] == "1a" and sorted(order) == ["1a", "1b", "1c", "1d", "2a", "2b"], order
     assert order.index("2b") < order.index("1d"), order  # user 2 did not wait for all of 1's
     assert [n for n in order if n[0] == "1"] == ["1a", "1b", "1c", "1d"], order  # each in turn
+
+
+async def _commands_naming(gateway: Gateway, key: str, needle: str, seconds: float) -> list[str]:
+    """What clients send Redis (the node holding `key`, on a Cluster) naming `needle` over
+    `seconds`, seen through MONITOR; not what scripts run (the expiry sweep reads the head of
+    the line: its own walk, not a process polling)."""
+    rc = gateway.rt.redis
+    if isinstance(rc, RedisCluster):
+        node = rc.get_node_from_key(key)
+        client = Redis(host=node.host, port=node.port, decode_responses=True)
+    else:  # a connection of its own: one in MONITOR serves nothing else
+        pool = rc.connection_pool
+        client = Redis(connection_pool=ConnectionPool(connection_class=pool.connection_class,
+                                                      **pool.connection_kwargs))
+    seen: list[str] = []
+    watching = asyncio.Event()
+
+    async def listen() -> None:
+        async with client.monitor() as m:
+            watching.set()
+            async for c in m.listen():
+                if c.get("client_type") != "lua" and needle in str(c.get("command", "")):
+                    seen.append(str(c["command"]))
+
+    task = asyncio.ensure_future(listen())
+    try:
+        await asyncio.wait_for(watching.wait(), 10)
+        await asyncio.sleep(seconds)
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await client.aclose(close_connection_pool=True)
+    return seen
+
+
+@pytest.mark.backends("single", "cluster")
+async def test_a_waiting_request_is_told_its_turn_not_polling(
+    gateway: Gateway, upstream: str, start_api: StartApi, start_dispatcher: StartDispatcher
+) -> None:
+    """Cap 1, the upstream held: a second request waits. Over 2 s of its wait Redis runs
+    nothing that names its task (a process polling for its turn, as LiteLLM's queue does every
+    30 ms, would read it over and over); released, it is admitted by the dispatcher's claim,
+    which its API process hears as the task's status event, and answered."""
+    auth = await proxied(gateway, upstream, max_concurrency=1)
+    base = await start_api()
+    await start_dispatcher()
+    httpx.post(f"{upstream}/_mock/config", json={"hold": True}).raise_for_status()
+    async with httpx.AsyncClient(base_url=base, headers=auth, timeout=30) as http:
+        first = asyncio.ensure_future(http.post("/proxy/llm/chat", json=CHAT))
+        await until(lambda: _async(mock_stats(upstream)["in_flight"] == 1))
+        second = asyncio.ensure_future(http.post("/proxy/llm/chat", json=CHAT))
+        (waiting,) = await until(lambda: tasks_of(gateway, "llm", "pending"))
+        task_id = waiting["task_id"]
+        await asyncio.sleep(0.2)  # past its submit and the one read once it watches
+        named = await _commands_naming(gateway, gateway.rt.keys.task(task_id), task_id, 2.0)
+        assert named == [], named
+        assert not second.done()
+        httpx.post(f"{upstream}/_mock/release").raise_for_status()
+        answers = await asyncio.gather(first, second)
+    assert [r.status_code for r in answers] == [200, 200]
+    assert answers[1].headers["x-queue-task-id"] == task_id
