@@ -11,6 +11,7 @@ import base64
 import contextlib
 import json
 import time
+from collections import Counter
 from typing import Any
 
 import httpx
@@ -18,7 +19,7 @@ import pytest
 from redis.asyncio import ConnectionPool, Redis, RedisCluster
 
 from tests.conftest import Gateway
-from tests.servers import mock_log
+from tests.servers import mock_log, mock_upstream
 from tests.test_proxy import CHAT, StartApi, StartDispatcher, mock_stats, proxied, until
 
 
@@ -398,3 +399,32 @@ async def test_a_waiting_request_is_told_its_turn_not_polling(
         answers = await asyncio.gather(first, second)
     assert [r.status_code for r in answers] == [200, 200]
     assert answers[1].headers["x-queue-task-id"] == task_id
+
+
+@pytest.mark.backends("single", "cluster")
+async def test_an_adaptive_cap_learns_from_proxied_calls(
+    gateway: Gateway, start_api: StartApi, start_dispatcher: StartDispatcher
+) -> None:
+    """An adaptive endpoint (at most 30 at once) in front of an upstream that takes 4 calls at
+    once and refuses more with a plain 429 (no pause: relayed to its caller), 80 proxied
+    requests at once: the proxy's acks teach the cap what the upstream takes, as a dispatcher's
+    do, and most calls are answered; a fixed cap of 30 would have had most refused (the
+    control in test_adaptive.py)."""
+    with mock_upstream("--concurrency", "4", "--latency-ms", "100") as base:
+        await gateway.add_endpoint("llm", f"{base}/v1", proxy=True, forward_headers=[],
+                                   concurrency="adaptive", max_concurrency=30)
+        auth = await gateway.new_key()
+        api = await start_api()
+        await start_dispatcher()
+        async with httpx.AsyncClient(base_url=api, headers=auth, timeout=60,
+                                     limits=httpx.Limits(max_connections=None)) as http:
+            # A long max wait: a new endpoint's estimate (no call measured yet, a cap that
+            # starts low) would refuse some at once.
+            answers = await asyncio.gather(*(
+                http.post("/proxy/llm/learn", json={}, headers={"X-Queue-Max-Wait": "600"})
+                for _ in range(80)))
+        statuses = Counter(r.status_code for r in answers)
+        r = await gateway.http.get("/admin/v1/queues", headers=gateway.admin)
+        (row,) = [q for q in r.json()["endpoints"] if q["id"] == "llm"]
+    assert set(statuses) <= {200, 429} and statuses[429] < 0.3 * 80, statuses
+    assert row["adaptive_limit"] is not None and 1 <= row["adaptive_limit"] <= 8, row
