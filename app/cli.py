@@ -185,9 +185,14 @@ async def _serve_until_stopped(settings: Settings, sock: Any, dispatcher: bool) 
     config = uvicorn.Config(app, log_config=None, server_header=False,
                             access_log=False, timeout_graceful_shutdown=5,
                             limit_concurrency=uvicorn_limit(settings))
+    server = uvicorn.Server(config)
     try:
-        await uvicorn.Server(config).serve(sockets=[sock])
+        await server.serve(sockets=[sock])
     finally:
+        # The requests its grace cut short (cancelled) end before the runtime does: a proxied
+        # request still in line withdraws its task, which needs Redis (app/routes/proxy.py).
+        if cut := server.server_state.tasks:
+            await asyncio.wait(cut, timeout=2 * settings.redis_timeout_s)
         await rt.stop()
         tracing.shutdown()
 

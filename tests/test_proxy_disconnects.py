@@ -145,6 +145,48 @@ async def test_api_killed_mid_stream_fails_the_task_once_its_lease_lapses(
         stop(proc)
 
 
+@pytest.mark.backends("single", "cluster")
+async def test_an_api_process_stopped_withdraws_the_requests_waiting_in_it(
+    gateway: Gateway, llm: str, env: dict[str, str], start_api: StartApi,
+    start_dispatcher: StartDispatcher,
+) -> None:
+    """Cap 1, the upstream held by a request through another API process; one waits in line
+    through an API process that is told to stop (SIGTERM, as a rolling deploy does). When its
+    grace ends, the request still waiting is cut short, and its task is withdrawn (cancelled),
+    not left pending for a dispatcher to admit for nobody (a slot held for a whole lease)."""
+    auth = await proxied(gateway, llm, max_concurrency=1)
+    httpx.post(f"{llm}/_mock/config", json={"hold": True}).raise_for_status()
+    base = await start_api()
+    await start_dispatcher()
+    port = free_port()
+    proc = subprocess.Popen([*QGW, "api", "--port", str(port)], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        await asyncio.to_thread(wait_port, port, 30.0, proc)
+        async with httpx.AsyncClient(headers=auth, timeout=30) as http:
+            holding = asyncio.ensure_future(http.post(f"{base}/proxy/llm/chat/completions",
+                                                      json=CHAT))
+            await until(lambda: _async(mock_stats(llm)["in_flight"] == 1))
+            cut = asyncio.ensure_future(http.post(
+                f"http://127.0.0.1:{port}/proxy/llm/chat/completions", json=CHAT))
+            (waiting,) = await until(lambda: tasks_of(gateway, "pending"))
+            proc.send_signal(signal.SIGTERM)
+            await asyncio.to_thread(proc.wait, 30)
+            try:  # cut short: an error (the server's own 500) or no answer, never a call's
+                assert (await cut).status_code >= 500
+            except httpx.HTTPError:
+                pass
+            view = await gateway.http.get(f"/admin/v1/tasks/{waiting['task_id']}",
+                                          headers=gateway.admin)
+            assert view.json()["task_status"] == "cancelled", view.text
+            httpx.post(f"{llm}/_mock/release").raise_for_status()
+            assert (await holding).status_code == 200
+        await asyncio.sleep(0.5)  # a call made for the withdrawn request would be in by now
+        assert len(mock_log(llm)) == 1
+    finally:
+        stop(proc)
+
+
 async def _async(value: Any) -> Any:
     return value
 

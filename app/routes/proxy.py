@@ -5,6 +5,7 @@ streams back (app/proxy/)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 from typing import Any
 
@@ -22,6 +23,7 @@ from app.proxy.response import RelayResponse
 from app.routes.body import read_limited
 from app.routes.tasks import ERRORS, IDEM_KEY
 
+log = logging.getLogger(__name__)
 router = APIRouter(tags=["proxy"])
 METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
 DEFAULT_MAX_WAIT_S = 60.0
@@ -72,6 +74,11 @@ async def proxy(request: Request, endpoint_id: str, path: str) -> Response:
         return Response(status_code=499)  # nobody reads it
     except BaseException as exc:
         call.abandon()
+        if not isinstance(exc, ApiError) and call.task_id and not call.token:
+            # Still in line, cut short (a shutdown cancels the requests still waiting when
+            # its grace ends; an unexpected error): withdrawn now, rather than left for a
+            # dispatcher to admit for nobody, holding a slot until its lease lapses.
+            await _withdrawn(call)
         if isinstance(exc, ApiError):
             call.traced(exc.status, exc.message if exc.status >= 500 else None)
         else:
@@ -93,6 +100,17 @@ for _method in METHODS:  # one operation a method: each its own id in the OpenAP
     router.add_api_route("/proxy/{endpoint_id}/{path:path}", proxy, methods=[_method],
                          responses=ERRORS, operation_id=f"proxy_{_method.lower()}",
                          response_class=Response)
+
+
+async def _withdrawn(call: ProxyCall) -> None:
+    """`call.withdraw()`, however this request's task was stopped (a cancel waits for it:
+    once, within the Redis timeout), its errors logged: the request's own error goes on."""
+    try:
+        await asyncio.wait_for(asyncio.shield(call.withdraw()),
+                               call.rt.settings.redis_timeout_s)
+    except Exception as exc:
+        log.warning("could not withdraw a proxied request cut short: %s", exc,
+                    extra={"task_id": call.task_id, "endpoint": call.endpoint.id})
 
 
 def _rest(request: Request, endpoint_id: str) -> str | None:
