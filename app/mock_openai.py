@@ -85,6 +85,8 @@ async def _stream_chat(send: Send, req: dict[str, Any], n: int, chunks: int, chu
                        extra: list[tuple[bytes, bytes]]) -> None:
     model = str(req.get("model", "mock"))
     await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS + extra})
+    if chunk_ms:  # as the API does: its headers at once, its first event when the model starts
+        await asyncio.sleep(chunk_ms / 1000)
     await send({"type": "http.response.body", "more_body": True,
                 "body": _event(n, model, {"role": "assistant", "content": ""}, None)})
     for i in range(chunks):

@@ -17,7 +17,7 @@ when the caller closed the connection before the answer, in ms, else null), `POS
 clears both and the settings below.
 
 `POST /_mock/config` with a JSON object changes how it answers from then on: `latency_ms`,
-`chunks` and `chunk_ms` (a stream's events, and the pause between them), `reject_next` (that
+`chunks` and `chunk_ms` (a stream's events, and the pause before each), `reject_next` (that
 many next requests are refused 429, with `Retry-After: reject_after_s` and OpenAI's
 `x-ratelimit-remaining-requests: 0`), `rate_per_s` (429 past that many requests in a clock
 second, with the reset of that second), `hold` (true: requests arrive, are logged and counted in
