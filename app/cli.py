@@ -120,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     mock.add_argument("--chunks", type=int, default=5, metavar="N",
                       help="events of a streamed chat completion (default: %(default)s)")
     mock.add_argument("--chunk-ms", type=float, default=0, metavar="T",
-                      help="pause between a stream's events (default: %(default)s)")
+                      help="pause before each of a stream's events (default: %(default)s)")
     admin_cli.add_parsers(sub)
     healthcheck.add_parser(sub)
     return p
