@@ -22,7 +22,18 @@ async def _reader(host: str, port: int, request: bytes, until: float, counts: Co
     try:
         while time.monotonic() < until:
             writer.write(request)
-            head = await reader.readuntil(b"\r\n\r\n")
+            try:
+                head = await reader.readuntil(b"\r\n\r\n")
+            except asyncio.IncompleteReadError as exc:
+                if exc.partial:
+                    raise
+                # Closed between answers, before a byte of this one: the server's keep-alive
+                # timeout met a request sent as it closed (this process is niced: on a busy
+                # machine it can sit idle that long). A client sends such a request again.
+                counts["reconnected"] += 1
+                writer.close()
+                reader, writer = await asyncio.open_connection(host, port, limit=READ)
+                continue
             status = head[9:12].decode()
             length = 0
             for line in head.split(b"\r\n")[1:]:
