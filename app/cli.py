@@ -191,7 +191,7 @@ async def _serve_until_stopped(settings: Settings, sock: Any, dispatcher: bool) 
     finally:
         # The requests its grace cut short (cancelled) end before the runtime does: a proxied
         # request still in line withdraws its task, which needs Redis (app/routes/proxy.py).
-        if cut := server.server_state.tasks:
+        if (cut := server.server_state.tasks) and not server.force_exit:  # not on a 2nd signal
             await asyncio.wait(cut, timeout=2 * settings.redis_timeout_s)
         await rt.stop()
         tracing.shutdown()

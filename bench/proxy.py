@@ -15,8 +15,8 @@ mock upstream (`qgw mock-upstream --openai`: 20 ms before its answer, then a str
    would pass: at once, by the line's estimate, or at its end) apart from any other, and before
    the caller's max wait ran out (`early`) or after. The goal counts the other errors early.
 LiteLLM runs from a virtualenv of its own (`--litellm`: its `litellm` executable; by default
-`pip install 'litellm[proxy]'` into a temp venv for the run; `none` leaves it out). Loopback
-only, bounded.
+`pip install 'litellm[proxy]'` from PyPI into a temp venv for the run, its version printed;
+`none` leaves it out). The load is loopback only, bounded.
 Direct and ours take `--rounds` turns of `--seconds`/rounds at each rate, pooled, so that the
 machine's drift during the run falls on both alike.
 Usage: python bench/proxy.py [--seconds 10] [--over-seconds 60] [--rounds 3]
@@ -179,7 +179,9 @@ def install_litellm(where: Path) -> str | None:
     if made.returncode != 0:
         print(f"LiteLLM: skipped: its install failed: {made.stderr.strip()[-300:]}")
         return None
-    print(f"LiteLLM installed in {venv}", flush=True)
+    version = subprocess.run([str(python), "-c", "import importlib.metadata as m; "
+                              "print(m.version('litellm'))"], capture_output=True, text=True)
+    print(f"LiteLLM {version.stdout.strip()} installed in {venv}", flush=True)
     return str(venv / "bin" / "litellm")
 
 

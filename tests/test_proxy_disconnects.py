@@ -18,7 +18,7 @@ import psutil
 import pytest
 
 from app.mock_upstream import binary_digest
-from app.proxy.cost import CostReader
+from app.proxy.cost import EVENT_BYTES, CostReader
 from tests.conftest import Gateway
 from tests.servers import QGW, free_port, mock_log, stop, wait_port
 from tests.test_proxy import (
@@ -223,6 +223,12 @@ def test_cost_read_from_openai_and_anthropic_streams() -> None:
             reader.feed(spread[:cut])
             reader.feed(spread[cut:])
             assert reader.cost({}) == 7, (end, cut)
+    # An event over EVENT_BYTES is not read, nor is its rest: its line's end, the first byte
+    # of the next read, is no blank line ending it early.
+    huge = CostReader("sse:usage.total_tokens")
+    huge.feed(b'data: {"usage": {"total_tokens": 3}}\n\ndata: ' + b"x" * (EVENT_BYTES + 10))
+    huge.feed(b'\ndata: {"usage": {"total_tokens": 900}}\n\n')
+    assert huge.cost({}) == 3
     unended = CostReader("sse:usage.total_tokens")  # no blank line after the last event
     unended.feed(b'data: {"usage": {"total_tokens": 4}}')
     assert unended.cost({}) == 4

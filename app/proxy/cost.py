@@ -40,6 +40,7 @@ class CostReader:
         self._first = {p[0] for p in self._paths}  # a cheap test before parsing an event
         self._found: list[float | None] = [None] * len(self._paths)
         self._partial = b""  # a line begun, not yet ended
+        self._dropping = False  # a line over EVENT_BYTES, dropped: its end is no blank line
         self._cr = False  # the last read ended in CR: an LF that opens the next ends no line
         self._data: list[bytes] = []  # the event's data lines so far
         self._size = 0  # their length: an event over EVENT_BYTES is not read
@@ -63,8 +64,9 @@ class CostReader:
             text = text.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
         lines = text.split(b"\n")
         self._partial = lines.pop()
-        if len(self._partial) > EVENT_BYTES:
-            self._partial, self._size = b"", EVENT_BYTES + 1  # this event is not read
+        if self._dropping and lines:  # the rest of the line dropped: gone with it
+            lines.pop(0)
+            self._dropping = False
         for line in lines:
             if not line:
                 self._dispatch()
@@ -73,6 +75,8 @@ class CostReader:
                 self._size += len(value) + 1
                 if self._size <= EVENT_BYTES:
                     self._data.append(value)
+        if len(self._partial) > EVENT_BYTES:  # the event it is in is not read
+            self._partial, self._dropping, self._size = b"", True, EVENT_BYTES + 1
 
     def _dispatch(self) -> None:
         """The event's end (a blank line, or the stream's)."""

@@ -107,8 +107,13 @@ class ProxyCall:
         # No estimate read before the submit (a round trip and a fifth of the request's
         # CPU): the submit's answer says how long the wait looks; one too long withdraws.
         asked = asyncio.get_running_loop().time()
-        res = await self.rt.queue.submit(self.caller, self.endpoint, req, self.idem_key,
-                                         precheck=False, task_id=self.task_id, then=own)
+        try:
+            res = await self.rt.queue.submit(self.caller, self.endpoint, req, self.idem_key,
+                                             precheck=False, task_id=self.task_id, then=own)
+        except ApiError as exc:
+            if exc.code == "redis_unavailable":  # queued, unconfirmed by replicas: its 503
+                await self.withdraw()  # goes back, and nobody is left waiting on the task
+            raise
         if not isinstance(res, SubmitResponse):  # a repeated Idempotency-Key
             raise ApiError(409, "duplicate_request", f"this Idempotency-Key made task "
                            f"{res!r}; a proxied request is answered once, on its own "
