@@ -114,11 +114,8 @@ async def test_api_killed_mid_stream_fails_the_task_once_its_lease_lapses(
 ) -> None:
     auth = await proxied(gateway, llm, max_concurrency=1)
     await start_dispatcher()  # its reaper ends the task
-    port = free_port()
-    proc = subprocess.Popen([*QGW, "api", "--port", str(port)], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc, port = await api_process(env)
     try:
-        await asyncio.to_thread(wait_port, port, 30.0, proc)
         httpx.post(f"{llm}/_mock/config", json={"chunks": 200, "chunk_ms": 100}).raise_for_status()
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", headers=auth,
                                      timeout=30) as http:
@@ -161,11 +158,8 @@ async def test_an_api_process_stopped_withdraws_the_requests_waiting_in_it(
     httpx.post(f"{llm}/_mock/config", json={"hold": True}).raise_for_status()
     base = await start_api()
     await start_dispatcher()
-    port = free_port()
-    proc = subprocess.Popen([*QGW, "api", "--port", str(port)], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc, port = await api_process(env)
     try:
-        await asyncio.to_thread(wait_port, port, 30.0, proc)
         async with httpx.AsyncClient(headers=auth, timeout=30) as http:
             holding = asyncio.ensure_future(http.post(f"{base}/proxy/llm/chat/completions",
                                                       json=CHAT))
@@ -188,6 +182,20 @@ async def test_an_api_process_stopped_withdraws_the_requests_waiting_in_it(
         assert len(mock_log(llm)) == 1
     finally:
         stop(proc)
+
+
+async def api_process(env: dict[str, str]) -> tuple[subprocess.Popen[bytes], int]:
+    """A `qgw api` of the test's own (to kill, stop or watch), once it listens: the process and
+    its port. The caller stops it."""
+    port = free_port()
+    proc = subprocess.Popen([*QGW, "api", "--port", str(port)], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        await asyncio.to_thread(wait_port, port, 30.0, proc)
+    except BaseException:
+        stop(proc)
+        raise
+    return proc, port
 
 
 async def _async(value: Any) -> Any:
@@ -405,11 +413,8 @@ async def test_a_200_mb_answer_streams_through_in_bounded_memory(
     size = 200 << 20
     auth = await proxied(gateway, llm, methods=["GET"], timeout_ms=120_000)
     await start_dispatcher()
-    port = free_port()
-    proc = subprocess.Popen([*QGW, "api", "--port", str(port)], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc, port = await api_process(env)
     try:
-        await asyncio.to_thread(wait_port, port, 30.0, proc)
         watched = psutil.Process(proc.pid)
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", headers=auth,
                                      timeout=120) as http:
