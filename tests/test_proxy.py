@@ -38,6 +38,21 @@ def llm(openai_server: str) -> str:
     return openai_server
 
 
+async def settled(value: Any) -> Any:
+    """`value`, as an awaitable (for `until` with a condition that needs no await)."""
+    return value
+
+
+async def tasks_of(gateway: Gateway, status: str, endpoint: str = "llm"
+                   ) -> list[dict[str, Any]]:
+    """An endpoint's tasks of one status, as the admin listing has them."""
+    r = await gateway.http.get(f"/admin/v1/endpoints/{endpoint}/tasks",
+                               params={"status": status}, headers=gateway.admin)
+    assert r.status_code == 200, r.text
+    items: list[dict[str, Any]] = r.json()["tasks"]
+    return items
+
+
 def mock_stats(base: str) -> dict[str, Any]:
     stats: dict[str, Any] = httpx.get(f"{base}/_mock/stats").json()
     return stats

@@ -29,19 +29,13 @@ from tests.test_proxy import (
     mock_stats,
     openai_server,
     proxied,
+    settled,
+    tasks_of,
     until,
 )
 from tests.test_result_store import peak_rss
 
 __all__ = ["llm", "openai_server"]
-
-
-async def tasks_of(gateway: Gateway, status: str) -> list[dict[str, Any]]:
-    r = await gateway.http.get("/admin/v1/endpoints/llm/tasks", params={"status": status},
-                               headers=gateway.admin)
-    assert r.status_code == 200, r.text
-    items: list[dict[str, Any]] = r.json()["tasks"]
-    return items
 
 
 async def raw_post(base: str, auth: dict[str, str], path: str, header: str
@@ -134,7 +128,7 @@ async def test_api_killed_mid_stream_fails_the_task_once_its_lease_lapses(
         view = await until(ended, timeout=15)
         assert view["task_status"] == "failed" and view["task_result"] == "caller connection lost"
         assert time.monotonic() - killed < 3.0 + 2.0  # the lease (3 s here) and a reap
-        await until(lambda: _async(mock_stats(llm)["in_flight"] == 0))
+        await until(lambda: settled(mock_stats(llm)["in_flight"] == 0))
         await asyncio.sleep(1.5)
         assert len(mock_log(llm)) == 1  # never run again
         # Its slot (the cap is 1) is free: the next request through the gateway is served.
@@ -163,7 +157,7 @@ async def test_an_api_process_stopped_withdraws_the_requests_waiting_in_it(
         async with httpx.AsyncClient(headers=auth, timeout=30) as http:
             holding = asyncio.ensure_future(http.post(f"{base}/proxy/llm/chat/completions",
                                                       json=CHAT))
-            await until(lambda: _async(mock_stats(llm)["in_flight"] == 1))
+            await until(lambda: settled(mock_stats(llm)["in_flight"] == 1))
             cut = asyncio.ensure_future(http.post(
                 f"http://127.0.0.1:{port}/proxy/llm/chat/completions", json=CHAT))
             (waiting,) = await until(lambda: tasks_of(gateway, "pending"))
@@ -196,10 +190,6 @@ async def api_process(env: dict[str, str]) -> tuple[subprocess.Popen[bytes], int
         stop(proc)
         raise
     return proc, port
-
-
-async def _async(value: Any) -> Any:
-    return value
 
 
 def test_cost_read_from_openai_and_anthropic_streams() -> None:
@@ -259,10 +249,10 @@ async def test_caller_gone_before_the_upstream_answers_aborts_the_call(
                  f"Authorization: {auth['Authorization']}\r\nContent-Type: application/json\r\n"
                  f"Content-Length: 2\r\n\r\n{{}}".encode())
     await writer.drain()
-    await until(lambda: _async(mock_stats(llm)["in_flight"] == 1))
+    await until(lambda: settled(mock_stats(llm)["in_flight"] == 1))
     writer.close()
     left = time.monotonic()
-    await until(lambda: _async(mock_stats(llm)["in_flight"] == 0), timeout=3)
+    await until(lambda: settled(mock_stats(llm)["in_flight"] == 0), timeout=3)
     assert time.monotonic() - left < 2.0  # at once; a loaded CI machine is given a second more
     (failed,) = await until(lambda: tasks_of(gateway, "failed"), timeout=3)
     view = await gateway.status(auth, failed["task_id"])

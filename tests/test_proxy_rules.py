@@ -20,15 +20,16 @@ from redis.asyncio import ConnectionPool, Redis, RedisCluster
 
 from tests.conftest import Gateway
 from tests.servers import mock_log, mock_upstream
-from tests.test_proxy import CHAT, StartApi, StartDispatcher, mock_stats, proxied, until
-
-
-async def tasks_of(gateway: Gateway, endpoint: str, status: str) -> list[dict[str, Any]]:
-    r = await gateway.http.get(f"/admin/v1/endpoints/{endpoint}/tasks",
-                               params={"status": status}, headers=gateway.admin)
-    assert r.status_code == 200, r.text
-    items: list[dict[str, Any]] = r.json()["tasks"]
-    return items
+from tests.test_proxy import (
+    CHAT,
+    StartApi,
+    StartDispatcher,
+    mock_stats,
+    proxied,
+    settled,
+    tasks_of,
+    until,
+)
 
 
 async def created_and_expiry(gateway: Gateway, task_id: str) -> tuple[int, int]:
@@ -37,10 +38,6 @@ async def created_and_expiry(gateway: Gateway, task_id: str) -> tuple[int, int]:
     created, pexp = await gateway.rt.redis.hmget(gateway.rt.keys.task(task_id),
                                                  ["created_at", "pexp"])
     return int(str(created)), int(str(pexp))
-
-
-async def _async(value: Any) -> Any:
-    return value
 
 
 def who(entry: dict[str, object]) -> str:
@@ -75,7 +72,7 @@ async def test_a_request_the_upstream_paused_keeps_its_place_in_line(
         a_id = await until(refused)
 
         async def in_line(n: int) -> bool:  # others than A (which may be set aside) pending
-            return len([t for t in await tasks_of(gateway, "llm", "pending")
+            return len([t for t in await tasks_of(gateway, "pending")
                         if t["task_id"] != a_id]) == n
 
         b = ask("B")
@@ -127,7 +124,7 @@ async def test_the_daily_quota_refuses_a_proxied_request_as_it_refuses_a_submit(
     await asyncio.sleep(0.3)  # a call made for the refused request would have arrived by now
     # The queued task and the first proxied request (no cap: in either order); nothing else.
     assert sorted(str(e["path"]) for e in mock_log(upstream)) == ["/v1", "/v1/chat/completions"]
-    assert await tasks_of(gateway, "llm", "pending") == []
+    assert await tasks_of(gateway, "pending") == []
 
 
 def samples(text: str, endpoint: str) -> dict[str, float]:
@@ -215,7 +212,7 @@ async def test_the_default_max_wait_is_60_s(
                                                    headers=headers))
 
         held = [ask("w59"), ask("w61")]
-        await until(lambda: _async(mock_stats(upstream)["in_flight"] == 2))
+        await until(lambda: settled(mock_stats(upstream)["in_flight"] == 2))
         started = time.monotonic()
         refused = await http.post("/proxy/w61/x", json={})
         assert time.monotonic() - started < 5  # at once, not after a wait
@@ -223,13 +220,13 @@ async def test_the_default_max_wait_is_60_s(
         error = refused.json()["error"]
         assert error["code"] == "wait_exceeded" and error["wait_time"] == 61, error
         assert int(refused.headers["retry-after"]) >= 1
-        assert await tasks_of(gateway, "w61", "pending") == []  # out of line: `expired`
-        expired = await tasks_of(gateway, "w61", "expired")
+        assert await tasks_of(gateway, "pending", "w61") == []  # out of line: `expired`
+        expired = await tasks_of(gateway, "expired", "w61")
         assert [t["task_id"] for t in expired] == [error["task_id"]], expired
         allowed = ask("w61", {"X-Queue-Max-Wait": "61"})
-        (waiting61,) = await until(lambda: tasks_of(gateway, "w61", "pending"))
+        (waiting61,) = await until(lambda: tasks_of(gateway, "pending", "w61"))
         waiting = ask("w59")
-        (waiting59,) = await until(lambda: tasks_of(gateway, "w59", "pending"))
+        (waiting59,) = await until(lambda: tasks_of(gateway, "pending", "w59"))
         created, pexp = await created_and_expiry(gateway, waiting59["task_id"])
         assert pexp - created == 60_000
         due = await gateway.rt.redis.zscore(gateway.rt.keys.deadlines("w59"),
@@ -322,10 +319,10 @@ async def test_per_user_fairness_interleaves_proxied_callers(
                                                    headers=auth))
 
         async def waiting(n: int) -> bool:
-            return len(await tasks_of(gateway, "fair", "pending")) == n
+            return len(await tasks_of(gateway, "pending", "fair")) == n
 
         sent = [ask(one, "1a")]
-        await until(lambda: _async(mock_stats(upstream)["in_flight"] == 1))
+        await until(lambda: settled(mock_stats(upstream)["in_flight"] == 1))
         for i, (auth, name) in enumerate([(one, "1b"), (one, "1c"), (one, "1d"),
                                           (two, "2a"), (two, "2b")]):
             sent.append(ask(auth, name))
@@ -387,9 +384,9 @@ async def test_a_waiting_request_is_told_its_turn_not_polling(
     httpx.post(f"{upstream}/_mock/config", json={"hold": True}).raise_for_status()
     async with httpx.AsyncClient(base_url=base, headers=auth, timeout=30) as http:
         first = asyncio.ensure_future(http.post("/proxy/llm/chat", json=CHAT))
-        await until(lambda: _async(mock_stats(upstream)["in_flight"] == 1))
+        await until(lambda: settled(mock_stats(upstream)["in_flight"] == 1))
         second = asyncio.ensure_future(http.post("/proxy/llm/chat", json=CHAT))
-        (waiting,) = await until(lambda: tasks_of(gateway, "llm", "pending"))
+        (waiting,) = await until(lambda: tasks_of(gateway, "pending"))
         task_id = waiting["task_id"]
         await asyncio.sleep(0.2)  # past its submit and the one read once it watches
         named = await _commands_naming(gateway, gateway.rt.keys.task(task_id), task_id, 2.0)

@@ -107,13 +107,8 @@ class ProxyCall:
         # No estimate read before the submit (a round trip and a fifth of the request's
         # CPU): the submit's answer says how long the wait looks; one too long withdraws.
         asked = asyncio.get_running_loop().time()
-        try:
-            res = await self.rt.queue.submit(self.caller, self.endpoint, req, self.idem_key,
-                                             precheck=False, task_id=self.task_id, then=own)
-        except ApiError as exc:
-            if exc.code == "redis_unavailable":  # queued, unconfirmed by replicas: its 503
-                await self.withdraw()  # goes back, and nobody is left waiting on the task
-            raise
+        res = await self.rt.queue.submit(self.caller, self.endpoint, req, self.idem_key,
+                                         precheck=False, task_id=self.task_id, then=own)
         if not isinstance(res, SubmitResponse):  # a repeated Idempotency-Key
             raise ApiError(409, "duplicate_request", f"this Idempotency-Key made task "
                            f"{res!r}; a proxied request is answered once, on its own "
@@ -206,16 +201,12 @@ class ProxyCall:
     def _admit(self, token: str, age_s: float = 0.0) -> None:
         """Admitted `age_s` ago (by a dispatcher's claim, heard since) with lease `token`."""
         self.token, self.admitted = token, time.monotonic()
-        self._leased(age_s)
+        self.lease_until = self.admitted - age_s + self.rt.settings.lease_ms / 1000
         if self.trace is not None:
             self.trace.task(self.task_id, self.waited_ms)
         # A timer, not a task, until the first renewal is due: most calls end before it.
         self._renewal_due = asyncio.get_running_loop().call_later(
             max(0.0, self.rt.settings.lease_ms / 3000 - age_s), self._start_renewing)
-
-    def _leased(self, age_s: float) -> None:
-        """Its lease was set `age_s` ago (by the claim that admitted it)."""
-        self.lease_until = time.monotonic() - age_s + self.rt.settings.lease_ms / 1000
 
     async def _state(self) -> tuple[str | None, str | None, float]:
         """The task's status, its lease token and how long ago it was admitted (s), once it

@@ -74,10 +74,9 @@ async def proxy(request: Request, endpoint_id: str, path: str) -> Response:
         return Response(status_code=499)  # nobody reads it
     except BaseException as exc:
         call.abandon()
-        if not isinstance(exc, ApiError) and call.task_id and not call.token:
-            # Still in line, cut short (a shutdown cancels the requests still waiting when
-            # its grace ends; an unexpected error): withdrawn now, rather than left for a
-            # dispatcher to admit for nobody, holding a slot until its lease lapses.
+        if call.task_id and not call.token and _left_in_line(exc):
+            # Withdrawn now, rather than left for a dispatcher to admit for nobody, holding a
+            # slot until its lease lapses.
             await _withdrawn(call)
         if isinstance(exc, ApiError):
             call.traced(exc.status, exc.message if exc.status >= 500 else None)
@@ -100,6 +99,14 @@ for _method in METHODS:  # one operation a method: each its own id in the OpenAP
     router.add_api_route("/proxy/{endpoint_id}/{path:path}", proxy, methods=[_method],
                          responses=ERRORS, operation_id=f"proxy_{_method.lower()}",
                          response_class=Response)
+
+
+def _left_in_line(exc: BaseException) -> bool:
+    """Whether `exc` may leave the request's task in line with nobody waiting on it: anything
+    but the gateway's own answers (a shutdown cancels the requests still waiting when its grace
+    ends; an unexpected error), and the 503 of a submit queued on the master that its replicas
+    did not confirm in time (the others end the task, or come before it exists)."""
+    return not isinstance(exc, ApiError) or exc.code == "redis_unavailable"
 
 
 async def _withdrawn(call: ProxyCall) -> None:
