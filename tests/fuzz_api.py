@@ -16,8 +16,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tests.servers import QGW, free_port, stop, wait_port
 
 EXAMPLES = os.environ.get("FUZZ_EXAMPLES", "40")
+# FUZZ_SEED: a run's printed seed, to run its cases again.
+SEED = ["--seed", os.environ["FUZZ_SEED"]] if os.environ.get("FUZZ_SEED") else []
 ADMIN = "fuzz-admin-token-0123"  # QGW_ADMIN_TOKEN: 16 characters at least
 ST = str(Path(sys.executable).parent / "st")
+CONFIG = str(Path(__file__).resolve().parent / "schemathesis.toml")
 
 
 def main() -> int:
@@ -38,7 +41,8 @@ def main() -> int:
                          json={"user_id": 1, "max_priority": 1000}).json()["key"]
         failed = 0
         for token, paths in ((key, "^/(api|auth|healthz|readyz)"), (ADMIN, "^/admin")):
-            cmd = [ST, "run", f"{base}/openapi.json", "-H", f"Authorization: Bearer {token}",
+            cmd = [ST, "--config-file", CONFIG, "run", f"{base}/openapi.json",
+                   "-H", f"Authorization: Bearer {token}",
                    "--include-path-regex", paths, "-n", EXAMPLES, "--checks", "all",
                    # Some schema-valid bodies are refused by rules a JSON Schema cannot state
                    # (header names the gateway reserves, a URL another endpoint serves, one
@@ -49,7 +53,7 @@ def main() -> int:
                    "--no-color"]
             print("$", " ".join(c if token not in c else "Authorization: ..." for c in cmd),
                   flush=True)
-            failed |= subprocess.run(cmd).returncode
+            failed |= subprocess.run(cmd + SEED).returncode
         return failed
     finally:
         stop(server)
