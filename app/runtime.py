@@ -33,6 +33,7 @@ from app.queue.dispatcher import Dispatcher
 from app.queue.events import TaskEvents
 from app.queue.http1 import UpstreamClient
 from app.queue.objects import ObjectStore
+from app.queue.owners import Owners
 from app.queue.tasks import TaskQueue
 from app.queue.upstream import upstream_client
 from app.queue.webhooks import WebhookSender
@@ -75,6 +76,7 @@ class Runtime:
     queue: TaskQueue = field(init=False)
     events: TaskEvents = field(init=False)  # waiters' status changes (?wait=, the SSE stream)
     send_times: SendTimes = field(init=False)  # proxied calls' sliding-window entries
+    owners: Owners = field(init=False)  # this process's proxied requests' markers
     dispatcher: Dispatcher | None = field(default=None, init=False)
     lifecycle: LifecycleJobs | None = field(default=None, init=False)
     webhooks: WebhookSender | None = field(default=None, init=False)
@@ -130,6 +132,7 @@ class Runtime:
         # When proxied calls really leave this process (app/proxy/relay.py), as a dispatcher
         # records its own calls'.
         self.send_times = SendTimes(self.redis, self.keys, scripts.sent)
+        self.owners = Owners(self.redis, self.keys, self.ident, s.lease_ms)
         for mirror in (ep_mirror, self.api_keys, tiers):
             await mirror.refresh()
             self._watchers.append(asyncio.create_task(mirror.watch()))
@@ -209,6 +212,7 @@ class Runtime:
         await cancel_all([*self._watchers, *self._afterwards])
         await self.events.stop()
         await self.send_times.close()
+        await self.owners.close()
         await self.http.close()
         for client in (self._blocking, self.redis):
             if client is not None:

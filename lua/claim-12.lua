@@ -39,6 +39,10 @@ pending deadline are expired (lifecycle.lua).
 Tasks whose retry back-off is over (retry-8.lua, KEYS[6]) go back in line first, with their original score; the earliest one not yet due stays scheduled in
 KEYS[5].
 Task hashes of ids read here are built from ARGV[8] (prefix), same hash tag.
+A proxied request (type 'proxy') names the marker of the API process holding its caller
+(fields `owner`, `owner_ms`: app/queue/owners.py): older than `owner_ms` with its marker gone, it
+ends 'failed' here and is never admitted; admitted by a claim not its own, its lease is
+`owner_ms` at most, until its process renews it.
 ]]
 --@include now.lua
 --@include ratelimit.lua
@@ -144,13 +148,27 @@ while true do
   if only and id ~= only then break end  -- another goes first: the dispatchers' (see below)
   local task = prefix .. id
   local tf = redis.call('HMGET', task, 'type', 'pexp', 'cost', 'dl', 'attempts', 'created_at',
-    'user_id')
+    'user_id', 'owner', 'owner_ms')
   local ttype = tf[1]
+  -- A proxied request's API process holds its caller (app/queue/owners.py): another's claim
+  -- admits it for a short lease only, which that process renews once it hears.
+  local pickup = ttype == 'proxy' and id ~= only and tonumber(tf[9]) or nil
   if not ttype then
     redis.call('ZREM', KEYS[1], id)  -- its hash is gone: never runs
   elseif tf[2] and tonumber(tf[2]) <= now then
     -- Past its pending deadline: never runs, even if the sweep (expire-5.lua) is late.
     expire_pending(task, id, KEYS[1], stats, KEYS[10], KEYS[11], now)
+    changed[#changed + 1] = id
+  elseif pickup and now - (tonumber(tf[6]) or now) > pickup
+      and redis.call('EXISTS', tf[8]) == 0 then
+    -- Its API process is gone (its marker lapsed): nobody would make the call. It never
+    -- starts, as the reaper ends one whose process died mid-call.
+    redis.call('ZREM', KEYS[1], id)
+    if arrivals then redis.call('ZREM', arrivals, id) end
+    redis.call('HSET', task, 'status', 'failed', 'ended_at', now, 'result', 'caller connection lost')
+    stats_failure(stats, redis.call('HINCRBY', stats, 'failed', 1), now, id, '',
+      'caller connection lost')
+    to_outbox(KEYS[10], KEYS[11], task, id, now)
     changed[#changed + 1] = id
   else
     local token = token_prefix .. ':' .. claimed
@@ -175,7 +193,8 @@ while true do
     -- submit-11.lua put there (marked `dl`): no extra command per task for the others.
     if tf[4] then redis.call('ZREM', deadlines, id) end
     local deadline = now + lease
-    if ttype == 'online' then deadline = now + permit_ttl end
+    if ttype == 'online' then deadline = now + permit_ttl
+    elseif pickup then deadline = now + math.min(lease, pickup) end
     active = active + redis.call('ZADD', KEYS[2], deadline, id)
     local attempts = (tonumber(tf[5]) or 0) + 1
     redis.call('HSET', task, 'status', 'processing', 'lease', token, 'started_at', now,

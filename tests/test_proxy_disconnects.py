@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import httpx
@@ -176,6 +177,93 @@ async def test_an_api_process_stopped_withdraws_the_requests_waiting_in_it(
         assert len(mock_log(llm)) == 1
     finally:
         stop(proc)
+
+
+@pytest.mark.backends("single", "cluster")
+async def test_requests_waiting_in_a_killed_api_process_do_not_hold_the_line(
+    gateway: Gateway, llm: str, env: dict[str, str], start_api: StartApi,
+    dispatcher_process: Callable[..., subprocess.Popen[bytes]],
+) -> None:
+    """Cap 1, the upstream held by a request through a live API process; four wait in line
+    through another, killed with -9 (nothing withdraws them). A dispatcher with a whole lease
+    of 15 s would give each orphan it admits the slot that long, one after the other: the
+    next live caller would wait a minute. Instead the one admitted while its process's marker
+    was still fresh holds it only for the short pickup lease, the others end `failed` at the
+    claim without being admitted, and the live caller is served within seconds (its own
+    admission's pickup lease renewed in time: its stream outlasts it). No orphan is ever
+    called."""
+    auth = await proxied(gateway, llm, max_concurrency=1)
+    httpx.post(f"{llm}/_mock/config", json={"hold": True}).raise_for_status()
+    dispatcher_process(QGW_LEASE_MS="15000", QGW_REAP_INTERVAL_MS="200")
+    base = await start_api()
+    proc, port = await api_process(env)
+    try:
+        async with httpx.AsyncClient(headers=auth, timeout=60) as http:
+            url = "/proxy/llm/chat/completions"
+            holding = asyncio.ensure_future(http.post(f"{base}{url}", json=CHAT))
+            await until(lambda: settled(mock_stats(llm)["in_flight"] == 1))
+            doomed = [asyncio.ensure_future(http.post(f"http://127.0.0.1:{port}{url}",
+                                                      json=CHAT)) for _ in range(4)]
+            orphans = await until(lambda: _at_least(4, tasks_of(gateway, "pending")))
+            os.kill(proc.pid, signal.SIGKILL)
+            killed = time.monotonic()
+            httpx.post(f"{llm}/_mock/config", json={"hold": False}).raise_for_status()
+            httpx.post(f"{llm}/_mock/release").raise_for_status()
+            assert (await holding).status_code == 200
+            # The live caller's stream lasts past the pickup lease: its process renewed it.
+            httpx.post(f"{llm}/_mock/config", json={"chunks": 45, "chunk_ms": 100}
+                       ).raise_for_status()
+            async with http.stream("POST", f"{base}{url}", json={**CHAT, "stream": True}) as r:
+                served_s = time.monotonic() - killed
+                assert r.status_code == 200
+                body = b"".join([chunk async for chunk in r.aiter_bytes()])
+            assert body.endswith(b"data: [DONE]\n\n") and body.count(b"data: ") == 45 + 3
+            # The pickup lease (3 s) and a reap, not a whole lease (15 s) an orphan
+            assert served_s < 8.0, served_s
+            view = await gateway.status(auth, r.headers["x-queue-task-id"])
+            assert view["task_status"] == "completed"
+        for caller in doomed:
+            with pytest.raises(httpx.HTTPError):
+                await caller
+        for orphan in orphans:
+            view = await gateway.http.get(f"/admin/v1/tasks/{orphan['task_id']}",
+                                          headers=gateway.admin)
+            assert view.json()["task_status"] == "failed", view.text
+            assert view.json()["task_result"] == "caller connection lost"
+        assert len(mock_log(llm)) == 2  # the one held and the live one
+    finally:
+        stop(proc)
+
+
+@pytest.mark.backends("single", "cluster")
+async def test_a_request_waiting_longer_than_its_marker_lives_is_served(
+    gateway: Gateway, llm: str, start_api: StartApi, start_dispatcher: StartDispatcher,
+) -> None:
+    """Its API process keeps renewing its marker (a TTL of 3 s here) while it waits: a request
+    that waited 5 s (cap 1, the upstream held) is admitted when the slot frees, not ended as
+    an orphan."""
+    auth = await proxied(gateway, llm, max_concurrency=1)
+    httpx.post(f"{llm}/_mock/config", json={"hold": True}).raise_for_status()
+    base = await start_api()
+    await start_dispatcher()
+    async with httpx.AsyncClient(base_url=base, headers=auth, timeout=30) as http:
+        url = "/proxy/llm/chat/completions"
+        holding = asyncio.ensure_future(http.post(url, json=CHAT))
+        await until(lambda: settled(mock_stats(llm)["in_flight"] == 1))
+        waiting = asyncio.ensure_future(http.post(url, json=CHAT))
+        await until(lambda: tasks_of(gateway, "pending"))
+        await asyncio.sleep(5)
+        httpx.post(f"{llm}/_mock/config", json={"hold": False}).raise_for_status()
+        httpx.post(f"{llm}/_mock/release").raise_for_status()
+        assert (await holding).status_code == 200
+        r = await waiting
+        assert r.status_code == 200, r.text
+    assert len(mock_log(llm)) == 2
+
+
+async def _at_least(n: int, items: Awaitable[list[Any]]) -> list[Any] | None:
+    found = await items
+    return found if len(found) >= n else None
 
 
 async def api_process(env: dict[str, str]) -> tuple[subprocess.Popen[bytes], int]:

@@ -116,6 +116,11 @@ class Keys:
         (a caller's max_wait_s; every task of a per_user endpoint); score = the deadline (ms)."""
         return f"{self.prefix}:{self.tag(endpoint)}:deadlines"
 
+    def owner(self, endpoint: str, instance: str) -> str:
+        """String whose presence says API process `instance` still holds callers of proxied
+        requests of the endpoint (app/queue/owners.py); it lapses when the process dies."""
+        return f"{self.prefix}:{self.tag(endpoint)}:owner.{instance}"
+
     def probe(self, endpoint: str) -> str:
         """The lease token of the one probe call a paused endpoint lets through
         (lua/includes/upstream.lua); expires with its lease."""

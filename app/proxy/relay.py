@@ -9,7 +9,9 @@ like a dispatcher finishes a queued call: written to Redis before the answer's l
 the caller, its reply read after.
 
 The lease is what a process killed mid-stream leaves behind: the reaper ends the task `failed`
-("caller connection lost", lua/reap-7.lua) when it lapses, and never runs it again.
+("caller connection lost", lua/reap-7.lua) when it lapses, and never runs it again. One killed
+while its requests wait leaves their tasks naming its marker, which lapses (app/queue/owners.py):
+a claim ends them, and one a dispatcher admitted holds only a short pickup lease.
 """
 
 from __future__ import annotations
@@ -108,7 +110,8 @@ class ProxyCall:
         # CPU): the submit's answer says how long the wait looks; one too long withdraws.
         asked = asyncio.get_running_loop().time()
         res = await self.rt.queue.submit(self.caller, self.endpoint, req, self.idem_key,
-                                         precheck=False, task_id=self.task_id, then=own)
+                                         precheck=False, task_id=self.task_id, then=own,
+                                         owner=self.rt.owners.marker(self.endpoint.id))
         if not isinstance(res, SubmitResponse):  # a repeated Idempotency-Key
             raise ApiError(409, "duplicate_request", f"this Idempotency-Key made task "
                            f"{res!r}; a proxied request is answered once, on its own "
@@ -178,7 +181,9 @@ class ProxyCall:
         waits; raises when it ended meanwhile."""
         status, token, age_s = await self._state()
         if status == "processing" and token:
-            self._admit(token, age_s)
+            # Another's claim: a short lease, for the pickup (app/queue/owners.py).
+            self._admit(token, age_s, min(self.rt.settings.lease_ms, self.rt.owners.ttl_ms)
+                        / 1000)
             return True
         if status == "expired":  # its max wait (the sweep was first)
             raise _too_long(self.max_wait_s, None, self.task_id)
@@ -198,15 +203,18 @@ class ProxyCall:
         self.endpoint = now
         self.url = upstream_url(now.target_url, *self.path) or self.url
 
-    def _admit(self, token: str, age_s: float = 0.0) -> None:
-        """Admitted `age_s` ago (by a dispatcher's claim, heard since) with lease `token`."""
+    def _admit(self, token: str, age_s: float = 0.0, lease_s: float | None = None) -> None:
+        """Admitted `age_s` ago (by a dispatcher's claim, heard since) with lease `token`, for
+        `lease_s` (default: a whole lease)."""
+        if lease_s is None:
+            lease_s = self.rt.settings.lease_ms / 1000
         self.token, self.admitted = token, time.monotonic()
-        self.lease_until = self.admitted - age_s + self.rt.settings.lease_ms / 1000
+        self.lease_until = self.admitted - age_s + lease_s
         if self.trace is not None:
             self.trace.task(self.task_id, self.waited_ms)
         # A timer, not a task, until the first renewal is due: most calls end before it.
         self._renewal_due = asyncio.get_running_loop().call_later(
-            max(0.0, self.rt.settings.lease_ms / 3000 - age_s), self._start_renewing)
+            max(0.0, lease_s / 3 - age_s), self._start_renewing)
 
     async def _state(self) -> tuple[str | None, str | None, float]:
         """The task's status, its lease token and how long ago it was admitted (s), once it

@@ -93,6 +93,7 @@ class TaskQueue:
     async def submit(
         self, key: ApiKey, endpoint: EndpointConfig, req: SubmitRequest, idem_key: str | None,
         precheck: bool = True, task_id: str | None = None, then: Followup | None = None,
+        owner: tuple[str, int] | None = None,
     ) -> SubmitResponse | str:
         """Enqueue; returns the response, or the id of the task an Idempotency-Key names.
         `precheck`: a task with `max_wait_s` is refused (409) when the estimate says it would
@@ -100,7 +101,8 @@ class TaskQueue:
         `task_id`: the new task's (new_task_id), for a caller that names it in `then`.
         `then`: the caller's claim of the task itself, should it be first in line (a proxied
         request, ProxyCall): it goes in the submit's round trip, and no dispatcher is woken
-        for a task it may claim."""
+        for a task it may claim. `owner`: the marker of the API process holding the caller of
+        a proxied request and its TTL (app/queue/owners.py): without it a claim ends the task."""
         e, k, user_id = endpoint.id, self.keys, key.user_id
         task_id = task_id or new_task_id(e)
         if self.settings.redis_wait_replicas:
@@ -113,6 +115,8 @@ class TaskQueue:
             "headers", _json(req.headers), "query", _json(req.query_params),
             "client_ts", req.timestamp or "",
         ]
+        if owner is not None:
+            fields += ["owner", owner[0], "owner_ms", owner[1]]
         if req.callback_url:  # its webhook is signed with the secret of the key that asked
             fields += ["callback_url", req.callback_url, "key_id", key.id]
         if req.cost != 1:  # what it spends of per-cost limits (claim-12.lua; absent = 1)

@@ -62,6 +62,10 @@ async def proxy(request: Request, endpoint_id: str, path: str) -> Response:
                      priority, max_wait_s, cost, idem, gone, path=(rest, query))
     if tracing.ENABLED:
         call.trace = tracing.ProxyTrace(request.headers, request.method, url, endpoint.id)
+    # Until its answer is relayed its task may wait in line (again, after an upstream's
+    # pause): this process's marker for the endpoint says its caller is still held here.
+    owners = rt.owners
+    owners.hold(endpoint.id)
     try:
         await call.submit()
         while True:
@@ -84,6 +88,7 @@ async def proxy(request: Request, endpoint_id: str, path: str) -> Response:
             call.traced(None, f"{type(exc).__name__}: {exc}")
         raise
     finally:
+        owners.release(endpoint.id)
         if not call.token:  # no answer to relay: nothing watches the caller any more
             gone.cancel()
 
