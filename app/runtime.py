@@ -132,7 +132,8 @@ class Runtime:
         # When proxied calls really leave this process (app/proxy/relay.py), as a dispatcher
         # records its own calls'.
         self.send_times = SendTimes(self.redis, self.keys, scripts.sent)
-        self.owners = Owners(self.redis, self.keys, self.ident, s.lease_ms)
+        self.owners = Owners(self.redis, self.keys, self.ident,
+                             min(s.lease_ms, s.proxy_owner_ttl_ms))
         for mirror in (ep_mirror, self.api_keys, tiers):
             await mirror.refresh()
             self._watchers.append(asyncio.create_task(mirror.watch()))

@@ -102,6 +102,13 @@ class Settings(BaseSettings):
     dispatch_concurrency: int = Field(256, ge=1, le=100_000)
     #: How long a claim stays valid without a heartbeat; the executor renews it every third.
     lease_ms: int = Field(15_000, ge=500)
+    #: How long the marker that says an API process still holds its proxied requests' callers
+    #: outlives its last renewal (every fifth of it); at most QGW_LEASE_MS. A claim ends a
+    #: proxied request whose marker stays gone for two fifths longer (2 s at least), and gives
+    #: one another's claim admits a pickup lease this long (docs/guides/proxy.md). Longer rides
+    #: out longer Redis outages; shorter frees the line sooner behind a process killed with
+    #: requests in it.
+    proxy_owner_ttl_ms: int = Field(10_000, ge=500)
     #: How often the reaper looks for expired leases.
     reap_interval_ms: int = Field(1000, ge=50)
     #: On SIGTERM, how long calls in flight may take to finish before their tasks are handed

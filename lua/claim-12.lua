@@ -40,9 +40,11 @@ Tasks whose retry back-off is over (retry-8.lua, KEYS[6]) go back in line first,
 KEYS[5].
 Task hashes of ids read here are built from ARGV[8] (prefix), same hash tag.
 A proxied request (type 'proxy') names the marker of the API process holding its caller
-(fields `owner`, `owner_ms`: app/queue/owners.py): older than `owner_ms` with its marker gone, it
-ends 'failed' here and is never admitted; admitted by a claim not its own, its lease is
-`owner_ms` at most, until its process renews it.
+(fields `owner`, `owner_ms`: app/queue/owners.py). Older than `owner_ms` with its marker gone,
+it holds the line ('limited') until two fifths of `owner_ms` (2 s at least) after a claim
+first saw that (the time a live process has to write it again after an outage), then ends
+'failed', never admitted. Admitted by a claim not its own, its lease is `owner_ms` at most,
+until its process renews it. The marker's name comes from the task hash, not KEYS: the endpoint's tag, one slot.
 ]]
 --@include now.lua
 --@include ratelimit.lua
@@ -54,6 +56,25 @@ ends 'failed' here and is never admitted; admitted by a claim not its own, its l
 --@include starvation.lua
 --@include adaptive.lua
 --@include costs.lua
+
+-- Since when (ms) the marker `owner` of a proxied request's API process is known gone
+-- (app/queue/owners.py); nil while it is there. The first claim to miss it writes the time down
+-- in its place, which the process's next write replaces.
+local function owner_gone(owner, now)
+  local mark = redis.call('GET', owner)
+  if not mark then
+    redis.call('SET', owner, 'gone:' .. now, 'PX', 86400000)
+    return now
+  end
+  if string.sub(mark, 1, 5) == 'gone:' then return tonumber(string.sub(mark, 6)) end
+  return nil
+end
+
+-- How long a lapsed marker may take to come back: two of its process's renewals, 2 s at least
+-- (a process's Redis client reconnecting after an outage).
+local function owner_settle(ttl)
+  return math.max(2000, math.floor(ttl * 2 / 5))
+end
 
 local nlim = tonumber(ARGV[12]) or 0
 local only = ARGV[16 + 5 * nlim]
@@ -98,6 +119,7 @@ local out = {'more', 0, now}
 local stats, deadlines, probe = KEYS[7], KEYS[8], KEYS[9]
 local claimed = 0
 local limited_by = 'upstream'  -- what holds the line when 'limited' (operators, stats.py)
+local settling = false  -- 'limited' by a proxied request's lapsed marker, not by a limit
 local changed = {}  -- ids whose status this run changes, published once at the end
 
 -- Paused by its upstream (upstream.lua): nothing until then, then one probe at a time.
@@ -151,20 +173,28 @@ while true do
     'user_id', 'owner', 'owner_ms')
   local ttype = tf[1]
   -- A proxied request's API process holds its caller (app/queue/owners.py): another's claim
-  -- admits it for a short lease only, which that process renews once it hears.
+  -- admits it for a short lease only, which that process renews once it hears; `gone`: since
+  -- when a claim has seen its process's marker lapsed.
   local pickup = ttype == 'proxy' and id ~= only and tonumber(tf[9]) or nil
+  local gone
+  if pickup and now - (tonumber(tf[6]) or now) > pickup then gone = owner_gone(tf[8], now) end
   if not ttype then
     redis.call('ZREM', KEYS[1], id)  -- its hash is gone: never runs
   elseif tf[2] and tonumber(tf[2]) <= now then
     -- Past its pending deadline: never runs, even if the sweep (expire-5.lua) is late.
     expire_pending(task, id, KEYS[1], stats, KEYS[10], KEYS[11], now)
     changed[#changed + 1] = id
-  elseif pickup and now - (tonumber(tf[6]) or now) > pickup
-      and redis.call('EXISTS', tf[8]) == 0 then
-    -- Its API process is gone (its marker lapsed): nobody would make the call. It never
-    -- starts, as the reaper ends one whose process died mid-call.
+  elseif gone and now - gone < owner_settle(pickup) then
+    -- Its marker lapsed, maybe only for a Redis outage: the line waits for a live process to
+    -- write it again.
+    out[1], out[2], settling = 'limited', owner_settle(pickup) - (now - gone), true
+    break
+  elseif gone then
+    -- Its API process is gone: nobody would make the call. It never starts, as the reaper
+    -- ends one whose process died mid-call.
     redis.call('ZREM', KEYS[1], id)
     if arrivals then redis.call('ZREM', arrivals, id) end
+    if tf[4] then redis.call('ZREM', deadlines, id) end
     redis.call('HSET', task, 'status', 'failed', 'ended_at', now, 'result', 'caller connection lost')
     stats_failure(stats, redis.call('HINCRBY', stats, 'failed', 1), now, id, '',
       'caller connection lost')
@@ -243,9 +273,11 @@ if out[1] == 'empty' and claimed > 0 and #limits > 0 then
   if w > 0 then redis.call('HSET', stats, 'limited_until', now + w, 'limited_by', lim_name(b)) end
 end
 if out[1] == 'limited' then
-  redis.call('HINCRBY', stats, 'limited', 1)
-  -- For operators (stats.py binding) and the head of the line's wait (estimate_wait).
-  redis.call('HSET', stats, 'limited_until', now + out[2], 'limited_by', limited_by)
+  if not settling then
+    redis.call('HINCRBY', stats, 'limited', 1)
+    -- For operators (stats.py binding) and the head of the line's wait (estimate_wait).
+    redis.call('HSET', stats, 'limited_until', now + out[2], 'limited_by', limited_by)
+  end
   redis.call('ZADD', KEYS[5], now + out[2], endpoint)
 elseif out[1] == 'more' then
   redis.call('ZADD', KEYS[4], 'NX', now, endpoint)

@@ -182,22 +182,25 @@ async def test_an_api_process_stopped_withdraws_the_requests_waiting_in_it(
 
 @pytest.mark.backends("single", "cluster")
 async def test_requests_waiting_in_a_killed_api_process_do_not_hold_the_line(
-    gateway: Gateway, llm: str, env: dict[str, str], start_api: StartApi,
+    gateway: Gateway, llm: str, env: dict[str, str],
     dispatcher_process: Callable[..., subprocess.Popen[bytes]],
 ) -> None:
     """Cap 1, the upstream held by a request through a live API process; four wait in line
     through another, killed with -9 (nothing withdraws them). A dispatcher with a whole lease
     of 15 s would give each orphan it admits the slot that long, one after the other: the
     next live caller would wait a minute. Instead the one admitted while its process's marker
-    was still fresh holds it only for the short pickup lease, the others end `failed` at the
-    claim without being admitted, and the live caller is served within seconds (its own
-    admission's pickup lease renewed in time: its stream outlasts it). No orphan is ever
-    called."""
+    was still fresh holds it only for the pickup lease (3 s), the others end `failed` at the
+    claim once the marker is seen gone for the settle (2 s), never admitted, and the live
+    caller is served within seconds. Its own process has a whole lease of 15 s and a marker
+    TTL of 3 s: its admission's pickup lease (3 s) is renewed in time, as its stream outlasts
+    it. No orphan is ever called."""
     auth = await proxied(gateway, llm, max_concurrency=1)
     httpx.post(f"{llm}/_mock/config", json={"hold": True}).raise_for_status()
     dispatcher_process(QGW_LEASE_MS="15000", QGW_REAP_INTERVAL_MS="200")
-    base = await start_api()
-    proc, port = await api_process(env)
+    live, live_port = await api_process({**env, "QGW_LEASE_MS": "15000",
+                                         "QGW_PROXY_OWNER_TTL_MS": "3000"})
+    proc, port = await api_process(env)  # its lease, and so its markers' TTL: 3 s
+    base = f"http://127.0.0.1:{live_port}"
     try:
         async with httpx.AsyncClient(headers=auth, timeout=60) as http:
             url = "/proxy/llm/chat/completions"
@@ -219,8 +222,9 @@ async def test_requests_waiting_in_a_killed_api_process_do_not_hold_the_line(
                 assert r.status_code == 200
                 body = b"".join([chunk async for chunk in r.aiter_bytes()])
             assert body.endswith(b"data: [DONE]\n\n") and body.count(b"data: ") == 45 + 3
-            # The pickup lease (3 s) and a reap, not a whole lease (15 s) an orphan
-            assert served_s < 8.0, served_s
+            # The pickup lease (3 s), the settle (2 s) and reaps, not a whole lease (15 s) an
+            # orphan
+            assert served_s < 10.0, served_s
             view = await gateway.status(auth, r.headers["x-queue-task-id"])
             assert view["task_status"] == "completed"
         for caller in doomed:
@@ -234,32 +238,46 @@ async def test_requests_waiting_in_a_killed_api_process_do_not_hold_the_line(
         assert len(mock_log(llm)) == 2  # the one held and the live one
     finally:
         stop(proc)
+        stop(live)
 
 
 @pytest.mark.backends("single", "cluster")
-async def test_a_request_waiting_longer_than_its_marker_lives_is_served(
-    gateway: Gateway, llm: str, start_api: StartApi, start_dispatcher: StartDispatcher,
+async def test_a_stalled_api_process_keeps_its_waiting_request(
+    gateway: Gateway, llm: str, env: dict[str, str], start_api: StartApi,
+    start_dispatcher: StartDispatcher,
 ) -> None:
-    """Its API process keeps renewing its marker (a TTL of 3 s here) while it waits: a request
-    that waited 5 s (cap 1, the upstream held) is admitted when the slot frees, not ended as
-    an orphan."""
+    """A request waits 1.5 s through an API process whose marker has a TTL of 1 s (renewed
+    meanwhile), then the process stalls (SIGSTOP) for longer than that TTL, as one does
+    whose Redis was away longer. The slot frees while it is stalled: the claim finds the
+    marker gone but holds the line for the settle (2 s) instead of ending the request, the
+    process wakes and writes its marker again, and the request is served."""
     auth = await proxied(gateway, llm, max_concurrency=1)
     httpx.post(f"{llm}/_mock/config", json={"hold": True}).raise_for_status()
     base = await start_api()
     await start_dispatcher()
-    async with httpx.AsyncClient(base_url=base, headers=auth, timeout=30) as http:
-        url = "/proxy/llm/chat/completions"
-        holding = asyncio.ensure_future(http.post(url, json=CHAT))
-        await until(lambda: settled(mock_stats(llm)["in_flight"] == 1))
-        waiting = asyncio.ensure_future(http.post(url, json=CHAT))
-        await until(lambda: tasks_of(gateway, "pending"))
-        await asyncio.sleep(5)
-        httpx.post(f"{llm}/_mock/config", json={"hold": False}).raise_for_status()
-        httpx.post(f"{llm}/_mock/release").raise_for_status()
-        assert (await holding).status_code == 200
-        r = await waiting
-        assert r.status_code == 200, r.text
-    assert len(mock_log(llm)) == 2
+    proc, port = await api_process({**env, "QGW_PROXY_OWNER_TTL_MS": "1000"})
+    try:
+        async with httpx.AsyncClient(headers=auth, timeout=30) as http:
+            url = "/proxy/llm/chat/completions"
+            holding = asyncio.ensure_future(http.post(f"{base}{url}", json=CHAT))
+            await until(lambda: settled(mock_stats(llm)["in_flight"] == 1))
+            waiting = asyncio.ensure_future(http.post(f"http://127.0.0.1:{port}{url}",
+                                                      json=CHAT))
+            await until(lambda: tasks_of(gateway, "pending"))
+            await asyncio.sleep(1.5)
+            proc.send_signal(signal.SIGSTOP)
+            await asyncio.sleep(1.5)
+            httpx.post(f"{llm}/_mock/config", json={"hold": False}).raise_for_status()
+            httpx.post(f"{llm}/_mock/release").raise_for_status()
+            assert (await holding).status_code == 200
+            await asyncio.sleep(0.5)
+            proc.send_signal(signal.SIGCONT)
+            r = await waiting
+            assert r.status_code == 200, r.text
+        assert len(mock_log(llm)) == 2
+    finally:
+        proc.send_signal(signal.SIGCONT)
+        stop(proc)
 
 
 async def _at_least(n: int, items: Awaitable[list[Any]]) -> list[Any] | None:

@@ -179,11 +179,10 @@ class ProxyCall:
     async def _admitted(self) -> bool:
         """True once a claim admitted the task (its lease token is ours); False while it
         waits; raises when it ended meanwhile."""
-        status, token, age_s = await self._state()
+        status, token, age_s, lease_s = await self._state()
         if status == "processing" and token:
-            # Another's claim: a short lease, for the pickup (app/queue/owners.py).
-            self._admit(token, age_s, min(self.rt.settings.lease_ms, self.rt.owners.ttl_ms)
-                        / 1000)
+            # Another's claim: a pickup lease, as it gave (app/queue/owners.py).
+            self._admit(token, age_s, lease_s or None)
             return True
         if status == "expired":  # its max wait (the sweep was first)
             raise _too_long(self.max_wait_s, None, self.task_id)
@@ -216,17 +215,18 @@ class ProxyCall:
         self._renewal_due = asyncio.get_running_loop().call_later(
             max(0.0, lease_s / 3 - age_s), self._start_renewing)
 
-    async def _state(self) -> tuple[str | None, str | None, float]:
-        """The task's status, its lease token and how long ago it was admitted (s), once it
-        was (turn-1.lua)."""
+    async def _state(self) -> tuple[str | None, str | None, float, float]:
+        """The task's status, its lease token, how long ago it was admitted and the lease its
+        claim gave (s), once it was (turn-1.lua)."""
         asked = asyncio.get_running_loop().time()
-        status, lease, age_ms, cost = await self.rt.queue.scripts.turn(
+        status, lease, age_ms, cost, granted_ms = await self.rt.queue.scripts.turn(
             keys=[self.keys.task(self.task_id)], args=[])
         # The admission's loop time, rather early than late: the script's way here counts as
         # part of the delay, which moves the window's entry later (the safe side).
         self.admitted_at, self.spent = asked - int(age_ms) / 1000, int(cost or 1)
         return ((None if status is None else str(status)),
-                (None if lease is None else str(lease)), int(age_ms) / 1000)
+                (None if lease is None else str(lease)), int(age_ms) / 1000,
+                int(granted_ms) / 1000)
 
     async def _give_up(self, estimate: float | None = None) -> None:
         """Its max wait is over, or the wait the line promises (`estimate`) is longer: its task
@@ -264,12 +264,16 @@ class ProxyCall:
                     args=[self.task_id, self.token, lease_ms])
             except (RedisError, OSError) as exc:
                 log.warning("lease renewal failed: %s", exc, extra=self._extra())
-            else:
-                if int(res) < 0:
-                    if not self.lease_lost.done():
-                        self.lease_lost.set_result(None)
-                    return
-                self.lease_until = asked + lease_ms / 1000
+                # Again within what is left of the lease (a pickup lease is short), not a
+                # whole third of a lease later.
+                await asyncio.sleep(max(0.05, min(lease_ms / 3000,
+                                                  (self.lease_until - time.monotonic()) / 3)))
+                continue
+            if int(res) < 0:
+                if not self.lease_lost.done():
+                    self.lease_lost.set_result(None)
+                return
+            self.lease_until = asked + lease_ms / 1000
             await asyncio.sleep(lease_ms / 3000)
 
     def traced(self, status_code: int | None, problem: str | None) -> None:

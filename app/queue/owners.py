@@ -7,18 +7,23 @@ lapsed: a whole lease for each orphan, an endpoint shut for minutes behind a cra
 waiting requests.
 
 So each API process keeps one marker per endpoint while it holds proxied requests there
-(`Keys.owner`: a key with a TTL on the Redis clock, its lease but at most `MAX_TTL_MS`, written
-again every fifth of it), and each such task names its marker and its TTL (fields `owner`,
-`owner_ms`). A claim (lua/claim-12.lua) then:
-- ends a proxy task whose marker is gone `failed` ("caller connection lost") without admitting
-  it, once the task is older than `owner_ms` (a new marker's first write may still be on its way);
-- gives one it admits a lease of `owner_ms` only (a pickup lease), which its process renews to a
-  whole lease a third of the way in (app/proxy/relay.py): one admitted just before its process
-  died frees its slot that soon, not a whole lease later.
+(`Keys.owner`: a key with a TTL on the Redis clock, QGW_PROXY_OWNER_TTL_MS but at most its lease,
+written again every fifth of it), and each such task names its marker and that TTL (fields
+`owner`, `owner_ms`). A claim (lua/claim-12.lua) then:
+- finding the marker of a task at the head of the line gone (the task older than `owner_ms`:
+  a new marker's first write may still be on its way), writes down when it saw that (in the
+  marker: `gone:<ms>`) and holds the line for two fifths of `owner_ms`, 2 s at least (the
+  settle): time for a live process to write its marker again, after a Redis outage longer than
+  the TTL or a stall. Still gone
+  then, the task ends `failed` ("caller connection lost") without being admitted, and so does
+  every other task naming that marker as the line reaches it, without holding it again;
+- gives a proxy task it admits for another process a lease of `owner_ms` only (a pickup lease),
+  which its process renews to a whole lease a third of the way in (app/proxy/relay.py): one
+  admitted just before its process died frees its slot that soon, not a whole lease later.
 
-A process stalled for longer than the TTL loses its waiting requests (`failed`), as one stalled
-past its lease loses its calls. Costs: a `SET` per endpoint every 2 s while requests wait there
-(every fifth of the TTL); nothing in a request's own path.
+A process stalled for longer than the TTL and the settle loses its waiting requests (`failed`),
+as one stalled past its lease loses its calls. Costs: a `SET` per endpoint every fifth of the
+TTL while requests wait there; nothing in a request's own path.
 """
 
 from __future__ import annotations
@@ -37,23 +42,24 @@ from redis.exceptions import RedisError
 from app.core.keys import Keys
 
 log = logging.getLogger(__name__)
-#: The markers' TTL: a process's lease (QGW_LEASE_MS), at most this. Long enough that a Redis
-#: failover (seconds) loses no live marker, with its renewal every fifth of it.
-MAX_TTL_MS = 10_000
+#: How soon a marker whose write failed (Redis away) is written again: well within the settle a
+#: claim gives it once Redis is back.
+RETRY_S = 0.25
 
 
 class Owners:
-    def __init__(self, redis: Redis, keys: Keys, ident: str, lease_ms: int) -> None:
-        self.redis, self.keys = redis, keys
-        self.ttl_ms = min(lease_ms, MAX_TTL_MS)
-        self.renew_s = self.ttl_ms / 5000
+    def __init__(self, redis: Redis, keys: Keys, ident: str, ttl_ms: int) -> None:
+        self.redis, self.keys, self.ttl_ms = redis, keys, ttl_ms
+        self.renew_s = ttl_ms / 5000
         # Not the process ident alone: a process restarted under the same pid and hostname (a
         # container's) must not pass for the one whose requests it never held.
         self.instance = f"{ident}.{os.urandom(4).hex()}"
         self._held: Counter[str] = Counter()
-        self._written: dict[str, float] = {}  # monotonic: each endpoint's marker's last write
+        self._written: dict[str, float] = {}  # monotonic: each marker's last write that landed
+        self._writing: dict[str, asyncio.Future[Any]] = {}  # kept from the GC till they land
+        self._failed = False  # the last write failed: the next goes after RETRY_S
         self._renewing: asyncio.Task[None] | None = None
-        self._writes: set[asyncio.Future[Any]] = set()  # under way (kept from the GC)
+        self._closed = False
 
     def marker(self, endpoint: str) -> tuple[str, int]:
         """The marker a proxied request's task names, and its TTL (ms): its fields `owner` and
@@ -63,12 +69,9 @@ class Owners:
     def hold(self, endpoint: str) -> None:
         """A proxied request of `endpoint` is in this process from now: its marker is kept."""
         self._held[endpoint] += 1
-        now, last = time.monotonic(), self._written.get(endpoint)
-        if last is None or now - last >= self.renew_s:
-            # Not awaited: the task's own `owner_ms` covers the write's way there.
-            self._written[endpoint] = now
-            self._write([endpoint])
-        if self._renewing is None or self._renewing.done():
+        if self._due(endpoint, time.monotonic(), self.renew_s):
+            self._write(endpoint)  # not awaited: the task's `owner_ms` covers its way there
+        if (self._renewing is None or self._renewing.done()) and not self._closed:
             self._renewing = asyncio.create_task(self._renew())
 
     def release(self, endpoint: str) -> None:
@@ -76,42 +79,46 @@ class Owners:
         if self._held[endpoint] <= 0:
             del self._held[endpoint]
 
+    def _due(self, endpoint: str, now: float, age_s: float) -> bool:
+        last = self._written.get(endpoint)
+        return endpoint not in self._writing and (last is None or now - last >= age_s)
+
     async def _renew(self) -> None:
-        """Every `renew_s` while any request is held; ends when none is (the next hold starts it
-        again)."""
+        """While any request is held; it ends when none is (the next hold starts it again)."""
         while self._held:
-            await asyncio.sleep(self.renew_s)
+            await asyncio.sleep(RETRY_S if self._failed else self.renew_s)
             now = time.monotonic()
-            due = [e for e in self._held if now - self._written.get(e, 0.0) >= self.renew_s * 0.9]
-            for e in due:
-                self._written[e] = now
-            if due:
-                self._write(due)
+            for e in list(self._held):
+                if self._due(e, now, self.renew_s * 0.9):
+                    self._write(e)
 
-    def _write(self, endpoints: list[str]) -> None:
-        for e in endpoints:
-            task = asyncio.ensure_future(self.redis.set(self.keys.owner(e, self.instance), 1,
-                                                    px=self.ttl_ms))
-            self._writes.add(task)
-            task.add_done_callback(self._written_or_logged)
+    def _write(self, endpoint: str) -> None:
+        write = asyncio.ensure_future(self.redis.set(
+            self.keys.owner(endpoint, self.instance), 1, px=self.ttl_ms))
+        self._writing[endpoint] = write
+        started = time.monotonic()
 
-    def _written_or_logged(self, task: asyncio.Future[Any]) -> None:
-        self._writes.discard(task)
-        if task.cancelled():
-            return
-        exc = task.exception()
-        if isinstance(exc, RedisError | OSError):  # the next renewal tries again
-            log.warning("could not renew the marker of this process's proxied requests: %s",
-                        exc)
-        elif exc is not None:
-            log.error("could not renew the marker of this process's proxied requests",
-                      exc_info=exc)
+        def landed(_: asyncio.Future[Any]) -> None:
+            del self._writing[endpoint]
+            if write.cancelled():
+                return
+            exc = write.exception()
+            self._failed = exc is not None
+            if exc is None:
+                self._written[endpoint] = started
+            elif isinstance(exc, RedisError | OSError):  # written again after RETRY_S
+                log.warning("could not renew the marker of this process's proxied requests: "
+                            "%s", exc)
+            else:
+                log.error("could not renew the marker of this process's proxied requests",
+                          exc_info=exc)
+
+        write.add_done_callback(landed)
 
     async def close(self) -> None:
-        for task in [self._renewing, *self._writes]:
+        self._closed = True
+        for task in [self._renewing, *self._writing.values()]:
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError, RedisError, OSError):
                     await task
-
-

@@ -102,7 +102,8 @@ class TaskQueue:
         `then`: the caller's claim of the task itself, should it be first in line (a proxied
         request, ProxyCall): it goes in the submit's round trip, and no dispatcher is woken
         for a task it may claim. `owner`: the marker of the API process holding the caller of
-        a proxied request and its TTL (app/queue/owners.py): without it a claim ends the task."""
+        a proxied request and its TTL (app/queue/owners.py), which a claim checks while the
+        task waits."""
         e, k, user_id = endpoint.id, self.keys, key.user_id
         task_id = task_id or new_task_id(e)
         if self.settings.redis_wait_replicas:
