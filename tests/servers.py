@@ -134,8 +134,8 @@ def mock_upstream(*flags: str) -> Iterator[str]:
     try:
         wait_port(port, proc=proc)
         yield f"http://127.0.0.1:{port}"
-    finally:
-        stop(proc)
+    finally:  # calls a test left held or streaming would keep it in its graceful shutdown
+        stop(proc, timeout=1)
 
 
 def mock_log(base: str) -> list[dict[str, object]]:
@@ -274,8 +274,10 @@ class SeaweedFS:
         obstore.delete(store, "probe")
 
     def stop(self) -> None:
+        # `weed` lingers 10 s after a SIGTERM: a second, then it is killed (nothing in it
+        # needs to outlive the test).
         if self.proc:
-            stop(self.proc)
+            stop(self.proc, timeout=1)
 
 
 def carry_one_task(base: str, admin_token: str, endpoint: str, target: str,

@@ -137,7 +137,7 @@ async def test_api_killed_mid_stream_fails_the_task_once_its_lease_lapses(
         (done,) = await gateway.wait_finished(auth, [task["task_id"]], timeout=10)
         assert done["task_status"] == "completed"
     finally:
-        stop(proc)
+        stop(proc, timeout=1)
 
 
 @pytest.mark.backends("single", "cluster")
@@ -177,7 +177,7 @@ async def test_an_api_process_stopped_withdraws_the_requests_waiting_in_it(
         await asyncio.sleep(0.5)  # a call made for the withdrawn request would be in by now
         assert len(mock_log(llm)) == 1
     finally:
-        stop(proc)
+        stop(proc, timeout=1)
 
 
 @pytest.mark.backends("single", "cluster")
@@ -237,7 +237,7 @@ async def test_requests_waiting_in_a_killed_api_process_do_not_hold_the_line(
             assert view.json()["task_result"] == "caller connection lost"
         assert len(mock_log(llm)) == 2  # the one held and the live one
     finally:
-        stop(proc)
+        stop(proc, timeout=1)
         stop(live)
 
 
@@ -277,7 +277,7 @@ async def test_a_stalled_api_process_keeps_its_waiting_request(
         assert len(mock_log(llm)) == 2
     finally:
         proc.send_signal(signal.SIGCONT)
-        stop(proc)
+        stop(proc, timeout=1)
 
 
 async def _at_least(n: int, items: Awaitable[list[Any]]) -> list[Any] | None:
@@ -294,7 +294,7 @@ async def api_process(env: dict[str, str]) -> tuple[subprocess.Popen[bytes], int
     try:
         await asyncio.to_thread(wait_port, port, 30.0, proc)
     except BaseException:
-        stop(proc)
+        stop(proc, timeout=1)
         raise
     return proc, port
 
@@ -536,4 +536,4 @@ async def test_a_200_mb_answer_streams_through_in_bounded_memory(
         print(f"the API process grew by {growth / 2**20:.1f} MiB relaying {size >> 20} MiB")
         assert growth < 32 << 20, f"the API process grew by {growth / 2**20:.1f} MiB"
     finally:
-        stop(proc)
+        stop(proc, timeout=1)
