@@ -186,6 +186,15 @@ async def _serve_until_stopped(settings: Settings, sock: Any, dispatcher: bool) 
                             access_log=False, timeout_graceful_shutdown=5,
                             limit_concurrency=uvicorn_limit(settings))
     server = uvicorn.Server(config)
+    on_signal = server.handle_exit
+
+    def draining(sig: int, frame: Any) -> None:
+        # The runtime hears when a signal starts the shutdown: the requests its grace then
+        # cuts short are answered as such (app/routes/proxy.py).
+        rt.draining = True
+        on_signal(sig, frame)
+
+    server.handle_exit = draining  # type: ignore[method-assign]
     try:
         await server.serve(sockets=[sock])
     finally:

@@ -77,6 +77,7 @@ class Runtime:
     events: TaskEvents = field(init=False)  # waiters' status changes (?wait=, the SSE stream)
     send_times: SendTimes = field(init=False)  # proxied calls' sliding-window entries
     owners: Owners = field(init=False)  # this process's proxied requests' markers
+    draining: bool = field(default=False, init=False)  # its server is shutting down (cli)
     dispatcher: Dispatcher | None = field(default=None, init=False)
     lifecycle: LifecycleJobs | None = field(default=None, init=False)
     webhooks: WebhookSender | None = field(default=None, init=False)

@@ -43,8 +43,8 @@ A proxied request (type 'proxy') names the marker of the API process holding its
 (fields `owner`, `owner_ms`: app/queue/owners.py). Older than `owner_ms` with its marker gone,
 it holds the line ('limited') until two fifths of `owner_ms` (2 s at least) after a claim
 first saw that (the time a live process has to write it again after an outage), then ends
-'failed', never admitted. Admitted by a claim not its own, its lease is `owner_ms` at most,
-until its process renews it. The marker's name comes from the task hash, not KEYS: the endpoint's tag, one slot.
+'failed', never admitted. Admitted by a claim not its own, its lease is `owner_ms` (but
+3 s at least) at most, until its process renews it. The marker's name comes from the task hash, not KEYS: the endpoint's tag, one slot.
 ]]
 --@include now.lua
 --@include ratelimit.lua
@@ -63,7 +63,7 @@ until its process renews it. The marker's name comes from the task hash, not KEY
 local function owner_gone(owner, now)
   local mark = redis.call('GET', owner)
   if not mark then
-    redis.call('SET', owner, 'gone:' .. now, 'PX', 86400000)
+    redis.call('SET', owner, 'gone:' .. now, 'PX', 86400000)  -- a day: the process is gone
     return now
   end
   if string.sub(mark, 1, 5) == 'gone:' then return tonumber(string.sub(mark, 6)) end
@@ -176,11 +176,14 @@ while true do
   -- admits it for a short lease only, which that process renews once it hears; `gone`: since
   -- when a claim has seen its process's marker lapsed.
   local pickup = ttype == 'proxy' and id ~= only and tonumber(tf[9]) or nil
+  local expired = tf[2] and tonumber(tf[2]) <= now
   local gone
-  if pickup and now - (tonumber(tf[6]) or now) > pickup then gone = owner_gone(tf[8], now) end
+  if pickup and not expired and now - (tonumber(tf[6]) or now) > pickup then
+    gone = owner_gone(tf[8], now)
+  end
   if not ttype then
     redis.call('ZREM', KEYS[1], id)  -- its hash is gone: never runs
-  elseif tf[2] and tonumber(tf[2]) <= now then
+  elseif expired then
     -- Past its pending deadline: never runs, even if the sweep (expire-5.lua) is late.
     expire_pending(task, id, KEYS[1], stats, KEYS[10], KEYS[11], now)
     changed[#changed + 1] = id
@@ -224,7 +227,8 @@ while true do
     if tf[4] then redis.call('ZREM', deadlines, id) end
     local deadline = now + lease
     if ttype == 'online' then deadline = now + permit_ttl
-    elseif pickup then deadline = now + math.min(lease, pickup) end
+    -- 3 s at least: time to hear of it and renew, however short the marker's TTL.
+    elseif pickup then deadline = now + math.min(lease, math.max(pickup, 3000)) end
     active = active + redis.call('ZADD', KEYS[2], deadline, id)
     local attempts = (tonumber(tf[5]) or 0) + 1
     redis.call('HSET', task, 'status', 'processing', 'lease', token, 'started_at', now,

@@ -249,8 +249,9 @@ async def test_a_stalled_api_process_keeps_its_waiting_request(
     """A request waits 1.5 s through an API process whose marker has a TTL of 1 s (renewed
     meanwhile), then the process stalls (SIGSTOP) for longer than that TTL, as one does
     whose Redis was away longer. The slot frees while it is stalled: the claim finds the
-    marker gone but holds the line for the settle (2 s) instead of ending the request, the
-    process wakes and writes its marker again, and the request is served."""
+    marker gone but holds the line for the settle (2 s) instead of ending the request; the
+    process, woken once the claim has seen that, writes its marker again, and the request is
+    served."""
     auth = await proxied(gateway, llm, max_concurrency=1)
     httpx.post(f"{llm}/_mock/config", json={"hold": True}).raise_for_status()
     base = await start_api()
@@ -263,14 +264,18 @@ async def test_a_stalled_api_process_keeps_its_waiting_request(
             await until(lambda: settled(mock_stats(llm)["in_flight"] == 1))
             waiting = asyncio.ensure_future(http.post(f"http://127.0.0.1:{port}{url}",
                                                       json=CHAT))
-            await until(lambda: tasks_of(gateway, "pending"))
+            (task,) = await until(lambda: tasks_of(gateway, "pending"))
+            marker = await gateway.rt.redis.hget(gateway.rt.keys.task(task["task_id"]), "owner")
             await asyncio.sleep(1.5)
             proc.send_signal(signal.SIGSTOP)
             await asyncio.sleep(1.5)
             httpx.post(f"{llm}/_mock/config", json={"hold": False}).raise_for_status()
             httpx.post(f"{llm}/_mock/release").raise_for_status()
             assert (await holding).status_code == 200
-            await asyncio.sleep(0.5)
+
+            async def seen_gone() -> bool:  # by the claim, which then holds the line
+                return str(await gateway.rt.redis.get(marker)).startswith("gone:")
+            await until(seen_gone, timeout=5)
             proc.send_signal(signal.SIGCONT)
             r = await waiting
             assert r.status_code == 200, r.text

@@ -266,7 +266,7 @@ class ProxyCall:
                 log.warning("lease renewal failed: %s", exc, extra=self._extra())
                 # Again within what is left of the lease (a pickup lease is short), not a
                 # whole third of a lease later.
-                await asyncio.sleep(max(0.05, min(lease_ms / 3000,
+                await asyncio.sleep(max(0.25, min(lease_ms / 3000,
                                                   (self.lease_until - time.monotonic()) / 3)))
                 continue
             if int(res) < 0:

@@ -57,7 +57,7 @@ class Owners:
         self._held: Counter[str] = Counter()
         self._written: dict[str, float] = {}  # monotonic: each marker's last write that landed
         self._writing: dict[str, asyncio.Future[Any]] = {}  # kept from the GC till they land
-        self._failed = False  # the last write failed: the next goes after RETRY_S
+        self._failed: set[str] = set()  # endpoints whose last write failed: again after RETRY_S
         self._renewing: asyncio.Task[None] | None = None
         self._closed = False
 
@@ -78,6 +78,7 @@ class Owners:
         self._held[endpoint] -= 1
         if self._held[endpoint] <= 0:
             del self._held[endpoint]
+            self._failed.discard(endpoint)
 
     def _due(self, endpoint: str, now: float, age_s: float) -> bool:
         last = self._written.get(endpoint)
@@ -89,7 +90,7 @@ class Owners:
             await asyncio.sleep(RETRY_S if self._failed else self.renew_s)
             now = time.monotonic()
             for e in list(self._held):
-                if self._due(e, now, self.renew_s * 0.9):
+                if self._due(e, now, 0.0 if e in self._failed else self.renew_s * 0.9):
                     self._write(e)
 
     def _write(self, endpoint: str) -> None:
@@ -103,10 +104,12 @@ class Owners:
             if write.cancelled():
                 return
             exc = write.exception()
-            self._failed = exc is not None
             if exc is None:
                 self._written[endpoint] = started
-            elif isinstance(exc, RedisError | OSError):  # written again after RETRY_S
+                self._failed.discard(endpoint)
+                return
+            self._failed.add(endpoint)
+            if isinstance(exc, RedisError | OSError):  # written again after RETRY_S
                 log.warning("could not renew the marker of this process's proxied requests: "
                             "%s", exc)
             else:

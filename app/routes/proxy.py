@@ -82,10 +82,10 @@ async def proxy(request: Request, endpoint_id: str, path: str) -> Response:
             # Withdrawn now, rather than left for a dispatcher to admit for nobody, holding a
             # slot until its lease lapses.
             await _withdrawn(call)
-            if isinstance(exc, asyncio.CancelledError):
-                # The server cancels the requests still running when a shutdown's grace ends
-                # (nothing else cancels one): never called, it may be sent again, to a
-                # process that stays, rather than read as the gateway's fault.
+            if isinstance(exc, asyncio.CancelledError) and rt.draining:
+                # The server cancels the requests still running when a shutdown's grace ends:
+                # never called, it may be sent again, to a process that stays, rather than
+                # read as the gateway's fault.
                 exc = ApiError(503, "shutting_down", "this gateway process is shutting down: "
                                "the request left its line uncalled; send it again",
                                {"Retry-After": "1"}, task_id=call.task_id)
