@@ -317,14 +317,12 @@ def fresh_upstream() -> Iterator[str]:
         yield base
 
 
-#: Modules with the longest tests (15-30 s each, 2-core machine, 3 workers): run first, so
+#: Modules with the longest tests (15-36 s each, 2-core machine, 3 workers): run first, so
 #: that no worker is left in one of them while the others have run out of work (pytest-xdist
 #: hands tests out in collection order, which is alphabetical, test_starvation near the end).
 SLOW_FIRST = frozenset({"test_starvation", "test_outbox", "test_package", "test_large_reads",
-                        "test_cluster_failover", "test_sentinel", "test_limits", "test_adaptive",
-                        "test_upstream_signals", "test_webhooks", "test_stalled_readers",
-                        "test_secrets", "test_proxy_disconnects", "test_cli",
-                        "test_dead_letters"})
+                        "test_cluster_failover", "test_sentinel", "test_admin_outages",
+                        "test_limits", "test_adaptive"})
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
