@@ -173,9 +173,14 @@ class Lua:
                 # refusal) means nothing. Both go again, to the master the MOVED names.
                 await cluster.nodes_manager.move_slot(res)
                 continue
-            for item in (res, acked):
-                if isinstance(item, Exception):
-                    raise item
+            if isinstance(res, Exception):
+                raise res
+            if isinstance(acked, Exception):
+                # The script ran, but its writes could not be counted on the replicas: its
+                # node was made a replica in between (a failover: "WAIT cannot be used with
+                # replica instances"), or the connection went. Unconfirmed, as when the WAIT
+                # times out: the caller's 503 says to retry with the same Idempotency-Key.
+                return res, 0
             return res, int(acked)
         raise AssertionError("unreachable")
 
