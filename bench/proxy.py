@@ -17,6 +17,11 @@ mock upstream (`qgw mock-upstream --openai`: 20 ms before its answer, then a str
 LiteLLM runs from a virtualenv of its own (`--litellm`: its `litellm` executable; by default
 `pip install 'litellm[proxy]'` from PyPI into a temp venv for the run, its version printed;
 `none` leaves it out). The load is loopback only, bounded.
+The host's floor is printed first: a round trip between two processes over a socket, when the
+one woken has been idle as long as the gap between requests at each rate (on a virtual machine
+an idle CPU's wake-up costs far more than the trip itself). A request through ours makes two
+such trips more than a direct one (to Redis, and the extra hop of any proxy), each starting
+from idle at a low rate: twice that figure is added latency no gateway code removes.
 Direct and ours take `--rounds` turns of `--seconds`/rounds at each rate, pooled, so that the
 machine's drift during the run falls on both alike.
 Usage: python bench/proxy.py [--seconds 10] [--over-seconds 60] [--rounds 3]
@@ -30,6 +35,8 @@ import asyncio
 import json
 import math
 import os
+import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -128,6 +135,42 @@ async def run_rate(url: str, headers: dict[str, str], rate: float, seconds: floa
         out.wall_s = time.perf_counter() - start
     out.cpu_s = (cpu_s(pid) - cpu0) if pid else 0.0
     return out
+
+
+def idle_round_trip_ms(gap_s: float, n: int = 200) -> float:
+    """The median round trip of one byte to a child process and back over a socket pair, each
+    sent `gap_s` after the last answer (the child idle meanwhile)."""
+    ours, theirs = socket.socketpair()
+    child = os.fork()
+    if child == 0:  # the echo: nothing else, so only the wake-up and the trip are measured
+        ours.close()
+        while data := theirs.recv(16):
+            theirs.sendall(data)
+        os._exit(0)
+    theirs.close()
+    took = []
+    try:
+        for _ in range(n):
+            if gap_s:
+                time.sleep(gap_s)
+            started = time.perf_counter()
+            ours.sendall(b"x")
+            ours.recv(16)
+            took.append(time.perf_counter() - started)
+    finally:
+        ours.close()
+        os.waitpid(child, 0)
+    return statistics.median(took) * 1000
+
+
+def host_floor() -> str:
+    rates = (50, 200)
+    trips = {rate: idle_round_trip_ms(1 / rate) for rate in rates}
+    busy = idle_round_trip_ms(0)
+    return ("host: a round trip to a process idle for the gap between requests: "
+            + ", ".join(f"{trips[r]:.3f} ms at {r}/s" for r in rates)
+            + f" ({busy:.3f} ms back to back); two more of them per request through a gateway: "
+            + ", ".join(f"{2 * trips[r]:.2f} ms at {r}/s" for r in rates))
 
 
 async def mock_stats(mock: str) -> dict[str, object]:
@@ -293,6 +336,7 @@ async def main(args: argparse.Namespace) -> None:
                 targets["litellm"] = (f"http://127.0.0.1:{lport}/v1/chat/completions",
                                       LITELLM_AUTH,
                                       ll.pid)  # type: ignore[attr-defined]
+            print(await asyncio.to_thread(host_floor), flush=True)
             print("| rate | target | p50 ms | p99 ms | added p50 | added p99 | added ttft p50 "
                   "| CPU ms/req | answers |\n|---|---|---|---|---|---|---|---|---|")
             for row in await latency_rows(targets, args.seconds, args.rounds, mock):
