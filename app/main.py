@@ -11,7 +11,7 @@ from fastapi import FastAPI
 from fastapi_offline import FastAPIOffline
 from starlette.types import ASGIApp
 
-from app import __version__, errors, logs, openapi
+from app import __version__, logs, openapi
 from app.connections import RequestCap, max_requests
 from app.metrics import HttpRequests
 from app.routes import (
@@ -20,6 +20,7 @@ from app.routes import (
     admin_tasks,
     auth_check,
     dashboard,
+    errors,
     follow,
     ops,
     proxy,

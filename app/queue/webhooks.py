@@ -22,8 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from fastapi.responses import JSONResponse
 from redis.asyncio import Redis
+from starlette.responses import JSONResponse
 
 from app.core.keys import Keys, endpoint_of
 from app.core.loop import STORE_ERRORS, every

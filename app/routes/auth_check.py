@@ -19,7 +19,7 @@ from app import permits
 from app.auth import runtime_of
 from app.core.keys import TASK_ID, endpoint_of
 from app.endpoints import EndpointConfig
-from app.errors import error_response
+from app.routes.errors import error_response
 
 router = APIRouter(tags=["gateway"])
 _NGINX = ("x-original-uri", "x-original-method")
