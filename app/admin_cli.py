@@ -18,8 +18,11 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any, Protocol
 
+from pydantic import ValidationError
+
 from app.cli_options import add_options, given, validate
 from app.endpoints import EndpointConfig, EndpointPatch
+from app.errors import ApiError, describe
 from app.models import ApiKeyCreate
 from app.secrets import AS_IS, MASK
 from app.settings import Settings
@@ -138,10 +141,6 @@ def _with_id(parser: argparse.ArgumentParser, doc: str, dest: str = "id") -> Any
 
 def _runner(prepare: Prepare, needs_runtime: bool) -> Callable[[Settings, Any], None]:
     def run(settings: Settings, args: argparse.Namespace) -> None:
-        from pydantic import ValidationError
-
-        from app.errors import ApiError, describe
-
         try:
             job = prepare(args)  # bad input is refused before any server is asked
         except ValidationError as exc:

@@ -57,6 +57,7 @@ from tests.servers import QGW, free_port, stop, wait_port
 ADMIN = "bench-admin-token-0123"
 CHAT = {"model": "mock", "stream": True, "messages": [{"role": "user", "content": "hello"}]}
 LIMIT_PER_S = 20
+RATES = (50, 200)  # requests a second of the latency phases
 LITELLM_KEY = "sk-" + "0123456789abcdef" * 4  # it refuses to start without one
 LITELLM_AUTH = {"Authorization": f"Bearer {LITELLM_KEY}"}
 
@@ -164,13 +165,12 @@ def idle_round_trip_ms(gap_s: float, n: int = 200) -> float:
 
 
 def host_floor() -> str:
-    rates = (50, 200)
-    trips = {rate: idle_round_trip_ms(1 / rate) for rate in rates}
+    trips = {rate: idle_round_trip_ms(1 / rate) for rate in RATES}
     busy = idle_round_trip_ms(0)
     return ("host: a round trip to a process idle for the gap between requests: "
-            + ", ".join(f"{trips[r]:.3f} ms at {r}/s" for r in rates)
+            + ", ".join(f"{trips[r]:.3f} ms at {r}/s" for r in RATES)
             + f" ({busy:.3f} ms back to back); two more of them per request through a gateway: "
-            + ", ".join(f"{2 * trips[r]:.2f} ms at {r}/s" for r in rates))
+            + ", ".join(f"{2 * trips[r]:.2f} ms at {r}/s" for r in RATES))
 
 
 async def mock_stats(mock: str) -> dict[str, object]:
@@ -251,7 +251,7 @@ async def latency_rows(targets: dict[str, tuple[str, dict[str, str], int | None]
     after them, once: its backlog would weigh on the phases that follow it."""
     rows = []
     paired = [n for n in ("direct", "queue-gateway") if n in targets]
-    for rate in (50, 200):
+    for rate in RATES:
         await quiet(mock)  # the last rate's peer may still work off its backlog
         phases = {name: Phase() for name in targets}
         for name, (url, headers, pid) in targets.items():
