@@ -15,10 +15,9 @@ import re
 import socket
 from typing import TYPE_CHECKING
 
-from app.settings import Settings
-
 if TYPE_CHECKING:
     from app.runtime import Runtime
+    from app.settings import Settings
 
 log = logging.getLogger("qgw")
 
