@@ -291,8 +291,7 @@ async def start_dispatcher(settings: Settings) -> AsyncIterator[Callable[[], Awa
         return rt
 
     yield start
-    for rt in started:
-        await rt.stop(grace_s=1)
+    await asyncio.gather(*(rt.stop(grace_s=1) for rt in started))
 
 
 @pytest.fixture
@@ -307,8 +306,7 @@ def dispatcher_process(env: dict[str, str]) -> Iterator[Callable[..., subprocess
         return proc
 
     yield start
-    for proc in procs:  # no grace at the end (10 s by default): the test is over
-        stop(proc, timeout=2)
+    stop(*procs, timeout=2)  # no grace at the end (10 s by default): the test is over
 
 
 @pytest.fixture
@@ -362,5 +360,4 @@ def start_api(
         return f"http://127.0.0.1:{port}"
 
     yield start
-    for proc in procs:  # a second's grace at the end, not its 5 s: the test is over
-        stop(proc, timeout=1)
+    stop(*procs, timeout=1)  # a second's grace at the end, not its 5 s: the test is over
