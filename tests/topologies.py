@@ -13,7 +13,7 @@ from typing import Any
 from redis.crc import key_slot
 
 from app.embedded import server_binary
-from tests.servers import free_port, stop, wait_port
+from tests.servers import AHEAD, free_port, stop, wait_port
 
 
 class SentinelSetup:
@@ -35,7 +35,7 @@ class SentinelSetup:
         return f"redis+sentinel://{hosts}/{self.SERVICE}/0"
 
     def _spawn(self, name: str, port: int, *args: str) -> None:
-        proc = subprocess.Popen([self.binary, *args], stdout=subprocess.DEVNULL,
+        proc = subprocess.Popen([*AHEAD, self.binary, *args], stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL)
         self.procs[name] = proc
         wait_port(port, proc=proc)
@@ -155,7 +155,7 @@ class ClusterSetup:
         data.mkdir(parents=True, exist_ok=True)
         # Validity factor 0: a replica may take over however long its link has been down.
         proc = subprocess.Popen(
-            [self.binary, "--cluster-enabled", "yes", "--cluster-config-file",
+            [*AHEAD, self.binary, "--cluster-enabled", "yes", "--cluster-config-file",
              str(data / "nodes.conf"), "--cluster-node-timeout", "1000",
              "--cluster-replica-validity-factor", "0", "--cluster-port", str(self.bus_ports[name]),
              "--repl-diskless-sync-delay", "0", "--appendonly", "no", "--save", "",
