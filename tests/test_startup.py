@@ -98,11 +98,15 @@ def test_commands_that_serve_no_http_import_no_web_framework() -> None:
 
 def test_the_mock_upstream_and_the_healthcheck_start_with_their_own_modules_only() -> None:
     """`qgw mock-upstream` loads no settings, SQL or Redis client (0.8 s of CPU a start was
-    0.2 without them; the suite starts a hundred), `qgw healthcheck` no admin commands."""
-    code = ("import sys; from app import cli; cli.build_parser(only=sys.argv[1]); "
+    0.2 without them; the suite starts a hundred), `qgw healthcheck` no admin commands. Each
+    is run to its end: the mock refused its address (exit 1), the check its URL."""
+    code = ("import sys\nfrom app import cli\ntry:\n    cli.main(sys.argv[1:])\n"
+            "except SystemExit as exc:\n    print(exc.code)\n"
             "print(sorted(m for m in ('sqlalchemy', 'redis', 'app.settings', 'app.admin_cli', "
-            "'app.endpoints') if m in sys.modules))")
-    said = {cmd: subprocess.run([sys.executable, "-c", code, cmd], capture_output=True,
-                                text=True, timeout=60, check=True).stdout.strip()
-            for cmd in ("mock-upstream", "healthcheck")}
-    assert said == {"mock-upstream": "[]", "healthcheck": "['app.settings', 'redis']"}, said
+            "'app.endpoints', 'fastapi') if m in sys.modules))")
+    said = {args[0]: subprocess.run([sys.executable, "-c", code, *args], capture_output=True,
+                                    text=True, timeout=60).stdout.split("\n")[:2]
+            for args in (["mock-upstream", "--host", "256.0.0.1"],
+                         ["healthcheck", "--url", f"http://127.0.0.1:{free_port()}/healthz"])}
+    assert said == {"mock-upstream": ["1", "[]"],
+                    "healthcheck": ["1", "['app.settings', 'redis']"]}, said
