@@ -10,12 +10,15 @@ holds them together), so a start reads the database's revision and compares.
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from app import data_path
 
 if TYPE_CHECKING:
     from alembic.config import Config
+
+VERSION_TABLE = "alembic_version"  # Alembic's default, which alembic/env.py keeps
 
 
 def _config(db_url: str) -> Config:
@@ -34,12 +37,10 @@ def head() -> str:
 
 
 def upgrade(db_url: str) -> None:
-    """Bring the database to the newest schema; call it outside a running event loop."""
-    try:
-        if _current(db_url) == head():
-            return
-    except Exception:  # no table yet, or no database: Alembic says what it needs
-        pass
+    """Bring the database to the newest schema; call it outside a running event loop. A
+    database that cannot be read raises here (its own error), not again through Alembic."""
+    if _current(db_url) == head():
+        return
     from alembic import command
 
     command.upgrade(_config(db_url), "head")
@@ -54,21 +55,29 @@ def pending(db_url: str) -> str | None:
 
 
 def _current(db_url: str) -> str | None:
-    """The database's revision (Alembic's version table), None when it has none."""
-    from sqlalchemy import pool, text
-    from sqlalchemy.exc import DBAPIError
+    """The database's revision (Alembic's version table), None when it has none. Any other
+    error (locked, unreachable, not allowed) is raised as it is."""
+    from sqlalchemy import Connection, inspect, make_url, pool, text
     from sqlalchemy.ext.asyncio import create_async_engine
+
+    url = make_url(db_url)
+    if url.get_backend_name() == "sqlite" and url.database not in (None, "", ":memory:"):
+        # Said plainly, and before aiosqlite's thread fails to open it and then reports to
+        # a loop already closed (a traceback printed on top of the operator's one line).
+        folder = Path(str(url.database)).parent
+        if not folder.is_dir():
+            raise FileNotFoundError(f"no directory {folder} for the SQLite database")
+    def revision(conn: Connection) -> str | None:
+        if not inspect(conn).has_table(VERSION_TABLE):
+            return None
+        found = conn.execute(text(f"SELECT version_num FROM {VERSION_TABLE}")).scalar_one_or_none()
+        return str(found) if found is not None else None
 
     async def read() -> str | None:
         engine = create_async_engine(db_url, poolclass=pool.NullPool)
         try:
             async with engine.connect() as conn:
-                try:
-                    row = (await conn.execute(text("SELECT version_num FROM alembic_version")))
-                except DBAPIError:  # no version table: an empty database
-                    return None
-                found = row.scalar_one_or_none()
-                return str(found) if found is not None else None
+                return await conn.run_sync(revision)
         finally:
             await engine.dispose()
 

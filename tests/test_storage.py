@@ -8,6 +8,7 @@ import asyncio
 import json
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -22,6 +23,7 @@ import httpx
 import pytest
 from alembic.script import ScriptDirectory
 from sqlalchemy import func, inspect, select, text
+from sqlalchemy.exc import OperationalError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app import migrate
@@ -671,3 +673,21 @@ def test_a_start_at_head_leaves_alembic_alone(db_url: str) -> None:
 
     assert start() == "True None"  # migrated by Alembic
     assert start() == "False None"  # found at head
+
+
+def test_a_database_that_cannot_be_read_is_not_taken_for_an_empty_one(tmp_path: Path) -> None:
+    """Locked (or unreachable, or not allowed), it is its own error, as Alembic gave it: not
+    "at revision none (empty)", which would send the operator to migrate a full database."""
+    url = f"sqlite+aiosqlite:///{tmp_path}/qgw.db"
+    migrate.upgrade(url)
+    held = sqlite3.connect(tmp_path / "qgw.db", isolation_level=None)
+    held.execute("BEGIN EXCLUSIVE")
+    try:
+        with pytest.raises(OperationalError, match="database is locked"):
+            migrate.pending(url + "?timeout=0.2")
+    finally:
+        held.execute("ROLLBACK")
+        held.close()
+    assert migrate.pending(url) is None
+    with pytest.raises(FileNotFoundError, match=r"no directory .*absent"):
+        migrate.upgrade(f"sqlite+aiosqlite:///{tmp_path}/absent/qgw.db")
