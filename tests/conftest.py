@@ -291,7 +291,11 @@ async def start_dispatcher(settings: Settings) -> AsyncIterator[Callable[[], Awa
         return rt
 
     yield start
-    await asyncio.gather(*(rt.stop(grace_s=1) for rt in started))
+    stopped = await asyncio.gather(*(rt.stop(grace_s=1) for rt in started),
+                                   return_exceptions=True)  # each stops whatever the others do
+    for outcome in stopped:
+        if isinstance(outcome, BaseException):
+            raise outcome
 
 
 @pytest.fixture

@@ -148,6 +148,7 @@ async def _final_states(http: httpx.AsyncClient, auth: dict[str, str], ids: list
     states: dict[str, str] = {}
     pending = list(ids)
     deadline = time.monotonic() + stalled_s
+    at_most = time.monotonic() + 6 * stalled_s  # a trickle that never ends still ends it
     sem = asyncio.Semaphore(16)
 
     async def one(tid: str) -> None:
@@ -167,7 +168,7 @@ async def _final_states(http: httpx.AsyncClient, auth: dict[str, str], ids: list
         if len(left) < len(pending):
             deadline = time.monotonic() + stalled_s
         pending = left
-        if not pending or time.monotonic() > deadline:
+        if not pending or time.monotonic() > min(deadline, at_most):
             break
         await asyncio.sleep(0.3)
     return states
