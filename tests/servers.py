@@ -114,8 +114,9 @@ def stop(*procs: subprocess.Popen[bytes], timeout: float = 10) -> None:
 class RedisServer:
     """Debian's redis-server or the embedded valkey binary (QGW_TEST_REDIS_BIN picks one)."""
 
-    def __init__(self, data_dir: Path) -> None:
-        self.data_dir, self.port = data_dir, free_port()
+    def __init__(self, data_dir: Path, durable: bool = True) -> None:
+        """`durable`: an append-only file, for a server a test stops and starts again."""
+        self.data_dir, self.port, self.durable = data_dir, free_port(), durable
         self.binary = os.environ.get("QGW_TEST_REDIS_BIN") or server_binary()
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -127,7 +128,8 @@ class RedisServer:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self.proc = subprocess.Popen(
             [*AHEAD, self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir",
-             str(self.data_dir), "--appendonly", "yes", "--save", "", "--loglevel", "warning"],
+             str(self.data_dir), "--appendonly", "yes" if self.durable else "no", "--save", "",
+             "--loglevel", "warning"],
             stdout=subprocess.DEVNULL,
         )
         wait_port(self.port, proc=self.proc)

@@ -183,7 +183,7 @@ async def _offline_call(client: httpx.AsyncClient, target: str, read: bool = Tru
 
 @pytest.mark.backends("single", "cluster")
 async def test_the_upstream_gets_the_credentials_and_nobody_reads_them_back(
-    serve: Serve, env: dict[str, str], settings: Settings, tmp_path: Path,
+    serve: Serve, env: dict[str, str], settings: Settings, tmp_path: Path, sqlite_file: Path,
     raw_upstream: tuple[RawUpstream, str],
 ) -> None:
     up, base = raw_upstream
@@ -233,8 +233,8 @@ async def test_the_upstream_gets_the_credentials_and_nobody_reads_them_back(
     seen |= {f"cli {c.args[3:]}": (c.stdout + c.stderr).encode() for c in [added, *cli]}
     seen |= {f"redis {k!r}": v for k, v in redis_dumps(env["QGW_REDIS_URL"],
                                                         settings.key_prefix).items()}
-    files = _files(tmp_path)
-    assert any(p.name == "qgw.db" for p in files) and serve.log_path in files
+    files = _files(tmp_path) | _files(sqlite_file.parent)
+    assert sqlite_file in files and serve.log_path in files
     seen |= {f"file {p}": data for p, data in files.items()}
     assert [where for where, data in seen.items() if found_in(data)] == []
     for prefix in (b"", b"a", b"ab"):  # the search finds it wherever base64 puts it
@@ -397,7 +397,7 @@ def _tokens(data: bytes) -> list[bytes]:
 
 @pytest.mark.backends("single", "cluster")
 async def test_rotation_keeps_calls_working_while_it_runs(
-    serve: Serve, env: dict[str, str], settings: Settings, tmp_path: Path,
+    serve: Serve, env: dict[str, str], settings: Settings, tmp_path: Path, sqlite_file: Path,
     raw_upstream: tuple[RawUpstream, str],
 ) -> None:
     up, base = raw_upstream
@@ -432,7 +432,7 @@ async def test_rotation_keeps_calls_working_while_it_runs(
     sent = [v for i in range(len(up.requests)) for n, v in up.headers(i) if n == "authorization"]
     assert len(sent) == len(ids) and set(sent) == {f"Bearer {SECRET}"}
     # Everything is sealed with the new key now: SQL and the Redis mirror.
-    db = (tmp_path / "qgw.db").read_bytes()
+    db = await asyncio.to_thread(sqlite_file.read_bytes)
     mirror = redis_dumps(env["QGW_REDIS_URL"], settings.key_prefix)
     assert {sealed_by(t.decode()) for t in _tokens(db)} >= {key_id(parse_key(new))}
     assert _sealed_ids(mirror) == {key_id(parse_key(new))}
