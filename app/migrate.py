@@ -67,6 +67,7 @@ def _current(db_url: str) -> str | None:
         folder = Path(str(url.database)).parent
         if not folder.is_dir():
             raise FileNotFoundError(f"no directory {folder} for the SQLite database")
+
     def revision(conn: Connection) -> str | None:
         if not inspect(conn).has_table(VERSION_TABLE):
             return None
