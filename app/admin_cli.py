@@ -218,6 +218,9 @@ class _SqlOnly:
         pass
 
     async def stop(self) -> None:
+        from app.db import settle
+
+        await settle()
         await self.engine.dispose()
 
 

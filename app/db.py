@@ -164,6 +164,19 @@ async def bounded(work: Awaitable[T], timeout_s: float = SQL_REQUEST_TIMEOUT_S) 
     raise TimeoutError(f"the database did not answer within {timeout_s:g} s")
 
 
+async def settle(timeout_s: float = 10) -> None:
+    """Let the statements `bounded` left behind end, before their engine is disposed.
+
+    Each was cancelled once and is closing its connection. Cancelled again (as `asyncio.run`
+    does to every task left at exit), aiosqlite's close can wait for a worker thread that has
+    already stopped, and the process never exits (`qgw tasks retry` hung so, a SQLite write
+    lock held elsewhere). Past the busy timeout (5 s) a SQLite one has ended; a server that
+    stopped answering is left to the timeout here.
+    """
+    if _abandoned:
+        await asyncio.wait(set(_abandoned), timeout=timeout_s)
+
+
 def make_engine(url: str) -> AsyncEngine:
     if url.startswith("sqlite"):
         return create_async_engine(url, connect_args={"timeout": 5})

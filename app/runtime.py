@@ -21,7 +21,7 @@ from app.core.keys import Keys
 from app.core.loop import STORE_ERRORS
 from app.core.registry import EndpointRegistry, Mirror, cancel_all
 from app.core.scripts import Scripts
-from app.db import SQL_JOB_TIMEOUT_S, bounded, make_engine
+from app.db import SQL_JOB_TIMEOUT_S, bounded, make_engine, settle
 from app.embedded import EmbeddedRedis
 from app.endpoints import EndpointConfig
 from app.healthcheck import beat, heartbeat_path
@@ -219,6 +219,7 @@ class Runtime:
         for client in (self._blocking, self.redis):
             if client is not None:
                 await client.aclose()
+        await settle()
         await self.engine.dispose()
         if self._embedded:
             await asyncio.to_thread(self._embedded.stop)

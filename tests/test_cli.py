@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
+import sqlite3
 import subprocess
+import threading
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -24,6 +27,15 @@ def qgw(
 ) -> subprocess.CompletedProcess[str]:
     return subprocess.run([*QGW, *args], env=env, cwd=cwd, capture_output=True, text=True,
                           timeout=60)
+
+
+async def aqgw(
+    env: dict[str, str], *args: str, cwd: Path | None = None
+) -> subprocess.CompletedProcess[str]:
+    """`qgw` from a thread: the test's in-process gateway and dispatchers share this event
+    loop, and a loop blocked for the command's run would hold whatever they hold meanwhile
+    (a SQLite write lock mid-commit: the command then waits on the test itself)."""
+    return await asyncio.to_thread(qgw, env, *args, cwd=cwd)
 
 
 def answer(r: subprocess.CompletedProcess[str]) -> Any:
@@ -70,11 +82,12 @@ def test_help_lists_every_command_and_option() -> None:
 
 async def test_endpoint_commands_apply_the_api_rules(gateway: Gateway, env: dict[str, str]) -> None:
     url = "http://127.0.0.1:9/cli"
-    added = answer(qgw(env, "endpoints", "add", "cli", url, "--rate", "5", "--methods",
-                       "post,get", "--enabled", "no"))
+    added = answer(await aqgw(env, "endpoints", "add", "cli", url, "--rate", "5", "--methods",
+                              "post,get", "--enabled", "no"))
     assert added["enabled"] is False and added["methods"] == ["POST", "GET"]
-    assert answer(qgw(env, "endpoints", "update", "cli", "--enabled", "yes"))["enabled"] is True
-    assert answer(qgw(env, "endpoints", "show", "cli"))["rate"] == 5
+    enabled = answer(await aqgw(env, "endpoints", "update", "cli", "--enabled", "yes"))
+    assert enabled["enabled"] is True
+    assert answer(await aqgw(env, "endpoints", "show", "cli"))["rate"] == 5
     r = await gateway.http.get("/admin/v1/endpoints/cli", headers=gateway.admin)
     assert r.json()["enabled"] is True and r.json()["methods"] == ["POST", "GET"]
 
@@ -82,56 +95,56 @@ async def test_endpoint_commands_apply_the_api_rules(gateway: Gateway, env: dict
     api = await gateway.http.post("/admin/v1/api-keys", headers=gateway.admin,
                                   json={"user_id": -3})
     assert api.status_code == 422
-    line = refusal(qgw(env, "keys", "create", "--user-id", "-3"), code=2)
+    line = refusal(await aqgw(env, "keys", "create", "--user-id", "-3"), code=2)
     assert api.json()["error"]["message"] in line
-    assert "target_url" in refusal(qgw(env, "endpoints", "add", "x", "ftp://a/b"), code=2)
-    assert "rate" in refusal(qgw(env, "endpoints", "update", "cli", "--rate", "-1"), code=2)
+    assert "target_url" in refusal(await aqgw(env, "endpoints", "add", "x", "ftp://a/b"), code=2)
+    assert "rate" in refusal(await aqgw(env, "endpoints", "update", "cli", "--rate", "-1"), code=2)
     for bad in (("--enabled", "maybe"), ("--limiter", "leaky")):
         # One line naming the argument, not the usage block above it.
-        line = refusal(qgw(env, "endpoints", "update", "cli", *bad), code=2)
+        line = refusal(await aqgw(env, "endpoints", "update", "cli", *bad), code=2)
         assert bad[0] in line and "usage:" not in line, line
-    assert "exists" in refusal(qgw(env, "endpoints", "add", "cli", url))
-    assert [k["user_id"] for k in answer(qgw(env, "keys", "list"))] == []
-    made = answer(qgw(env, "keys", "create", "--user-id", "7"))
-    assert answer(qgw(env, "keys", "revoke", str(made["id"]))) == {"key_id": str(made["id"]),
-                                                                     "revoked": True}
-    assert [k["revoked"] for k in answer(qgw(env, "keys", "list"))] == [True]
-    assert answer(qgw(env, "endpoints", "pause", "cli"))["paused"] is True
-    assert answer(qgw(env, "endpoints", "resume", "cli"))["paused"] is False
-    assert answer(qgw(env, "endpoints", "rm", "cli")) == {"endpoint": "cli", "deleted": True}
-    assert "no endpoint 'cli'" in refusal(qgw(env, "endpoints", "show", "cli"))
+    assert "exists" in refusal(await aqgw(env, "endpoints", "add", "cli", url))
+    assert [k["user_id"] for k in answer(await aqgw(env, "keys", "list"))] == []
+    made = answer(await aqgw(env, "keys", "create", "--user-id", "7"))
+    revoked = answer(await aqgw(env, "keys", "revoke", str(made["id"])))
+    assert revoked == {"key_id": str(made["id"]), "revoked": True}
+    assert [k["revoked"] for k in answer(await aqgw(env, "keys", "list"))] == [True]
+    assert answer(await aqgw(env, "endpoints", "pause", "cli"))["paused"] is True
+    assert answer(await aqgw(env, "endpoints", "resume", "cli"))["paused"] is False
+    assert answer(await aqgw(env, "endpoints", "rm", "cli")) == {"endpoint": "cli", "deleted": True}
+    assert "no endpoint 'cli'" in refusal(await aqgw(env, "endpoints", "show", "cli"))
 
 
 async def test_endpoint_limits_in_shorthand_or_json(gateway: Gateway,
                                                     env: dict[str, str]) -> None:
     """`--limits` as the help says (3/s, 100/min...) or as the API takes it; `none` clears."""
-    def stored() -> Any:
-        return answer(qgw(env, "endpoints", "show", "lim"))["limits"]
+    async def stored() -> Any:
+        return answer(await aqgw(env, "endpoints", "show", "lim"))["limits"]
 
     second = {"limiter": "sliding_window", "rate": 3, "interval_ms": 1000, "per": "request"}
-    answer(qgw(env, "endpoints", "add", "lim", "http://127.0.0.1:9/lim", "--limits",
-               "3/s, 100/min:token_bucket,90000/min:cost"))
-    assert stored() == [second, {**second, "limiter": "token_bucket", "rate": 100,
+    answer(await aqgw(env, "endpoints", "add", "lim", "http://127.0.0.1:9/lim", "--limits",
+                     "3/s, 100/min:token_bucket,90000/min:cost"))
+    assert await stored() == [second, {**second, "limiter": "token_bucket", "rate": 100,
                                  "interval_ms": 60_000},
                         {**second, "rate": 90_000, "interval_ms": 60_000, "per": "cost"}]
-    answer(qgw(env, "endpoints", "update", "lim", "--limits",
-               '[{"rate": 3}, {"rate": 2000, "interval_ms": 86400000}]'))
+    answer(await aqgw(env, "endpoints", "update", "lim", "--limits",
+                      '[{"rate": 3}, {"rate": 2000, "interval_ms": 86400000}]'))
     r = await gateway.http.get("/admin/v1/endpoints/lim", headers=gateway.admin)
     assert r.json()["limits"] == [second, {**second, "rate": 2000, "interval_ms": 86_400_000}]
-    answer(qgw(env, "endpoints", "update", "lim", "--limits", "none"))
-    assert stored() == []
+    answer(await aqgw(env, "endpoints", "update", "lim", "--limits", "none"))
+    assert await stored() == []
 
     # A bad limit: the admin API's message, in one line, exit 2; nothing changes.
     api = await gateway.http.patch("/admin/v1/endpoints/lim", headers=gateway.admin,
                                    json={"limits": [{"rate": 0, "interval_ms": 1000}]})
     assert api.status_code == 422
     assert api.json()["error"]["message"] in refusal(
-        qgw(env, "endpoints", "update", "lim", "--limits", "0/s"), code=2)
+        await aqgw(env, "endpoints", "update", "lim", "--limits", "0/s"), code=2)
     assert "'3/fortnight' is not a limit" in refusal(
-        qgw(env, "endpoints", "update", "lim", "--limits", "3/s,3/fortnight"), code=2)
-    assert "limiter" in refusal(qgw(env, "endpoints", "update", "lim", "--limits", "3/s:leaky"),
-                                code=2)
-    assert stored() == []
+        await aqgw(env, "endpoints", "update", "lim", "--limits", "3/s,3/fortnight"), code=2)
+    assert "limiter" in refusal(
+        await aqgw(env, "endpoints", "update", "lim", "--limits", "3/s:leaky"), code=2)
+    assert await stored() == []
 
 
 async def test_read_only_commands_read_sql_only_and_say_nothing_else(
@@ -140,11 +153,11 @@ async def test_read_only_commands_read_sql_only_and_say_nothing_else(
     await gateway.add_endpoint("ro", "http://127.0.0.1:9/ro")
     nowhere = {**env, "QGW_REDIS_URL": f"redis://127.0.0.1:{free_port()}/0"}
     for args in (("endpoints", "list"), ("endpoints", "show", "ro"), ("keys", "list")):
-        r = qgw(nowhere, *args)
+        r = await aqgw(nowhere, *args)
         assert r.returncode == 0 and r.stderr == "", r.stderr  # no INFO lines, no migration
-    assert [e["id"] for e in answer(qgw(nowhere, "endpoints", "list"))] == ["ro"]
+    assert [e["id"] for e in answer(await aqgw(nowhere, "endpoints", "list"))] == ["ro"]
     # A write needs Redis (every replica must hear of it): one line saying so.
-    line = refusal(qgw(nowhere, "keys", "create", "--user-id", "1"))
+    line = refusal(await aqgw(nowhere, "keys", "create", "--user-id", "1"))
     assert "cannot reach Redis" in line and "QGW_REDIS_URL" in line
 
 
@@ -167,17 +180,18 @@ async def test_operator_shows_retries_and_cancels_any_users_task(
     waiting = await gateway.submit(auth, url, body="w", priority=1)
     tid, wid = failing["task_id"], waiting["task_id"]
 
-    shown = answer(qgw(env, "tasks", "show", wid))
+    shown = answer(await aqgw(env, "tasks", "show", wid))
     assert shown["user_id"] == 42 and shown["endpoint"] == "op"
     assert shown["task_status"] == "pending" and shown["request"]["priority"] == 1
-    assert answer(qgw(env, "tasks", "cancel", wid))["task_status"] == "cancelled"
-    assert "cancelled" in refusal(qgw(env, "tasks", "cancel", wid))
-    assert "pending" in refusal(qgw(env, "tasks", "retry", tid))  # not failed: nothing to retry
+    assert answer(await aqgw(env, "tasks", "cancel", wid))["task_status"] == "cancelled"
+    assert "cancelled" in refusal(await aqgw(env, "tasks", "cancel", wid))
+    # not failed: nothing to retry
+    assert "pending" in refusal(await aqgw(env, "tasks", "retry", tid))
 
     await start_dispatcher()
     (first,) = await gateway.wait_finished(auth, [tid])
     assert first["task_status"] == "failed" and first["attempts"] == 1
-    retried = answer(qgw(env, "tasks", "retry", tid))
+    retried = answer(await aqgw(env, "tasks", "retry", tid))
     assert retried["task_status"] == "pending"
     for _ in range(100):  # it runs again, counted afresh
         if len(mock_log(fresh_upstream)) == 2:
@@ -186,9 +200,54 @@ async def test_operator_shows_retries_and_cancels_any_users_task(
     (again,) = await gateway.wait_finished(auth, [tid])
     assert again["task_status"] == "failed" and again["attempts"] == 1
     assert [c["body"] for c in mock_log(fresh_upstream)] == ["b", "b"]
-    assert "no task" in refusal(qgw(env, "tasks", "show", "0" * 32 + ".op"))
+    assert "no task" in refusal(await aqgw(env, "tasks", "show", "0" * 32 + ".op"))
     for nothing in ("nope", "0" * 32 + ".op"):  # not an id at all, or no such task
-        assert "no task" in refusal(qgw(env, "tasks", "retry", nothing))
+        assert "no task" in refusal(await aqgw(env, "tasks", "retry", nothing))
+
+
+async def test_a_retry_while_another_process_holds_the_database_answers_and_exits(
+    gateway: Gateway, env: dict[str, str], fresh_upstream: str, sqlite_file: Path,
+    start_dispatcher: Callable[[], Awaitable[Runtime]],
+) -> None:
+    """The retry forgets the task's old row as a best effort, bounded (3 s); SQLite's write
+    lock held elsewhere past its busy timeout (5 s) left that statement closing its
+    connection at exit, and the command never exited (app/db.py `settle`)."""
+    url = f"{fresh_upstream}/locked"
+    await gateway.add_endpoint("locked", url)
+    auth = await gateway.new_key(user_id=5)
+    tid = (await gateway.submit(auth, url, body="b", headers={"X-Mock-Status": ["400"]}))[
+        "task_id"]
+    await start_dispatcher()
+    (first,) = await gateway.wait_finished(auth, [tid])
+    assert first["task_status"] == "failed"
+    for _ in range(200):  # its ending reached SQL (the outbox writer): a row to forget
+        with contextlib.closing(sqlite3.connect(sqlite_file)) as db:
+            if db.execute("SELECT 1 FROM task_results WHERE task_id = ?", (tid,)).fetchone():
+                break
+        await asyncio.sleep(0.05)
+    else:
+        raise AssertionError("the failed task never reached SQL")
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:  # another process's writer, stuck mid-transaction
+        conn = sqlite3.connect(sqlite_file, isolation_level=None)
+        conn.execute("BEGIN IMMEDIATE")
+        held.set()
+        release.wait(6)
+        conn.execute("COMMIT")
+        conn.close()
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        held.wait()
+        retried = answer(await aqgw(env, "tasks", "retry", tid))  # 60 s: hung, it fails
+    finally:
+        release.set()
+        holder.join()
+    assert retried["task_status"] == "pending"
+    (again,) = await gateway.wait_finished(auth, [tid])
+    assert again["task_status"] == "failed" and len(mock_log(fresh_upstream)) == 2
 
 
 async def test_paused_endpoint_accepts_submits_and_dispatches_after_resume(
@@ -199,12 +258,12 @@ async def test_paused_endpoint_accepts_submits_and_dispatches_after_resume(
     await gateway.add_endpoint("paused", url)
     auth = await gateway.new_key()
     await start_dispatcher()
-    answer(qgw(env, "endpoints", "pause", "paused"))
+    answer(await aqgw(env, "endpoints", "pause", "paused"))
     await asyncio.sleep(1.2)  # every replica has seen it (registry SPREAD_S)
     task = await gateway.submit(auth, url)
     await asyncio.sleep(1.0)
     assert (await gateway.status(auth, task["task_id"]))["task_status"] == "pending"
-    answer(qgw(env, "endpoints", "resume", "paused"))
+    answer(await aqgw(env, "endpoints", "resume", "paused"))
     (done,) = await gateway.wait_finished(auth, [task["task_id"]], timeout=10)
     assert done["task_status"] == "completed"
 
@@ -216,12 +275,12 @@ async def test_operator_lists_an_endpoints_tasks_and_purges_them(
     await gateway.add_endpoint("cli-purge", url)
     auth = await gateway.new_key(user_id=9)
     ids = [(await gateway.submit(auth, url, priority=p))["task_id"] for p in (0, 1, 0)]
-    page = answer(qgw(env, "tasks", "list", "cli-purge", "--limit", "2"))
+    page = answer(await aqgw(env, "tasks", "list", "cli-purge", "--limit", "2"))
     assert [t["task_id"] for t in page["tasks"]] == [ids[1], ids[0]] and page["total"] == 3
-    rest = answer(qgw(env, "tasks", "list", "cli-purge", "--cursor", page["next_cursor"]))
+    rest = answer(await aqgw(env, "tasks", "list", "cli-purge", "--cursor", page["next_cursor"]))
     assert [t["task_id"] for t in rest["tasks"]] == [ids[2]] and rest["next_cursor"] is None
-    assert answer(qgw(env, "endpoints", "purge", "cli-purge")) == {
+    assert answer(await aqgw(env, "endpoints", "purge", "cli-purge")) == {
         "endpoint": "cli-purge", "cancelled": 3}
-    assert answer(qgw(env, "tasks", "list", "cli-purge"))["tasks"] == []
-    assert "no endpoint" in refusal(qgw(env, "endpoints", "purge", "nope"))
-    assert "--limit" in refusal(qgw(env, "tasks", "list", "cli-purge", "--limit", "0"), 2)
+    assert answer(await aqgw(env, "tasks", "list", "cli-purge"))["tasks"] == []
+    assert "no endpoint" in refusal(await aqgw(env, "endpoints", "purge", "nope"))
+    assert "--limit" in refusal(await aqgw(env, "tasks", "list", "cli-purge", "--limit", "0"), 2)

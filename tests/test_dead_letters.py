@@ -16,7 +16,7 @@ from app.runtime import Runtime
 from app.settings import Settings
 from tests.conftest import Gateway
 from tests.servers import mock_log
-from tests.test_cli import answer, qgw, refusal
+from tests.test_cli import answer, aqgw, refusal
 
 StartDispatcher = Callable[[], Awaitable[Runtime]]
 StartApi = Callable[[], Awaitable[str]]
@@ -234,8 +234,8 @@ async def test_the_cli_lists_shows_and_retries_dead_letters(
     """The issue's steps with `qgw`: the failure its owner read is listed, shown and retried
     from the shell once Redis let it go; filters and bad times."""
     url = f"{fresh_upstream}/cli-dead"
-    answer(qgw(env, "endpoints", "add", "dead-api", url, "--max-retries", "0",
-               "--forward-headers", "X-Mock-Status"))
+    answer(await aqgw(env, "endpoints", "add", "dead-api", url, "--max-retries", "0",
+                      "--forward-headers", "X-Mock-Status"))
     await asyncio.sleep(1.2)  # the in-process gateway has heard of it (registry SPREAD_S)
     auth = await gateway.new_key(user_id=3)
     tid = (await gateway.submit(auth, url, body="again", headers={"X-Mock-Status": ["503"]})
@@ -248,17 +248,17 @@ async def test_the_cli_lists_shows_and_retries_dead_letters(
     for args in (("dead-api", "--status", "failed"),
                  ("--status", "failed", "--endpoint", "dead-api", "--since", "1h"),
                  ("--status", "failed", "--id", tid[:6])):
-        listed = answer(qgw(env, "tasks", "list", *args))
+        listed = answer(await aqgw(env, "tasks", "list", *args))
         assert [t["task_id"] for t in listed["tasks"]] == [tid], args
-    assert answer(qgw(env, "tasks", "list", "--status", "failed", "--until", "1h"))[
+    assert answer(await aqgw(env, "tasks", "list", "--status", "failed", "--until", "1h"))[
         "tasks"] == []
-    shown = answer(qgw(env, "tasks", "show", tid))
+    shown = answer(await aqgw(env, "tasks", "show", tid))
     assert shown["request"]["body"] == "again" and shown["attempts"] == 1
-    assert "ISO 8601" in refusal(qgw(env, "tasks", "list", "--since", "last week"), 2)
-    assert "a task id, or a filter" in refusal(qgw(env, "tasks", "retry"), 2)
-    assert "no task matches" in refusal(qgw(env, "tasks", "retry", "--status", "expired",
-                                            "--endpoint", "dead-api"))
-    res = answer(qgw(env, "tasks", "retry", "--status", "failed", "--endpoint", "dead-api"))
+    assert "ISO 8601" in refusal(await aqgw(env, "tasks", "list", "--since", "last week"), 2)
+    assert "a task id, or a filter" in refusal(await aqgw(env, "tasks", "retry"), 2)
+    assert "no task matches" in refusal(await aqgw(env, "tasks", "retry", "--status", "expired",
+                                                   "--endpoint", "dead-api"))
+    res = answer(await aqgw(env, "tasks", "retry", "--status", "failed", "--endpoint", "dead-api"))
     assert res["matched"] == 1 and res["retried"] == 1
     assert len(await _calls(fresh_upstream, "again", 2)) == 2
 

@@ -219,7 +219,7 @@ async def test_the_client_gives_bytes_and_type_and_the_cli_names_them(
     JSON, or from /result for an external one); `qgw tasks show` prints no binary."""
     from queue_gateway_client import AsyncClient
 
-    from tests.test_cli import answer, qgw
+    from tests.test_cli import answer, aqgw
 
     url = f"{upstream}/cli"
     await gateway.add_endpoint("cli", url)
@@ -238,6 +238,6 @@ async def test_the_client_gives_bytes_and_type_and_the_cli_names_them(
         assert big.save(tmp_path / "out.png").read_bytes() == expected(MB, 4)
         plain = await text.result(timeout=30)
         assert plain.json()["echo"] == "hello" and plain.text == plain
-    shown = answer(qgw(env, "tasks", "show", large.task_id))
+    shown = answer(await aqgw(env, "tasks", "show", large.task_id))
     assert shown["task_result"] == (f"<{MB} bytes of image/png: GET /api/v1/tasks/"
                                     f"{large.task_id}/result>")

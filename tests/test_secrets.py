@@ -117,6 +117,11 @@ def qgw(env: dict[str, str], *args: str, **extra: str) -> subprocess.CompletedPr
                           timeout=60)
 
 
+async def aqgw(env: dict[str, str], *args: str, **extra: str) -> subprocess.CompletedProcess[str]:
+    """`qgw` from a thread, the test's own gateway serving on meanwhile (tests/test_cli.py)."""
+    return await asyncio.to_thread(qgw, env, *args, **extra)
+
+
 async def wait_done(client: httpx.AsyncClient, auth: dict[str, str], task_id: str
                     ) -> dict[str, Any]:
     for _ in range(300):
@@ -188,12 +193,12 @@ async def test_the_upstream_gets_the_credentials_and_nobody_reads_them_back(
 ) -> None:
     up, base = raw_upstream
     target = f"{base}/v1/chat"
-    assert qgw(env, "migrate").returncode == 0
+    assert (await aqgw(env, "migrate")).returncode == 0
     # Added from the CLI: its output is searched too.
-    added = qgw(env, "endpoints", "add", "llm", target, "--forward-headers",
-                "Authorization,Anthropic-Version",
-                "--upstream-header", f"Authorization: Bearer {SECRET}",
-                "--upstream-header", "anthropic-version: 2023-06-01")
+    added = await aqgw(env, "endpoints", "add", "llm", target, "--forward-headers",
+                       "Authorization,Anthropic-Version",
+                       "--upstream-header", f"Authorization: Bearer {SECRET}",
+                       "--upstream-header", "anthropic-version: 2023-06-01")
     assert added.returncode == 0, added.stderr
     assert json.loads(added.stdout)["upstream_headers"] == {
         "Authorization": "<set>", "anthropic-version": "<set>"}
@@ -225,8 +230,9 @@ async def test_the_upstream_gets_the_credentials_and_nobody_reads_them_back(
     assert task_id in answers[-1].text  # the search found the task, request and all
     assert answers[1].json()["upstream_headers"] == {"Authorization": "<set>",
                                                      "anthropic-version": "<set>"}
-    cli = [qgw(env, *args) for args in (("endpoints", "list"), ("endpoints", "show", "llm"),
-                                        ("tasks", "show", task_id))]
+    cli = [await aqgw(env, *args) for args in (("endpoints", "list"),
+                                               ("endpoints", "show", "llm"),
+                                               ("tasks", "show", task_id))]
     assert all(c.returncode == 0 for c in cli), [c.stderr for c in cli]
     serve.stop()  # its logs complete
     seen = {f"answer {a.url}": a.content for a in answers} | {"webhook delivery": hook}
@@ -360,7 +366,7 @@ async def test_cli_takes_a_value_from_the_environment_or_a_file_not_the_command_
             "--upstream-header", "Authorization: @env:PROVIDER_KEY",
             "--upstream-header", f"X-Org: @file:{key_file}"]
     assert not any(SECRET in a for a in args)  # nothing for ps or the shell history to keep
-    add = qgw(env, *args, PROVIDER_KEY=f"Bearer {SECRET}")
+    add = await aqgw(env, *args, PROVIDER_KEY=f"Bearer {SECRET}")
     assert add.returncode == 0, add.stderr
     assert not found_in((add.stdout + add.stderr).encode())
     stored = (await gateway.rt.endpoints.get("llm")).upstream_headers
@@ -369,7 +375,7 @@ async def test_cli_takes_a_value_from_the_environment_or_a_file_not_the_command_
     assert ring.open("llm", "X-Org", stored["X-Org"]) == f"{SECRET}-from-file"
     for value, says in (("@env:NOT_SET_ANYWHERE", "NOT_SET_ANYWHERE"),
                         (f"@file:{tmp_path / 'missing'}", "missing")):
-        bad = qgw(env, "endpoints", "update", "llm", "--upstream-header", f"X-Org: {value}")
+        bad = await aqgw(env, "endpoints", "update", "llm", "--upstream-header", f"X-Org: {value}")
         assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and says in bad.stderr
 
 
@@ -403,9 +409,10 @@ async def test_rotation_keeps_calls_working_while_it_runs(
     up, base = raw_upstream
     target = f"{base}/v1/rotate"
     old, new = new_key(), new_key()
-    assert qgw(env, "migrate").returncode == 0
-    assert qgw(env, "endpoints", "add", "llm", target, "--upstream-header",
-               f"Authorization: Bearer {SECRET}", QGW_SECRETS_KEY=old).returncode == 0
+    assert (await aqgw(env, "migrate")).returncode == 0
+    added = await aqgw(env, "endpoints", "add", "llm", target, "--upstream-header",
+                       f"Authorization: Bearer {SECRET}", QGW_SECRETS_KEY=old)
+    assert added.returncode == 0, added.stderr
     both = {"QGW_SECRETS_KEY": new, "QGW_SECRETS_KEY_PREVIOUS": old}
     serve.start(**both)  # processes restarted with the new key first, the old one beside it
     async with httpx.AsyncClient(base_url=serve.url, timeout=30) as client:
@@ -436,7 +443,7 @@ async def test_rotation_keeps_calls_working_while_it_runs(
     mirror = redis_dumps(env["QGW_REDIS_URL"], settings.key_prefix)
     assert {sealed_by(t.decode()) for t in _tokens(db)} >= {key_id(parse_key(new))}
     assert _sealed_ids(mirror) == {key_id(parse_key(new))}
-    again = qgw(env, "secrets", "rotate", **both)
+    again = await aqgw(env, "secrets", "rotate", **both)
     assert json.loads(again.stdout)["resealed"] == 0
     # Without the old key a process still calls with the credentials.
     serve.stop()

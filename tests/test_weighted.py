@@ -13,7 +13,7 @@ import pytest
 
 from app.tiers import weight_of
 from tests.conftest import Gateway
-from tests.test_cli import answer, qgw, refusal
+from tests.test_cli import answer, aqgw, refusal
 from tests.test_fairness import _calls
 
 pytestmark = pytest.mark.backends("single", "cluster")
@@ -101,10 +101,10 @@ async def test_a_weight_is_checked(gateway: Gateway) -> None:
 
 
 async def test_qgw_tiers_set_reaches_every_process(gateway: Gateway, env: dict[str, str]) -> None:
-    assert answer(qgw(env, "tiers", "set", "gold", "--weight", "3")) == {
+    assert answer(await aqgw(env, "tiers", "set", "gold", "--weight", "3")) == {
         "tier": "gold", "weight": 3}
-    assert answer(qgw(env, "tiers", "list")) == [{"tier": "gold", "weight": 3}]
-    assert "weight" in refusal(qgw(env, "tiers", "set", "gold", "--weight", "0"), code=2)
+    assert answer(await aqgw(env, "tiers", "list")) == [{"tier": "gold", "weight": 3}]
+    assert "weight" in refusal(await aqgw(env, "tiers", "set", "gold", "--weight", "0"), code=2)
     r = await gateway.http.get("/admin/v1/tiers", headers=gateway.admin)
     assert r.json() == [{"tier": "gold", "weight": 3}]
     for _ in range(50):  # this process's mirror hears of it (what its submits weigh by)
