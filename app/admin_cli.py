@@ -206,9 +206,10 @@ class _SqlOnly:
 
         from app.core.keys import Keys
         from app.core.registry import Mirror
-        from app.db import make_engine
+        from app.db import make_engine, set_request_timeout
         from app.store import EndpointStore, KeyStore
 
+        set_request_timeout(settings.sql_timeout_s)
         engine, unused = make_engine(settings.db_url), Redis()
         keys = Keys(settings.key_prefix)
         no_mirror: Mirror[Any] = Mirror(unused, keys, "endpoints", dict, _never)

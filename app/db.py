@@ -139,21 +139,32 @@ class TaskResultRow(Base):
 #: statement is bounded too, from the caller's side: `bounded` on the request path,
 #: asyncio.timeout around a background batch.
 SQL_CONNECT_TIMEOUT_S = 3
-SQL_REQUEST_TIMEOUT_S = 3  # on the request path: then 503
+SQL_REQUEST_TIMEOUT_S = 3.0  # on the request path: then 503 (QGW_SQL_TIMEOUT_S)
 SQL_JOB_TIMEOUT_S = 30  # one batch of a background job (outbox, purge): then retried
 
 
 _abandoned: set[asyncio.Future[Any]] = set()
+_request_timeout_s = SQL_REQUEST_TIMEOUT_S
 
 
-async def bounded(work: Awaitable[T], timeout_s: float = SQL_REQUEST_TIMEOUT_S) -> T:
-    """`work`'s result within `timeout_s`, else TimeoutError, without waiting for its clean-up.
+def set_request_timeout(timeout_s: float) -> None:
+    """The process's bound on the request path (QGW_SQL_TIMEOUT_S), set once at start as
+    the keyring is (app/secrets.py): every store's statement reads it."""
+    global _request_timeout_s
+    _request_timeout_s = timeout_s
+
+
+async def bounded(work: Awaitable[T], timeout_s: float | None = None) -> T:
+    """`work`'s result within `timeout_s` (default: the request path's bound), else
+    TimeoutError, without waiting for its clean-up.
 
     Cancelled inside `asyncio.timeout`, a statement on a server that stopped answering still
     returns its connection on the way out (a ROLLBACK), which waits on that server in turn:
     a request could hang after all. Here the work runs as a task of its own and is left to
     end in the background; the request answers at once.
     """
+    if timeout_s is None:
+        timeout_s = _request_timeout_s
     task = asyncio.ensure_future(work)
     done, _ = await asyncio.wait({task}, timeout=timeout_s)
     if task in done:

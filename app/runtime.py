@@ -21,7 +21,7 @@ from app.core.keys import Keys
 from app.core.loop import STORE_ERRORS
 from app.core.registry import EndpointRegistry, Mirror, cancel_all
 from app.core.scripts import Scripts
-from app.db import SQL_JOB_TIMEOUT_S, bounded, make_engine, settle
+from app.db import SQL_JOB_TIMEOUT_S, bounded, make_engine, set_request_timeout, settle
 from app.embedded import EmbeddedRedis
 from app.endpoints import EndpointConfig
 from app.healthcheck import beat, heartbeat_path
@@ -96,6 +96,7 @@ class Runtime:
     async def start(self) -> None:
         s = self.settings
         secrets.install(s.keyring)  # its calls open their endpoint's credentials with it
+        set_request_timeout(s.sql_timeout_s)
         if s.redis_url:
             self.redis_url = s.redis_url
         else:  # the private server lives and dies with this runtime

@@ -25,6 +25,10 @@ class Settings(BaseSettings):
     redis_url: str | None = None
     #: sqlite+aiosqlite:// or mysql+aiomysql://user:pw@host:3306/db; unset: SQLite in the data dir.
     database_url: str | None = None
+    #: How long a request waits for the database (status of a finished task, admin writes)
+    #: before it is answered 503 database_unavailable instead of held by a database that
+    #: stopped answering. Background jobs get 30 s a batch.
+    sql_timeout_s: float = Field(3.0, gt=0, le=60)
     #: The embedded Redis's data, the SQLite file, the generated admin token and permit secret.
     data_dir: Path = Path(".qgw")
     #: Listen address of `qgw serve` and `qgw api` (their --host).

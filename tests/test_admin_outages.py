@@ -110,7 +110,8 @@ async def test_every_admin_route_answers_503_quickly_while_the_database_hangs(
 ) -> None:
     """A paused MariaDB accepts connections and never answers: every admin route must still
     answer, 503 database_unavailable, within its bound on SQL (not after TCP gives up)."""
-    async with open_gateway(settings.model_copy(update={"database_url": db_url})) as gw:
+    bounded = {"database_url": db_url, "sql_timeout_s": SQL_REQUEST_TIMEOUT_S}
+    async with open_gateway(settings.model_copy(update=bounded)) as gw:
         await gw.add_endpoint("on", "http://127.0.0.1:9/on")
         await gw.add_endpoint("idle", "http://127.0.0.1:9/idle", enabled=False)
         key_id = (await gw.http.post("/admin/v1/api-keys", headers=gw.admin,

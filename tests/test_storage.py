@@ -426,7 +426,8 @@ async def test_a_database_that_stops_answering_costs_a_503_not_a_hang(
     server = MariaDB(tmp_path / "mdb")
     server.start()
     try:
-        settings = settings.model_copy(update={"database_url": server.create_database("qgw")})
+        settings = settings.model_copy(update={"database_url": server.create_database("qgw"),
+                                               "sql_timeout_s": SQL_REQUEST_TIMEOUT_S})
         async with open_gateway(settings) as gw:
             await gw.add_endpoint("hang", f"{upstream}/hang")
             auth = await gw.new_key(user_id=7)
