@@ -141,6 +141,7 @@ class TaskResultRow(Base):
 SQL_CONNECT_TIMEOUT_S = 3
 SQL_REQUEST_TIMEOUT_S = 3.0  # on the request path: then 503 (QGW_SQL_TIMEOUT_S)
 SQL_JOB_TIMEOUT_S = 30  # one batch of a background job (outbox, purge): then retried
+SQLITE_BUSY_TIMEOUT_S = 5  # a SQLite statement waits this long for another's lock, then fails
 
 
 _abandoned: set[asyncio.Future[Any]] = set()
@@ -175,14 +176,14 @@ async def bounded(work: Awaitable[T], timeout_s: float | None = None) -> T:
     raise TimeoutError(f"the database did not answer within {timeout_s:g} s")
 
 
-async def settle(timeout_s: float = 10) -> None:
+async def settle(timeout_s: float = SQLITE_BUSY_TIMEOUT_S + 1) -> None:
     """Let the statements `bounded` left behind end, before their engine is disposed.
 
     Each was cancelled once and is closing its connection. Cancelled again (as `asyncio.run`
     does to every task left at exit), aiosqlite's close can wait for a worker thread that has
     already stopped, and the process never exits (`qgw tasks retry` hung so, a SQLite write
-    lock held elsewhere). Past the busy timeout (5 s) a SQLite one has ended; a server that
-    stopped answering is left to the timeout here.
+    lock held elsewhere). Past the busy timeout a SQLite one has ended; one on a server that
+    stopped answering is left to that cancellation, which closes its socket.
     """
     if _abandoned:
         await asyncio.wait(set(_abandoned), timeout=timeout_s)
@@ -190,7 +191,7 @@ async def settle(timeout_s: float = 10) -> None:
 
 def make_engine(url: str) -> AsyncEngine:
     if url.startswith("sqlite"):
-        return create_async_engine(url, connect_args={"timeout": 5})
+        return create_async_engine(url, connect_args={"timeout": SQLITE_BUSY_TIMEOUT_S})
     return create_async_engine(url, pool_pre_ping=True, pool_recycle=3600, pool_timeout=5,
                                connect_args={"connect_timeout": SQL_CONNECT_TIMEOUT_S})
 
