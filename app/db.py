@@ -185,8 +185,10 @@ async def settle(timeout_s: float = SQLITE_BUSY_TIMEOUT_S + 1) -> None:
     lock held elsewhere). Past the busy timeout a SQLite one has ended; one on a server that
     stopped answering is left to that cancellation, which closes its socket.
     """
-    if _abandoned:
-        await asyncio.wait(set(_abandoned), timeout=timeout_s)
+    loop = asyncio.get_running_loop()  # another loop's (a test's earlier one) are not ours
+    mine = {task for task in _abandoned if task.get_loop() is loop}
+    if mine:
+        await asyncio.wait(mine, timeout=timeout_s)
 
 
 def make_engine(url: str) -> AsyncEngine:
