@@ -23,6 +23,7 @@ from app import logs, migrate, secrets
 from app.redis_url import parse as parse_redis_url
 from app.secrets import key_id, new_key, parse_key, sealed_by
 from app.settings import Settings
+from tests import test_cli
 from tests.conftest import ADMIN
 from tests.servers import QGW, MariaDB, free_port, stop, wait_port
 
@@ -113,13 +114,12 @@ def serve(env: dict[str, str], tmp_path: Path) -> Iterator[Serve]:
 
 
 def qgw(env: dict[str, str], *args: str, **extra: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*QGW, *args], env={**env, **extra}, capture_output=True, text=True,
-                          timeout=60)
+    """tests/test_cli.py's, with `extra` variables set (a key, a provider's secret)."""
+    return test_cli.qgw({**env, **extra}, *args)
 
 
 async def aqgw(env: dict[str, str], *args: str, **extra: str) -> subprocess.CompletedProcess[str]:
-    """`qgw` from a thread, the test's own gateway serving on meanwhile (tests/test_cli.py)."""
-    return await asyncio.to_thread(qgw, env, *args, **extra)
+    return await test_cli.aqgw({**env, **extra}, *args)
 
 
 async def wait_done(client: httpx.AsyncClient, auth: dict[str, str], task_id: str
