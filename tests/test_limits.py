@@ -131,6 +131,10 @@ async def test_a_cost_limit_holds_where_calls_that_left_late_arrive(
     assert most_in_window(times, 1000) == 2  # 10 units: never a third call of cost 5
 
 
+# The third call leaves one window + half the guard after the first: at 50 ms, a 35 ms lag of
+# the mock's stamp (a Cluster test on a host the suite keeps busy) put three in a window of
+# its log. As for the test above, the guard is the setting for a jittery host.
+@pytest.mark.parametrize("settings", [200], indirect=True)
 async def test_a_cost_limit_paces_its_units_across_the_window(
     gateway: Gateway, fresh_upstream: str, start_dispatcher: StartDispatcher
 ) -> None:
@@ -149,7 +153,7 @@ async def test_a_cost_limit_paces_its_units_across_the_window(
     times = _arrivals(fresh_upstream, "/paced")
     assert len(times) == 5
     gaps = [b - a for a, b in itertools.pairwise(times)]
-    assert min(gaps) >= 500 - float(GUARD_MS) - 20  # unpaced: pairs within a few ms
+    assert min(gaps) >= 500 - 200 - 20, gaps  # unpaced: pairs within a few ms
     assert most_in_window(times, 1000) == 2
 
 
