@@ -10,7 +10,7 @@ Its copy still waiting in the outbox (the old ending) is dropped, and it is take
 delivered set, so the next ending reaches SQL and its owner like a first one.
 A proxied request (type `proxy`) never runs again: its answer had one reader, the caller's
 connection, which is gone.
-Returns {'retried', rank} | {'missing'} | {'conflict', current status} | {'gone'} |
+Returns {'retried', rank, now (ms): what ended before it is the old ending} | {'missing'} | {'conflict', current status} | {'gone'} |
 {'proxy', current status}.
 ]]
 --@include now.lua
@@ -35,4 +35,4 @@ redis.call('ZADD', KEYS[3], 'NX', now, ARGV[2])
 redis.call('ZREM', KEYS[4], ARGV[1])  -- its old ending no longer goes to SQL
 redis.call('ZREM', KEYS[5], ARGV[1])
 publish_changed(KEYS[2], {ARGV[1]})
-return {'retried', redis.call('ZRANK', KEYS[2], ARGV[1])}
+return {'retried', redis.call('ZRANK', KEYS[2], ARGV[1]), now}

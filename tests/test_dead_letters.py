@@ -7,11 +7,14 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
+from datetime import datetime, timedelta
 from typing import Any
 
 import httpx
 import pytest
 
+from app.lifecycle.records import from_ms, to_ms
+from app.queue.operator import _forget_row
 from app.runtime import Runtime
 from app.settings import Settings
 from tests.conftest import Gateway
@@ -86,6 +89,38 @@ async def test_a_failure_its_owner_read_stays_and_is_replayed_from_sql(
     assert len(await _calls(fresh_upstream, "payload", 2)) == 2  # it ran again, as sent
     (again,) = await gateway.wait_finished(auth, [tid])
     assert again["task_status"] == "failed" and again["attempts"] == 1
+
+
+async def test_a_retrys_late_delete_of_the_old_ending_keeps_the_new_one(
+    gateway: Gateway, fresh_upstream: str, start_dispatcher: StartDispatcher,
+) -> None:
+    """A retry deletes the task's old row as a best effort, bounded: abandoned, that delete can
+    still land after the task ran again and its new ending reached SQL. It deletes only what
+    ended before the retry, so the new ending stays (a delete by id alone took it)."""
+    url = f"{fresh_upstream}/again"
+    await gateway.add_endpoint("again-api", url, max_retries=0)
+    auth = await gateway.new_key(user_id=5)
+    tid = (await gateway.submit(auth, url, body="twice",
+                                headers={"X-Mock-Status": ["500"]}))["task_id"]
+    await start_dispatcher()
+    (first,) = await gateway.wait_finished(auth, [tid])
+    retried = await _admin(gateway, "POST", f"/admin/v1/tasks/{tid}/retry")
+    assert retried["task_status"] == "pending"
+    (again,) = await gateway.wait_finished(auth, [tid])
+    assert again["task_status"] == "failed" and again["ended_at"] > first["ended_at"]
+    results = gateway.rt.queue.results
+    assert results is not None
+    deadline = time.monotonic() + 15
+    while (row := await results.get(tid, 5)) is None:  # the outbox writer's turn
+        assert time.monotonic() < deadline, "the new ending never reached SQL"
+        await asyncio.sleep(0.1)
+
+    # The retry's delete, landing only now: its bound is the retry's Redis time.
+    cutoff = from_ms(to_ms(datetime.fromisoformat(first["ended_at"]).replace(tzinfo=None)))
+    assert cutoff is not None
+    await _forget_row(gateway.rt.queue, tid, ended_before=cutoff + timedelta(milliseconds=1))
+    kept = await results.get(tid, 5)
+    assert kept is not None and kept.ended_at == row.ended_at and kept.status == "failed"
 
 
 @pytest.mark.backends("single", "cluster")

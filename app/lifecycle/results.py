@@ -21,11 +21,12 @@ import logging
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
+from datetime import datetime
 from types import SimpleNamespace
 from typing import Any
 
 from redis.asyncio import Redis
-from sqlalchemy import LargeBinary, Table, cast, delete, func, select
+from sqlalchemy import ColumnElement, LargeBinary, Table, cast, delete, func, select
 from sqlalchemy.dialects.mysql import insert as mysql_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.exc import DataError, DBAPIError, IntegrityError
@@ -81,14 +82,19 @@ class ResultStore:
                 await conn.execute(stmt, chunk)
 
     async def delete(self, task_ids: list[str], objects: ObjectStore | None = None,
-                     refs: list[str] | None = None) -> int:
+                     refs: list[str] | None = None, ended_before: datetime | None = None
+                     ) -> int:
         """Delete rows, and their objects in the result store with them (and the objects
-        `refs`, of tasks whose row may never have been written)."""
+        `refs`, of tasks whose row may never have been written); with `ended_before`, only
+        rows that ended before it."""
         if not task_ids:
             return 0
+        where: list[ColumnElement[bool]] = [T.c.task_id.in_(task_ids)]
+        if ended_before is not None:
+            where.append(T.c.ended_at < ended_before)
         async with asyncio.timeout(SQL_JOB_TIMEOUT_S), self.engine.begin() as conn:
             await delete_objects_of(conn, objects, task_ids, refs or [])
-            res = await conn.execute(delete(T).where(T.c.task_id.in_(task_ids)))
+            res = await conn.execute(delete(T).where(*where))
         return int(getattr(res, "rowcount", 0) or 0)
 
     async def get(self, task_id: str, user_id: int, result_limit: int = 0) -> Any | None:

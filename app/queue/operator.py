@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import select
@@ -18,7 +19,7 @@ from app.core.loop import STORE_ERRORS
 from app.core.registry import EndpointRegistry
 from app.db import bounded
 from app.errors import ApiError
-from app.lifecycle.records import DEAD_LETTERS, fields_of, to_ms
+from app.lifecycle.records import DEAD_LETTERS, fields_of, from_ms, to_ms
 from app.lifecycle.results import T
 from app.models import TaskStatus
 from app.queue.fairness import PRIORITY_STEP, starvation_keys
@@ -74,7 +75,7 @@ async def retry(queue: TaskQueue, registry: EndpointRegistry, task_id: str) -> d
         args=[task_id, e, queue.ttls.pending_ms, queue.ttls.done_ms],
     )
     if res[0] == "retried":
-        await _forget_row(queue, task_id)
+        await _forget_row(queue, task_id, ended_before=from_ms(res[2]))
         return {"task_id": task_id, "task_status": TaskStatus.PENDING.value,
                 "wait_num": int(res[1])}
     if res[0] == "gone":
@@ -141,16 +142,19 @@ async def _revive(queue: TaskQueue, registry: EndpointRegistry, row: Any) -> dic
     if res[0] == "gone":
         raise ApiError(409, "endpoint_not_registered",
                        f"the endpoint of task {task_id!r} is deleted; nothing would run it")
-    await _forget_row(queue, task_id)
+    ended = row.ended_at and row.ended_at + timedelta(milliseconds=1)
+    await _forget_row(queue, task_id, ended_before=ended)
     return {"task_id": task_id, "task_status": TaskStatus.PENDING.value, "wait_num": int(res[1])}
 
 
-async def _forget_row(queue: TaskQueue, task_id: str) -> None:
+async def _forget_row(queue: TaskQueue, task_id: str, ended_before: datetime | None) -> None:
     """The old ending of a task running again: it is no dead letter any more (its next ending
-    writes the row anew). Best effort: a row left says `failed` until then."""
+    writes the row anew). Best effort: a row left says `failed` until then. Only a row that
+    ended before the retry goes: a delete abandoned by its bound may still land after the task
+    has run and ended again, and must not take that new ending with it (None: no bound)."""
     if queue.results is not None:
         with contextlib.suppress(*STORE_ERRORS):
-            await bounded(queue.results.delete([task_id]))
+            await bounded(queue.results.delete([task_id], ended_before=ended_before))
 
 
 async def purge(queue: TaskQueue, endpoint_id: str) -> int:
