@@ -343,6 +343,8 @@ async def main(args: argparse.Namespace) -> None:
                 print(row, flush=True)
             if exe:  # its backlog of the latency phases must not reach the mock now
                 stop(procs.pop())  # type: ignore[arg-type]
+            if args.over_seconds <= 0:  # the latency phases only
+                return
             print(f"\noversubscription: {3 * LIMIT_PER_S}/s for {args.over_seconds:g} s against "
                   f"{LIMIT_PER_S}/s, callers' max wait {args.max_wait:g} s\n"
                   "| gateway | answered 200 | share of limit | upstream 429s | "
@@ -366,7 +368,8 @@ async def main(args: argparse.Namespace) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seconds", type=float, default=10)
-    parser.add_argument("--over-seconds", type=float, default=60)
+    parser.add_argument("--over-seconds", type=float, default=60,
+                        help="the oversubscription phase's length; 0 leaves it out")
     parser.add_argument("--max-wait", type=float, default=30)
     parser.add_argument("--rounds", type=int, default=3,
                         help="turns direct and ours take at each rate (their phases pooled)")
