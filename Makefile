@@ -42,7 +42,7 @@ run: $(RUNSTAMP)
 
 ## Lint, type-check and run the test suite against real servers. The code is compiled to
 ## bytecode first: the tests start hundreds of `qgw` processes, and where the environment sets
-## PYTHONDONTWRITEBYTECODE (or the tree is read-only) each would compile what it imports again.
+## PYTHONDONTWRITEBYTECODE each would compile what it imports again.
 test: $(SYSDEPS) $(STAMP) lint
 	$(BIN)/python -m compileall -q app bench tests
 	$(BIN)/pytest -q -n 3

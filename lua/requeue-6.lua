@@ -10,8 +10,10 @@ Its copy still waiting in the outbox (the old ending) is dropped, and it is take
 delivered set, so the next ending reaches SQL and its owner like a first one.
 A proxied request (type `proxy`) never runs again: its answer had one reader, the caller's
 connection, which is gone.
-Returns {'retried', rank, now (ms): what ended before it is the old ending} | {'missing'} | {'conflict', current status} | {'gone'} |
-{'proxy', current status}.
+Returns {'retried', rank, cutoff} | {'missing'} | {'conflict', current status} | {'gone'} |
+{'proxy', current status}; cutoff (ms): a row that ended before it is the old ending, for the
+caller to delete: the old ended_at + 1 (the retry's time when there is none), not the retry's
+time alone, which a clock stepped back (a failover's new master) could put after a new ending.
 ]]
 --@include now.lua
 --@include stats.lua
@@ -19,11 +21,12 @@ Returns {'retried', rank, now (ms): what ended before it is the old ending} | {'
 --@include starvation.lua
 
 if redis.call('HEXISTS', KEYS[6], ARGV[2]) == 0 then return {'gone'} end
-local f = redis.call('HMGET', KEYS[1], 'status', 'score', 'type')
+local f = redis.call('HMGET', KEYS[1], 'status', 'score', 'type', 'ended_at')
 if not f[1] then return {'missing'} end
 if f[3] == 'proxy' then return {'proxy', f[1]} end
 if f[1] ~= 'failed' and f[1] ~= 'expired' then return {'conflict', f[1]} end
 local now = now_ms()
+local cutoff = f[4] and tonumber(f[4]) + 1 or now
 local pending_ttl = tonumber(ARGV[3])
 redis.call('HDEL', KEYS[1], 'result', 'result_status_code', 'result_meta', 'started_at', 'ended_at',
   'lease', 'deadline')
@@ -35,4 +38,4 @@ redis.call('ZADD', KEYS[3], 'NX', now, ARGV[2])
 redis.call('ZREM', KEYS[4], ARGV[1])  -- its old ending no longer goes to SQL
 redis.call('ZREM', KEYS[5], ARGV[1])
 publish_changed(KEYS[2], {ARGV[1]})
-return {'retried', redis.call('ZRANK', KEYS[2], ARGV[1]), now}
+return {'retried', redis.call('ZRANK', KEYS[2], ARGV[1]), cutoff}

@@ -7,14 +7,15 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
-from datetime import datetime, timedelta
+from datetime import datetime
 from typing import Any
 
 import httpx
 import pytest
 
-from app.lifecycle.records import from_ms, to_ms
-from app.queue.operator import _forget_row
+from app.lifecycle.outbox import Outbox
+from app.lifecycle.records import to_ms
+from app.queue import operator
 from app.runtime import Runtime
 from app.settings import Settings
 from tests.conftest import Gateway
@@ -93,34 +94,72 @@ async def test_a_failure_its_owner_read_stays_and_is_replayed_from_sql(
 
 async def test_a_retrys_late_delete_of_the_old_ending_keeps_the_new_one(
     gateway: Gateway, fresh_upstream: str, start_dispatcher: StartDispatcher,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A retry deletes the task's old row as a best effort, bounded: abandoned, that delete can
     still land after the task ran again and its new ending reached SQL. It deletes only what
-    ended before the retry, so the new ending stays (a delete by id alone took it)."""
+    ended before the retry's cutoff, so the new ending stays (a delete by id alone took it)."""
     url = f"{fresh_upstream}/again"
     await gateway.add_endpoint("again-api", url, max_retries=0)
     auth = await gateway.new_key(user_id=5)
     tid = (await gateway.submit(auth, url, body="twice",
                                 headers={"X-Mock-Status": ["500"]}))["task_id"]
     await start_dispatcher()
-    (first,) = await gateway.wait_finished(auth, [tid])
+    await gateway.wait_finished(auth, [tid])
+    late: list[datetime | None] = []  # the retry's delete, held back: it lands below
+
+    async def held_back(queue: Any, task_id: str, ended_before: datetime | None) -> None:
+        late.append(ended_before)
+    monkeypatch.setattr(operator, "_forget_row", held_back)
     retried = await _admin(gateway, "POST", f"/admin/v1/tasks/{tid}/retry")
-    assert retried["task_status"] == "pending"
+    assert retried["task_status"] == "pending" and len(late) == 1
     (again,) = await gateway.wait_finished(auth, [tid])
-    assert again["task_status"] == "failed" and again["ended_at"] > first["ended_at"]
+    assert again["task_status"] == "failed"
     results = gateway.rt.queue.results
     assert results is not None
+    new_end = to_ms(datetime.fromisoformat(again["ended_at"]).replace(tzinfo=None))
     deadline = time.monotonic() + 15
-    while (row := await results.get(tid, 5)) is None:  # the outbox writer's turn
-        assert time.monotonic() < deadline, "the new ending never reached SQL"
+    while (row := await results.get(tid, 5)) is None or to_ms(row.ended_at) != new_end:
+        assert time.monotonic() < deadline, ("the new ending never reached SQL", row, new_end)
         await asyncio.sleep(0.1)
 
-    # The retry's delete, landing only now: its bound is the retry's Redis time.
-    cutoff = from_ms(to_ms(datetime.fromisoformat(first["ended_at"]).replace(tzinfo=None)))
-    assert cutoff is not None
-    await _forget_row(gateway.rt.queue, tid, ended_before=cutoff + timedelta(milliseconds=1))
+    monkeypatch.undo()
+    await operator._forget_row(gateway.rt.queue, tid, ended_before=late[0])
     kept = await results.get(tid, 5)
-    assert kept is not None and kept.ended_at == row.ended_at and kept.status == "failed"
+    assert kept is not None and to_ms(kept.ended_at) == new_end and kept.status == "failed"
+
+
+@pytest.mark.backends("single", "cluster")
+async def test_an_ending_that_came_after_the_writer_read_stays_in_the_outbox(
+    gateway: Gateway,
+) -> None:
+    """The writer reads a failed task, a retry runs it again and it fails again, then the
+    writer's commit of the first ending comes back: the task used to leave the outbox then,
+    its second ending never reaching SQL (whose row kept the first). Only the ending the writer
+    read leaves it now."""
+    rt, e = gateway.rt, "race"
+    tid = f"{'ab' * 16}.{e}"
+    outbox, task = rt.keys.outbox(e), rt.keys.task(tid)
+    first, second = (int(time.time() * 1000) + i for i in (0, 100))  # ms: done TTL from there
+    fields = {"user_id": 1, "status": "failed", "type": "offline", "attempts": 1,
+              "created_at": first - 10, "ended_at": first, "result": "first"}
+    await rt.redis.hset(task, mapping=fields)
+    await rt.redis.zadd(outbox, {tid: first})
+    box = Outbox(rt.redis, rt.keys)
+    waiting = await box.waiting(e, 10)
+    records = await box.fetch(waiting)
+    assert records[tid] is not None and records[tid]["ended_at"] == str(first)
+
+    await rt.redis.hset(task, mapping={"ended_at": second, "result": "second"})  # ended again
+    await rt.redis.zadd(outbox, {tid: second})
+    await box.saved(waiting, records, 60_000)
+    assert await rt.redis.zscore(outbox, tid) == second  # the second ending is written next
+    assert await rt.redis.pttl(task) == -1  # and keeps its hash until then
+
+    records = await box.fetch(await box.waiting(e, 10))  # the next round: this one leaves
+    await box.saved(waiting, records, 60_000)
+    assert await rt.redis.zscore(outbox, tid) is None
+    assert await rt.redis.pttl(task) > 0
 
 
 @pytest.mark.backends("single", "cluster")

@@ -83,7 +83,10 @@ async def test_several_limits_hold_together_across_two_dispatchers(
 # Paced, the third call leaves 2 s + half the guard after the first: at 50 ms, a 25 ms lag of
 # the mock's stamp on a host whose two cores the rest of the suite keeps busy put three calls
 # in one window of its log (1 run in ~6). The guard is the setting for a jittery host.
-@pytest.mark.parametrize("settings", [200], indirect=True)
+JITTERY_GUARD_MS = 200
+
+
+@pytest.mark.parametrize("settings", [JITTERY_GUARD_MS], indirect=True)
 async def test_a_cost_limit_spends_each_tasks_cost(
     gateway: Gateway, fresh_upstream: str, start_dispatcher: StartDispatcher
 ) -> None:
@@ -133,8 +136,8 @@ async def test_a_cost_limit_holds_where_calls_that_left_late_arrive(
 
 # The third call leaves one window + half the guard after the first: at 50 ms, a 35 ms lag of
 # the mock's stamp (a Cluster test on a host the suite keeps busy) put three in a window of
-# its log. As for the test above, the guard is the setting for a jittery host.
-@pytest.mark.parametrize("settings", [200], indirect=True)
+# its log: the guard of test_a_cost_limit_spends_each_tasks_cost.
+@pytest.mark.parametrize("settings", [JITTERY_GUARD_MS], indirect=True)
 async def test_a_cost_limit_paces_its_units_across_the_window(
     gateway: Gateway, fresh_upstream: str, start_dispatcher: StartDispatcher
 ) -> None:
@@ -153,7 +156,7 @@ async def test_a_cost_limit_paces_its_units_across_the_window(
     times = _arrivals(fresh_upstream, "/paced")
     assert len(times) == 5
     gaps = [b - a for a, b in itertools.pairwise(times)]
-    assert min(gaps) >= 500 - 200 - 20, gaps  # unpaced: pairs within a few ms
+    assert min(gaps) >= 500 - JITTERY_GUARD_MS - 20, gaps  # unpaced: pairs within a few ms
     assert most_in_window(times, 1000) == 2
 
 

@@ -515,6 +515,28 @@ async def test_text_outside_latin1_is_kept_in_a_latin1_database(mariadb: MariaDB
         await engine.dispose()
 
 
+async def test_a_delete_bounded_by_ending_keeps_what_ended_at_or_after_it(db_url: str) -> None:
+    """An operator's retry deletes the old ending's row only (app/queue/operator.py): the
+    bound is to the millisecond on both databases (MariaDB's DATETIME(3))."""
+    await asyncio.to_thread(migrate.upgrade, db_url)
+    engine = make_engine(db_url)
+    try:
+        store = ResultStore(engine)
+        t = utcnow()
+        now = t.replace(microsecond=t.microsecond // 1000 * 1000)  # whole ms, as Redis's clock
+        await store.upsert([{
+            "task_id": f"{name}.cut", "user_id": 1, "endpoint": "cut", "type": "offline",
+            "status": "failed", "result": "x", "result_status_code": 500, "attempts": 1,
+            "created_at": now, "started_at": now, "ended_at": now + timedelta(milliseconds=ms)}
+            for name, ms in (("old", 0), ("same", 1), ("new", 2))])
+        cutoff = now + timedelta(milliseconds=1)
+        ids = ["old.cut", "same.cut", "new.cut"]
+        assert await store.delete(ids, ended_before=cutoff) == 1
+        assert [t for t in ids if await store.get(t, 1)] == ["same.cut", "new.cut"]
+    finally:
+        await engine.dispose()
+
+
 async def _as_future(value: Any) -> Any:
     return value
 

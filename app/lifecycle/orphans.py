@@ -23,14 +23,14 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
-from sqlalchemy import Table, select
+from sqlalchemy import ColumnElement, Table, select
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from app.core.keys import Keys
@@ -56,14 +56,16 @@ def refs(metas: Iterable[str | None]) -> list[str]:
 
 
 async def delete_objects_of(conn: AsyncConnection, objects: ObjectStore | None,
-                            task_ids: list[str], known: Iterable[str] = ()) -> None:
-    """Delete the objects of rows about to be deleted (in `conn`'s transaction), and the
-    objects `known` besides. A store that does not answer leaves them to the sweep rather
-    than holding the rows back."""
+                            task_ids: list[str], known: Iterable[str] = (),
+                            where: Sequence[ColumnElement[bool]] = ()) -> None:
+    """Delete the objects of rows about to be deleted (in `conn`'s transaction: those of
+    `task_ids`, or the rows `where` selects), and the objects `known` besides. A store that
+    does not answer leaves them to the sweep rather than holding the rows back."""
     if objects is None or not task_ids:
         return
     metas = (await conn.scalars(select(T.c.result_meta).where(
-        T.c.task_id.in_(task_ids), T.c.result_meta.like('%"enc":"external"%')))).all()
+        *(where or [T.c.task_id.in_(task_ids)]),
+        T.c.result_meta.like('%"enc":"external"%')))).all()
     await objects.drop(sorted({*refs(metas), *known}))
 
 

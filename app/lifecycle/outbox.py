@@ -108,17 +108,20 @@ class Outbox:
                                    args=["headers"])
         return {t: r[0] for t, r in zip(task_ids, replies, strict=True)}
 
-    async def saved(self, waiting: Waiting, task_ids: list[str], done_ms: int) -> None:
-        """These tasks' rows committed (or they can never have one): out of the outbox."""
-        if not task_ids:
+    async def saved(self, waiting: Waiting, records: dict[str, dict[str, Any] | None],
+                    done_ms: int) -> None:
+        """These tasks' rows committed (or they can never have one): out of the outbox, each
+        unless it has ended again since its record was read (saved-1.lua)."""
+        if not records:
             return
         k, e = self.keys, waiting.endpoint
         if waiting.legacy:
-            await self.redis.hdel(k.outbox_legacy(e), *task_ids)
+            await self.redis.hdel(k.outbox_legacy(e), *records)
         else:
             prefix = k.task_prefix(e)
-            await self._saved(keys=[k.outbox(e), *(prefix + t for t in task_ids)],
-                              args=[done_ms, *task_ids])
+            seen = [v for t, rec in records.items() for v in (t, (rec or {}).get("ended_at") or "")]
+            await self._saved(keys=[k.outbox(e), *(prefix + t for t in records)],
+                              args=[done_ms, *seen])
 
     async def refused(self, endpoint: str, task_id: str, record: dict[str, Any]) -> None:
         """Keep a record the database refused even without its result, for an operator."""

@@ -93,7 +93,7 @@ class ResultStore:
         if ended_before is not None:
             where.append(T.c.ended_at < ended_before)
         async with asyncio.timeout(SQL_JOB_TIMEOUT_S), self.engine.begin() as conn:
-            await delete_objects_of(conn, objects, task_ids, refs or [])
+            await delete_objects_of(conn, objects, task_ids, refs or [], where=where)
             res = await conn.execute(delete(T).where(*where))
         return int(getattr(res, "rowcount", 0) or 0)
 
@@ -238,7 +238,7 @@ class OutboxWriter:
             tracing.outbox_spans(waiting.endpoint, self.store.engine.dialect.name, contexts,
                                  started_ns)
         # Only now, after the commit: a crash before this line only repeats the upserts.
-        await self.outbox.saved(waiting, list(records), self.done_ms)
+        await self.outbox.saved(waiting, records, self.done_ms)
         return len(rows)
 
     async def _keep_requests(self, endpoint_id: str, rows: list[dict[str, Any]]) -> None:

@@ -75,7 +75,7 @@ async def retry(queue: TaskQueue, registry: EndpointRegistry, task_id: str) -> d
         args=[task_id, e, queue.ttls.pending_ms, queue.ttls.done_ms],
     )
     if res[0] == "retried":
-        await _forget_row(queue, task_id, ended_before=from_ms(res[2]))
+        await _forget_row(queue, task_id, ended_before=from_ms(res[2]))  # old ending + 1 ms
         return {"task_id": task_id, "task_status": TaskStatus.PENDING.value,
                 "wait_num": int(res[1])}
     if res[0] == "gone":
