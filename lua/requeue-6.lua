@@ -10,10 +10,9 @@ Its copy still waiting in the outbox (the old ending) is dropped, and it is take
 delivered set, so the next ending reaches SQL and its owner like a first one.
 A proxied request (type `proxy`) never runs again: its answer had one reader, the caller's
 connection, which is gone.
-Returns {'retried', rank, cutoff} | {'missing'} | {'conflict', current status} | {'gone'} |
-{'proxy', current status}; cutoff (ms): a row that ended before it is the old ending, for the
-caller to delete: the old ended_at + 1 (the retry's time when there is none), not the retry's
-time alone, which a clock stepped back (a failover's new master) could put after a new ending.
+Returns {'retried', rank, old ended_at ('' if none)} | {'missing'} | {'conflict', status} |
+{'gone'} | {'proxy', current status}. The caller deletes the old ending's SQL row by that time
+(only that ending's: the delete may land late, after the task ended again).
 ]]
 --@include now.lua
 --@include stats.lua
@@ -26,7 +25,6 @@ if not f[1] then return {'missing'} end
 if f[3] == 'proxy' then return {'proxy', f[1]} end
 if f[1] ~= 'failed' and f[1] ~= 'expired' then return {'conflict', f[1]} end
 local now = now_ms()
-local cutoff = f[4] and tonumber(f[4]) + 1 or now
 local pending_ttl = tonumber(ARGV[3])
 redis.call('HDEL', KEYS[1], 'result', 'result_status_code', 'result_meta', 'started_at', 'ended_at',
   'lease', 'deadline')
@@ -38,4 +36,4 @@ redis.call('ZADD', KEYS[3], 'NX', now, ARGV[2])
 redis.call('ZREM', KEYS[4], ARGV[1])  -- its old ending no longer goes to SQL
 redis.call('ZREM', KEYS[5], ARGV[1])
 publish_changed(KEYS[2], {ARGV[1]})
-return {'retried', redis.call('ZRANK', KEYS[2], ARGV[1]), cutoff}
+return {'retried', redis.call('ZRANK', KEYS[2], ARGV[1]), f[4] or ''}

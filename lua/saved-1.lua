@@ -17,8 +17,9 @@ for i = 2, #KEYS do
   local ended = redis.call('HGET', task, 'ended_at')
   if (ended or '') == seen and redis.call('ZREM', KEYS[1], id) == 1 then
     left = left + 1
-    if ended and redis.call('HEXISTS', task, 'hook') == 0 then
-      redis.call('PEXPIREAT', task, tonumber(ended) + done)
+    local at = tonumber(ended)
+    if at and redis.call('HEXISTS', task, 'hook') == 0 then
+      redis.call('PEXPIREAT', task, at + done)
     end
   end
 end

@@ -98,7 +98,7 @@ async def test_a_retrys_late_delete_of_the_old_ending_keeps_the_new_one(
 ) -> None:
     """A retry deletes the task's old row as a best effort, bounded: abandoned, that delete can
     still land after the task ran again and its new ending reached SQL. It deletes only what
-    ended before the retry's cutoff, so the new ending stays (a delete by id alone took it)."""
+    is the retry's ending (its time), so the new ending stays (a delete by id alone took it)."""
     url = f"{fresh_upstream}/again"
     await gateway.add_endpoint("again-api", url, max_retries=0)
     auth = await gateway.new_key(user_id=5)
@@ -108,8 +108,8 @@ async def test_a_retrys_late_delete_of_the_old_ending_keeps_the_new_one(
     await gateway.wait_finished(auth, [tid])
     late: list[datetime | None] = []  # the retry's delete, held back: it lands below
 
-    async def held_back(queue: Any, task_id: str, ended_before: datetime | None) -> None:
-        late.append(ended_before)
+    async def held_back(queue: Any, task_id: str, ended_at: datetime | None) -> None:
+        late.append(ended_at)
     monkeypatch.setattr(operator, "_forget_row", held_back)
     retried = await _admin(gateway, "POST", f"/admin/v1/tasks/{tid}/retry")
     assert retried["task_status"] == "pending" and len(late) == 1
@@ -124,7 +124,8 @@ async def test_a_retrys_late_delete_of_the_old_ending_keeps_the_new_one(
         await asyncio.sleep(0.1)
 
     monkeypatch.undo()
-    await operator._forget_row(gateway.rt.queue, tid, ended_before=late[0])
+    assert late[0] is not None
+    await operator._forget_row(gateway.rt.queue, tid, late[0])
     kept = await results.get(tid, 5)
     assert kept is not None and to_ms(kept.ended_at) == new_end and kept.status == "failed"
 
@@ -138,23 +139,27 @@ async def test_an_ending_that_came_after_the_writer_read_stays_in_the_outbox(
     its second ending never reaching SQL (whose row kept the first). Only the ending the writer
     read leaves it now."""
     rt, e = gateway.rt, "race"
-    tid = f"{'ab' * 16}.{e}"
+    tid, other = f"{'ab' * 16}.{e}", f"{'cd' * 16}.{e}"  # `other` ends once
     outbox, task = rt.keys.outbox(e), rt.keys.task(tid)
     first, second = (int(time.time() * 1000) + i for i in (0, 100))  # ms: done TTL from there
-    fields = {"user_id": 1, "status": "failed", "type": "offline", "attempts": 1,
-              "created_at": first - 10, "ended_at": first, "result": "first"}
-    await rt.redis.hset(task, mapping=fields)
-    await rt.redis.zadd(outbox, {tid: first})
+    for t in (tid, other):
+        await rt.redis.hset(rt.keys.task(t), mapping={
+            "user_id": 1, "status": "failed", "type": "offline", "attempts": 1,
+            "created_at": first - 10, "ended_at": first, "result": "first"})
+        await rt.redis.zadd(outbox, {t: first})
     box = Outbox(rt.redis, rt.keys)
     waiting = await box.waiting(e, 10)
     records = await box.fetch(waiting)
     assert records[tid] is not None and records[tid]["ended_at"] == str(first)
+    assert len(records) == 2
 
     await rt.redis.hset(task, mapping={"ended_at": second, "result": "second"})  # ended again
     await rt.redis.zadd(outbox, {tid: second})
     await box.saved(waiting, records, 60_000)
     assert await rt.redis.zscore(outbox, tid) == second  # the second ending is written next
     assert await rt.redis.pttl(task) == -1  # and keeps its hash until then
+    assert await rt.redis.zscore(outbox, other) is None  # the one that ended once has left
+    assert await rt.redis.pttl(rt.keys.task(other)) > 0
 
     records = await box.fetch(await box.waiting(e, 10))  # the next round: this one leaves
     await box.saved(waiting, records, 60_000)

@@ -15,7 +15,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
-from datetime import timedelta
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -123,6 +123,10 @@ async def test_finished_task_gets_a_row_and_a_one_hour_ttl(
     """The done TTL starts once SQL has the row: until then the task has none."""
     _, (tid,) = await finish(gateway, upstream, start_dispatcher, "row")
     got = await eventually(lambda: rows(gateway.rt.engine))
+    # The writer commits, then takes the task out of the outbox and sets its TTL: a moment
+    # apart, longer on a loaded host (the TTL read between them once saw none).
+    outbox = gateway.rt.keys.outbox("row")
+    await eventually(lambda: _none_left(gateway, outbox))
     ttl = await gateway.rt.redis.pttl(gateway.rt.keys.task(tid))
     assert 0 < ttl <= gateway.rt.settings.done_ttl_s * 1000
     row = got[tid]
@@ -130,6 +134,10 @@ async def test_finished_task_gets_a_row_and_a_one_hour_ttl(
     assert row.result_status_code == 200 and row.attempts == 1 and '"#0"' in row.result
     assert row.created_at <= row.started_at <= row.ended_at
     assert not await gateway.rt.redis.zcard(gateway.rt.keys.outbox("row"))
+
+
+async def _none_left(gateway: Gateway, outbox: str) -> bool:
+    return not await gateway.rt.redis.zcard(outbox)
 
 
 async def test_read_by_owner_cuts_ttl_and_removes_the_row(
@@ -515,24 +523,32 @@ async def test_text_outside_latin1_is_kept_in_a_latin1_database(mariadb: MariaDB
         await engine.dispose()
 
 
-async def test_a_delete_bounded_by_ending_keeps_what_ended_at_or_after_it(db_url: str) -> None:
-    """An operator's retry deletes the old ending's row only (app/queue/operator.py): the
-    bound is to the millisecond on both databases (MariaDB's DATETIME(3))."""
+async def test_a_row_keeps_its_newest_ending_and_a_retrys_delete_takes_only_the_old(
+    db_url: str,
+) -> None:
+    """A task retried and ended again: a writer that read its first ending and commits late
+    does not bring the row back to it; the retry's delete of the first ending (it may land
+    late) leaves the second. To the millisecond on both databases (MariaDB's DATETIME(3))."""
     await asyncio.to_thread(migrate.upgrade, db_url)
     engine = make_engine(db_url)
     try:
         store = ResultStore(engine)
         t = utcnow()
-        now = t.replace(microsecond=t.microsecond // 1000 * 1000)  # whole ms, as Redis's clock
-        await store.upsert([{
-            "task_id": f"{name}.cut", "user_id": 1, "endpoint": "cut", "type": "offline",
-            "status": "failed", "result": "x", "result_status_code": 500, "attempts": 1,
-            "created_at": now, "started_at": now, "ended_at": now + timedelta(milliseconds=ms)}
-            for name, ms in (("old", 0), ("same", 1), ("new", 2))])
-        cutoff = now + timedelta(milliseconds=1)
-        ids = ["old.cut", "same.cut", "new.cut"]
-        assert await store.delete(ids, ended_before=cutoff) == 1
-        assert [t for t in ids if await store.get(t, 1)] == ["same.cut", "new.cut"]
+        first = t.replace(microsecond=t.microsecond // 1000 * 1000)  # whole ms: Redis's clock
+        second = first + timedelta(milliseconds=1)
+
+        def ending(at: datetime, result: str) -> dict[str, Any]:
+            return {"task_id": "again.cut", "user_id": 1, "endpoint": "cut", "type": "offline",
+                    "status": "failed", "result": result, "result_status_code": 500,
+                    "attempts": 1, "created_at": first, "started_at": at, "ended_at": at}
+        await store.upsert([ending(first, "first")])
+        await store.upsert([ending(second, "second")])
+        await store.upsert([ending(first, "first")])  # the late writer
+        row = await store.get("again.cut", 1)
+        assert row is not None and (row.result, row.ended_at) == ("second", second)
+        assert await store.delete(["again.cut"], ended_at=first) == 0  # the late delete
+        assert await store.get("again.cut", 1) is not None
+        assert await store.delete(["again.cut"], ended_at=second) == 1
     finally:
         await engine.dispose()
 

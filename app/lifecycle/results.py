@@ -26,7 +26,17 @@ from types import SimpleNamespace
 from typing import Any
 
 from redis.asyncio import Redis
-from sqlalchemy import ColumnElement, LargeBinary, Table, cast, delete, func, select
+from sqlalchemy import (
+    ColumnElement,
+    LargeBinary,
+    Table,
+    case,
+    cast,
+    delete,
+    func,
+    or_,
+    select,
+)
 from sqlalchemy.dialects.mysql import insert as mysql_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.exc import DataError, DBAPIError, IntegrityError
@@ -46,10 +56,17 @@ from app.queue.objects import ObjectStore
 log = logging.getLogger(__name__)
 
 T: Table = TaskResultRow.__table__  # type: ignore[assignment]  # declared as a FromClause
-_UPDATED = [c.name for c in T.columns if c.name != "task_id"]
+#: Updated on a repeat, `ended_at` last: MySQL assigns in order, and each column's condition
+#: must read the row's old `ended_at`.
+_UPDATED = [c.name for c in T.columns if c.name not in ("task_id", "ended_at")] + ["ended_at"]
 #: Rows per INSERT statement are also capped by size, below MySQL's default
 #: max_allowed_packet (16 MB) whatever the results weigh.
 STATEMENT_BYTES = 4 << 20
+
+
+def _not_older(ended_at: Any) -> ColumnElement[bool]:
+    """The incoming row ended no earlier than the stored one (or that one has no ending)."""
+    return or_(T.c.ended_at.is_(None), ended_at >= T.c.ended_at)
 
 
 class ResultStore:
@@ -64,13 +81,20 @@ class ResultStore:
         driver sends them together; pymysql as multi-row VALUES). Built once: its compilation
         is cached, where a statement built with .values(rows) was compiled afresh for every
         batch (a tenth of a dispatcher's CPU at 1,000 tasks a second), and building even this
-        one per batch was a twentieth of a `qgw serve`'s CPU."""
+        one per batch was a twentieth of a `qgw serve`'s CPU.
+
+        A row never goes back to an older ending: a task retried and ended again can be written
+        by two writers (one read its first ending, then committed late), and the newer ending
+        must stay whichever commits last."""
         if self.engine.dialect.name == "sqlite":
             lite = sqlite_insert(T)
             return lite.on_conflict_do_update(
-                index_elements=[T.c.task_id], set_={c: lite.excluded[c] for c in _UPDATED})
+                index_elements=[T.c.task_id], set_={c: lite.excluded[c] for c in _UPDATED},
+                where=_not_older(lite.excluded.ended_at))
         my = mysql_insert(T)
-        return my.on_duplicate_key_update({c: my.inserted[c] for c in _UPDATED})
+        newer = _not_older(my.inserted.ended_at)
+        return my.on_duplicate_key_update(
+            [(c, case((newer, my.inserted[c]), else_=T.c[c])) for c in _UPDATED])
 
     async def upsert(self, rows: list[dict[str, Any]]) -> None:
         """Write rows in one transaction; a repeat of the same row changes nothing."""
@@ -82,16 +106,15 @@ class ResultStore:
                 await conn.execute(stmt, chunk)
 
     async def delete(self, task_ids: list[str], objects: ObjectStore | None = None,
-                     refs: list[str] | None = None, ended_before: datetime | None = None
-                     ) -> int:
+                     refs: list[str] | None = None, ended_at: datetime | None = None) -> int:
         """Delete rows, and their objects in the result store with them (and the objects
-        `refs`, of tasks whose row may never have been written); with `ended_before`, only
-        rows that ended before it."""
+        `refs`, of tasks whose row may never have been written); with `ended_at`, only rows of
+        the ending at that time."""
         if not task_ids:
             return 0
         where: list[ColumnElement[bool]] = [T.c.task_id.in_(task_ids)]
-        if ended_before is not None:
-            where.append(T.c.ended_at < ended_before)
+        if ended_at is not None:
+            where.append(T.c.ended_at == ended_at)
         async with asyncio.timeout(SQL_JOB_TIMEOUT_S), self.engine.begin() as conn:
             await delete_objects_of(conn, objects, task_ids, refs or [], where=where)
             res = await conn.execute(delete(T).where(*where))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from datetime import datetime, timedelta
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy import select
@@ -75,7 +75,7 @@ async def retry(queue: TaskQueue, registry: EndpointRegistry, task_id: str) -> d
         args=[task_id, e, queue.ttls.pending_ms, queue.ttls.done_ms],
     )
     if res[0] == "retried":
-        await _forget_row(queue, task_id, ended_before=from_ms(res[2]))  # old ending + 1 ms
+        await _forget_row(queue, task_id, from_ms(res[2]))
         return {"task_id": task_id, "task_status": TaskStatus.PENDING.value,
                 "wait_num": int(res[1])}
     if res[0] == "gone":
@@ -142,19 +142,18 @@ async def _revive(queue: TaskQueue, registry: EndpointRegistry, row: Any) -> dic
     if res[0] == "gone":
         raise ApiError(409, "endpoint_not_registered",
                        f"the endpoint of task {task_id!r} is deleted; nothing would run it")
-    ended = row.ended_at and row.ended_at + timedelta(milliseconds=1)
-    await _forget_row(queue, task_id, ended_before=ended)
+    await _forget_row(queue, task_id, row.ended_at)
     return {"task_id": task_id, "task_status": TaskStatus.PENDING.value, "wait_num": int(res[1])}
 
 
-async def _forget_row(queue: TaskQueue, task_id: str, ended_before: datetime | None) -> None:
-    """The old ending of a task running again: it is no dead letter any more (its next ending
-    writes the row anew). Best effort: a row left says `failed` until then. Only a row that
-    ended before the retry goes: a delete abandoned by its bound may still land after the task
-    has run and ended again, and must not take that new ending with it (None: no bound)."""
-    if queue.results is not None:
+async def _forget_row(queue: TaskQueue, task_id: str, ended_at: datetime | None) -> None:
+    """The old ending of a task running again (the one that ended at `ended_at`): it is no
+    dead letter any more (its next ending writes the row anew). Best effort: a row left says
+    `failed` until then. Only that ending's row goes: a delete abandoned by its bound may still
+    land after the task has run and ended again, and must not take the new ending with it."""
+    if queue.results is not None and ended_at is not None:
         with contextlib.suppress(*STORE_ERRORS):
-            await bounded(queue.results.delete([task_id], ended_before=ended_before))
+            await bounded(queue.results.delete([task_id], ended_at=ended_at))
 
 
 async def purge(queue: TaskQueue, endpoint_id: str) -> int:
