@@ -47,6 +47,11 @@ async def _gone_from_redis(gateway: Gateway, task_id: str, timeout: float = 15) 
         await asyncio.sleep(0.1)
 
 
+def _ms(rfc3339: str) -> str | None:
+    """A status field's time as a row's (app/lifecycle/records.py to_ms)."""
+    return to_ms(datetime.fromisoformat(rfc3339).replace(tzinfo=None))
+
+
 async def _calls(upstream: str, body: str, n: int, timeout: float = 15) -> list[Any]:
     deadline = time.monotonic() + timeout
     while True:
@@ -105,7 +110,7 @@ async def test_a_retrys_late_delete_of_the_old_ending_keeps_the_new_one(
     tid = (await gateway.submit(auth, url, body="twice",
                                 headers={"X-Mock-Status": ["500"]}))["task_id"]
     await start_dispatcher()
-    await gateway.wait_finished(auth, [tid])
+    (first,) = await gateway.wait_finished(auth, [tid])
     late: list[datetime | None] = []  # the retry's delete, held back: it lands below
 
     async def held_back(queue: Any, task_id: str, ended_at: datetime | None) -> None:
@@ -113,18 +118,18 @@ async def test_a_retrys_late_delete_of_the_old_ending_keeps_the_new_one(
     monkeypatch.setattr(operator, "_forget_row", held_back)
     retried = await _admin(gateway, "POST", f"/admin/v1/tasks/{tid}/retry")
     assert retried["task_status"] == "pending" and len(late) == 1
+    assert late[0] is not None and to_ms(late[0]) == _ms(first["ended_at"])  # the old ending
     (again,) = await gateway.wait_finished(auth, [tid])
     assert again["task_status"] == "failed"
     results = gateway.rt.queue.results
     assert results is not None
-    new_end = to_ms(datetime.fromisoformat(again["ended_at"]).replace(tzinfo=None))
+    new_end = _ms(again["ended_at"])
     deadline = time.monotonic() + 15
     while (row := await results.get(tid, 5)) is None or to_ms(row.ended_at) != new_end:
         assert time.monotonic() < deadline, ("the new ending never reached SQL", row, new_end)
         await asyncio.sleep(0.1)
 
     monkeypatch.undo()
-    assert late[0] is not None
     await operator._forget_row(gateway.rt.queue, tid, late[0])
     kept = await results.get(tid, 5)
     assert kept is not None and to_ms(kept.ended_at) == new_end and kept.status == "failed"

@@ -56,8 +56,8 @@ from app.queue.objects import ObjectStore
 log = logging.getLogger(__name__)
 
 T: Table = TaskResultRow.__table__  # type: ignore[assignment]  # declared as a FromClause
-#: Updated on a repeat, `ended_at` last: MySQL assigns in order, and each column's condition
-#: must read the row's old `ended_at`.
+#: Updated on a repeat, `ended_at` last: MySQL assigns in order, so every column's condition
+#: reads the row's old ending.
 _UPDATED = [c.name for c in T.columns if c.name not in ("task_id", "ended_at")] + ["ended_at"]
 #: Rows per INSERT statement are also capped by size, below MySQL's default
 #: max_allowed_packet (16 MB) whatever the results weigh.
