@@ -23,6 +23,7 @@ from app.mock_upstream import CONTROL_HEADERS
 from app.runtime import Runtime
 from app.settings import Settings
 from app.startup import start_runtime
+from tests import warm
 from tests.servers import (
     QGW,
     MariaDB,
@@ -360,6 +361,17 @@ def fresh_upstream() -> Iterator[str]:
 SLOW_FIRST = frozenset({"test_starvation", "test_outbox", "test_package", "test_large_reads",
                         "test_cluster_failover", "test_sentinel", "test_admin_outages",
                         "test_limits", "test_adaptive"})
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """`qgw` commands start warm (tests/warm.py: a third of the suite's CPU was their
+    imports); QGW_TEST_COLD=1 starts each as a new interpreter, as before."""
+    if not os.environ.get("QGW_TEST_COLD"):
+        warm.install()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    warm.uninstall()
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 
 from app.embedded import server_binary
 
@@ -58,6 +59,22 @@ def free_port() -> int:
                 continue
             return port
     raise RuntimeError("this worker's port range is used up")
+
+
+def listening(port: int) -> psutil.Process:
+    """The process this one started (at any depth) that listens on `port`: found by its
+    socket, not its command line (tests/warm.py's children show the fork server's)."""
+    (proc,) = [p for p in psutil.Process().children(recursive=True)
+               if any(c.laddr.port == port and c.status == psutil.CONN_LISTEN
+                      for c in _connections(p))]
+    return proc
+
+
+def _connections(proc: psutil.Process) -> list[Any]:
+    try:
+        return proc.net_connections("tcp")
+    except psutil.Error:  # gone meanwhile
+        return []
 
 
 def wait_port(

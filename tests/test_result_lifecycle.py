@@ -5,8 +5,7 @@ goes down fails the call's task clearly instead of losing its answer."""
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
+import subprocess
 import time
 import uuid
 from pathlib import Path
@@ -136,8 +135,14 @@ async def test_a_dispatcher_killed_mid_upload_leaves_nothing_after_the_sweep(
         return await asyncio.to_thread(list_uploads, SeaweedFS.BUCKET,
                                        env["QGW_RESULT_STORE"].split("/")[-1] + "/")
 
+    started: list[subprocess.Popen[bytes]] = []
+
+    def dispatcher(**extra: str) -> subprocess.Popen[bytes]:
+        started.append(dispatcher_process(**extra))
+        return started[-1]
+
     # An upstream of its own: it goes on sending to the dead connection a while.
-    await _finished(gateway, fresh_upstream, "killed", 400 * MB, dispatcher_process, **env)
+    await _finished(gateway, fresh_upstream, "killed", 400 * MB, dispatcher, **env)
     deadline = time.monotonic() + 120
     while True:  # the upload is under way: a staging file, or an S3 multipart upload
         if store_kind == "file" and any(p.stat().st_size > 0 for p in _staging(settings)):
@@ -146,7 +151,9 @@ async def test_a_dispatcher_killed_mid_upload_leaves_nothing_after_the_sweep(
             break
         assert time.monotonic() < deadline, "no upload began"
         await asyncio.sleep(0.05)
-    _kill_dispatchers(gateway)
+    for proc in started:  # kill -9
+        proc.kill()
+        proc.wait(10)
     assert _staging(settings) or await uploads()  # left behind, for now
     dispatcher_process(**env, QGW_RESULT_SWEEP_GRACE_S="2")
     root = settings.data_dir / "results"
@@ -155,16 +162,6 @@ async def test_a_dispatcher_killed_mid_upload_leaves_nothing_after_the_sweep(
            or (root.exists() and any(root.iterdir()))):
         assert time.monotonic() < deadline, "the running dispatcher's sweep left something"
         await asyncio.sleep(0.2)
-
-
-def _kill_dispatchers(gateway: Gateway) -> None:
-    """kill -9 every `qgw dispatcher` this test started (children of this process)."""
-    import psutil
-
-    for child in psutil.Process().children(recursive=True):
-        if "dispatcher" in " ".join(child.cmdline()):
-            os.kill(child.pid, signal.SIGKILL)
-            child.wait(10)
 
 
 async def test_the_store_stopped_mid_run_fails_the_task_clearly(

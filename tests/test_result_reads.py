@@ -11,11 +11,11 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import httpx
-import psutil
 import pytest
 
 from app.runtime import Runtime
 from tests.conftest import Gateway
+from tests.servers import listening
 
 StartApi = Callable[[], Awaitable[str]]
 SIZE = 32 << 20
@@ -108,8 +108,7 @@ async def test_sixty_four_stalled_readers_pin_little_memory(
     auth, tid = await _large_result(gateway, upstream, start_dispatcher, 8 << 20)
     keys = [await gateway.new_key(user_id=1) for _ in range(31)]  # the owner's other keys
     base = await start_api()
-    api = next(p for p in psutil.Process().children(recursive=True)
-               if " api " in f" {' '.join(p.cmdline())} ")
+    api = listening(int(base.rsplit(":", 1)[1]))
     await asyncio.sleep(1.0)
     before = api.memory_info().rss
     sockets = [_stalled_reader(base, k, tid) for k in (auth, *keys) for _ in range(2)]

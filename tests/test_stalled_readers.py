@@ -23,6 +23,7 @@ import pytest
 from app.runtime import Runtime
 from app.settings import Settings
 from tests.conftest import Gateway
+from tests.servers import listening
 
 StartApi = Callable[[], Awaitable[str]]
 SIZE = 8 << 20
@@ -50,8 +51,7 @@ async def _api_process(start_api: StartApi) -> tuple[int, psutil.Process]:
     """A started `qgw api`: its port and its process, settled (its RSS measured from here)."""
     base = await start_api()
     port = int(base.rsplit(":", 1)[1])
-    (api,) = [p for p in psutil.Process().children(recursive=True)
-              if str(port) in p.cmdline()]
+    api = listening(port)
     await asyncio.sleep(1.0)
     return port, api
 

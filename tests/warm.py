@@ -1,0 +1,368 @@
+"""Warm starts of `qgw` for the tests: `python -m app ...` forked from a process that has
+imported the gateway's libraries already, instead of a new interpreter importing them again.
+
+Why: a suite run starts some 450 `qgw` processes (api, dispatcher, serve, migrate, the CLI),
+and each spent ~1.1 s of CPU importing SQLAlchemy, FastAPI, pydantic, redis-py and uvicorn
+before it ran a line of its own: about a third of the suite's CPU on a two-core machine.
+
+How: each pytest worker starts one fork server (`python -m tests.warm <fd>`, before it has
+any threads or event loop of its own). It imports those libraries, nothing of `app` (whose
+modules read their settings and environment when imported: each child imports them afresh,
+as a new interpreter would), and forks a child per request. The child takes the request's
+stdin, stdout and stderr, working directory, environment and session, then runs the `app`
+module as `python -m app` would, and exits with its code. What the test holds is a real
+`subprocess.Popen` (`install` adds the warm way to the class): its pid is the child's, so
+signals (a SIGKILL to stop a process dead) reach the gateway itself; only waiting for it goes
+through the fork server, the child's parent, which reports its exit status on a pipe.
+
+A command the fork server cannot reproduce exactly (a shell, its own executable, pass_fds,
+a preexec_fn, another user, PYTHONPATH) starts the usual way.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from typing import Any
+
+#: What a `qgw` command starts with in the tests (tests/servers.py QGW).
+PREFIX = [sys.executable, "-m", "app"]
+#: The libraries `qgw` imports: the fork server's children find them loaded.
+LIBRARIES = (
+    "sqlalchemy.ext.asyncio", "sqlalchemy.orm", "sqlalchemy.dialects.sqlite",
+    "sqlalchemy.dialects.mysql", "aiosqlite", "aiomysql", "pymysql", "alembic.command",
+    "alembic.config", "alembic.runtime.migration", "fastapi", "fastapi.routing",
+    "fastapi.responses", "starlette.applications", "starlette.middleware",
+    "pydantic", "pydantic_settings", "redis.asyncio", "redis.asyncio.cluster",
+    "redis.asyncio.sentinel", "hiredis", "uvicorn", "uvicorn.config", "uvicorn.server",
+    "uvicorn.protocols.http.httptools_impl", "uvicorn.lifespan.on", "uvloop", "httptools",
+    "prometheus_client", "argparse", "asyncio", "json", "logging.config",
+)
+_UNSUPPORTED = frozenset({"PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "PYTHONSAFEPATH",
+                          "PYTHONWARNINGS", "PYTHONDEVMODE", "PYTHONMALLOC", "PYTHONINSPECT",
+                          "PYTHONOPTIMIZE", "PYTHONVERBOSE", "PYTHONPROFILEIMPORTTIME"})
+
+_server: subprocess.Popen[bytes] | None = None
+_control: socket.socket | None = None
+_lock = threading.Lock()
+
+
+def install() -> None:
+    """Start this process's fork server and give `subprocess.Popen` its warm way for `qgw`
+    commands. Call before any thread or event loop (the server is a plain fork/exec)."""
+    global _server, _control
+    if _server is not None or not _fits():
+        return
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    _server = subprocess.Popen([sys.executable, "-m", "tests.warm", str(theirs.fileno())],
+                          pass_fds=[theirs.fileno()], cwd=root, stdin=subprocess.DEVNULL)
+    theirs.close()
+    _control = ours
+    # Waiting is told apart by the instance (a warm child has a status pipe), and stays.
+    for name, method in _WARM.items():
+        setattr(subprocess.Popen, name, method)
+
+
+def _fits() -> bool:
+    """Whether this Python's Popen has the private ways this replaces, as written for."""
+    import inspect
+
+    try:
+        params = list(inspect.signature(_COLD[_EXECUTE]).parameters)
+    except (KeyError, TypeError, ValueError):
+        return False
+    return params == _EXECUTE_PARAMS and _POLL in _COLD and _TRY_WAIT in _COLD
+
+
+def uninstall() -> None:
+    """Stop the fork server (its children run on); `qgw` starts cold again."""
+    global _server
+    _unpatch()
+    if _server is not None:
+        try:
+            _server.wait(10)
+        except subprocess.TimeoutExpired:
+            _server.kill()
+            _server.wait()
+        _server = None
+
+
+def _unpatch() -> None:
+    """Cold starts from now on (warm children already started still report their ends)."""
+    global _control
+    setattr(subprocess.Popen, _EXECUTE, _COLD[_EXECUTE])
+    if _control is not None:
+        _control.close()  # the server exits at its end of file
+        _control = None
+
+
+# -- the test's side: subprocess.Popen's warm way ------------------------------------------
+
+#: Popen's own ways (the private methods of CPython 3.11's POSIX Popen this replaces).
+_EXECUTE, _POLL, _TRY_WAIT = "_execute_child", "_internal_poll", "_try_wait"
+_COLD: dict[str, Any] = {name: getattr(subprocess.Popen, name)
+                         for name in (_EXECUTE, _POLL, _TRY_WAIT)
+                         if hasattr(subprocess.Popen, name)}
+_EXECUTE_PARAMS = [
+    "self", "args", "executable", "preexec_fn", "close_fds", "pass_fds", "cwd", "env",
+    "startupinfo", "creationflags", "shell", "p2cread", "p2cwrite", "c2pread", "c2pwrite",
+    "errread", "errwrite", "restore_signals", "gid", "gids", "uid", "umask",
+    "start_new_session", "process_group"]
+
+
+def _warm(args: Any, executable: Any, preexec_fn: Any, pass_fds: Any, env: Any, shell: bool,
+          gid: Any, gids: Any, uid: Any, umask: int, process_group: Any) -> bool:
+    if _control is None or shell or executable is not None or preexec_fn is not None:
+        return False
+    if pass_fds or gid is not None or gids is not None or uid is not None or umask >= 0:
+        return False
+    if process_group not in (None, -1):
+        return False
+    if not isinstance(args, list | tuple) or list(args[:3]) != PREFIX:
+        return False
+    if not all(isinstance(a, str) for a in args):
+        return False
+    environ = os.environ if env is None else env
+    return not any(k in environ for k in _UNSUPPORTED)
+
+
+def _execute_child(self: subprocess.Popen[Any], args: Any, executable: Any, preexec_fn: Any,
+                   close_fds: bool, pass_fds: Any, cwd: Any, env: Any, startupinfo: Any,
+                   creationflags: int, shell: bool, p2cread: int, p2cwrite: int, c2pread: int,
+                   c2pwrite: int, errread: int, errwrite: int, restore_signals: bool,
+                   gid: Any, gids: Any, uid: Any, umask: int, start_new_session: bool,
+                   process_group: Any) -> None:
+    if not _warm(args, executable, preexec_fn, pass_fds, env, shell, gid, gids, uid, umask,
+                 process_group):
+        _COLD[_EXECUTE](self, args, executable, preexec_fn, close_fds, pass_fds, cwd, env,
+                      startupinfo, creationflags, shell, p2cread, p2cwrite, c2pread,
+                      c2pwrite, errread, errwrite, restore_signals, gid, gids, uid, umask,
+                      start_new_session, process_group)
+        return
+    environ = dict(os.environ if env is None else env)
+    request = json.dumps({
+        "argv": list(args[3:]), "env": {str(k): str(v) for k, v in environ.items()},
+        "cwd": os.fsdecode(cwd) if cwd is not None else os.getcwd(),
+        "session": bool(start_new_session),
+    }).encode()
+    status_r, status_w = os.pipe()
+    fds = [p2cread if p2cread != -1 else 0, c2pwrite if c2pwrite != -1 else 1,
+           errwrite if errwrite != -1 else 2, status_w]
+    assert _control is not None
+    try:
+        with _lock:
+            socket.send_fds(_control, [len(request).to_bytes(4, "big") + request], fds)
+            reply = _read_exactly(_control, 8)
+    except OSError:  # the fork server is gone: this one and the rest start cold
+        _unpatch()
+        os.close(status_r)
+        _COLD[_EXECUTE](self, args, executable, preexec_fn, close_fds, pass_fds, cwd, env,
+                      startupinfo, creationflags, shell, p2cread, p2cwrite, c2pread,
+                      c2pwrite, errread, errwrite, restore_signals, gid, gids, uid, umask,
+                      start_new_session, process_group)
+        return
+    finally:
+        os.close(status_w)
+    pid = int.from_bytes(reply, "big", signed=True)
+    if pid <= 0:
+        os.close(status_r)
+        raise OSError(-pid, f"the fork server could not start {args!r}: {os.strerror(-pid)}")
+    self.pid = pid
+    self._warm_status = status_r  # type: ignore[attr-defined]
+    self._child_created = True  # type: ignore[attr-defined]
+    self._close_pipe_fds(p2cread, p2cwrite, c2pread, c2pwrite,  # type: ignore[attr-defined]
+                         errread, errwrite)
+
+
+def _read_exactly(sock: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        part = sock.recv(n - len(data))
+        if not part:
+            raise OSError("the fork server is gone")
+        data += part
+    return data
+
+
+def _try_wait(self: subprocess.Popen[Any], wait_flags: int) -> tuple[int, int]:
+    status_r = getattr(self, "_warm_status", None)
+    if status_r is None:
+        return _COLD[_TRY_WAIT](self, wait_flags)  # type: ignore[no-any-return]
+    if wait_flags & os.WNOHANG and not select.select([status_r], [], [], 0)[0]:
+        return 0, 0
+    data = b""
+    while len(data) < 4:
+        part = os.read(status_r, 4 - len(data))
+        if not part:  # the server died without telling: as waitpid's ECHILD, status 0
+            break
+        data += part
+    os.close(status_r)
+    self._warm_status = None  # type: ignore[attr-defined]
+    return self.pid, (int.from_bytes(data, "big") if len(data) == 4 else 0)
+
+
+def _internal_poll(self: subprocess.Popen[Any], _deadstate: Any = None, **kwargs: Any
+                   ) -> int | None:
+    if getattr(self, "_warm_status", None) is None:
+        return _COLD[_POLL](self, _deadstate, **kwargs)  # type: ignore[no-any-return]
+    if self.returncode is None and self._waitpid_lock.acquire(False):  # type: ignore[attr-defined]
+        try:
+            if self.returncode is None:
+                pid, sts = _try_wait(self, os.WNOHANG)
+                if pid == self.pid:
+                    self._handle_exitstatus(sts)  # type: ignore[attr-defined]
+        finally:
+            self._waitpid_lock.release()  # type: ignore[attr-defined]
+    return self.returncode
+
+
+_WARM = {_EXECUTE: _execute_child, _POLL: _internal_poll, _TRY_WAIT: _try_wait}
+
+
+# -- the fork server ------------------------------------------------------------------------
+
+def _serve(control: socket.socket) -> None:
+    """Fork a child per request; tell each child's status pipe its wait status when it ends."""
+    for name in LIBRARIES:
+        __import__(name)
+    import gc
+
+    gc.freeze()  # what is loaded now is shared with the children, not copied by their GC
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    children: dict[int, int] = {}  # pid -> its status pipe
+    listening = True
+    while listening or children:  # after the tests' end, until the last child's end is told
+        ready = select.select([control.fileno(), wake_r] if listening else [wake_r], [], [])[0]
+        if wake_r in ready:
+            os.read(wake_r, 4096)
+            _reap(children)
+        if control.fileno() not in ready:
+            continue
+        # The descriptors come with the message's first bytes (one request at a time).
+        msg, fds, _, _ = socket.recv_fds(control, 1 << 16, 4)
+        if not msg:
+            listening = False  # the tests' process is done
+            continue
+        size = int.from_bytes(msg[:4], "big")
+        while len(msg) < 4 + size:
+            msg += _read_exactly(control, 4 + size - len(msg))
+        request = json.loads(msg[4:])
+        try:
+            pid = os.fork()
+        except OSError as exc:
+            for fd in fds:
+                os.close(fd)
+            control.sendall((-(exc.errno or 1)).to_bytes(8, "big", signed=True))
+            continue
+        if pid == 0:
+            control.close()
+            os.close(wake_r)
+            os.close(wake_w)
+            _child(request, fds)  # never returns
+        for fd in fds[:3]:
+            os.close(fd)
+        children[pid] = fds[3]
+        control.sendall(pid.to_bytes(8, "big", signed=True))
+        _reap(children)
+
+
+def _reap(children: dict[int, int]) -> None:
+    while children:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        status_w = children.pop(pid, None)
+        if status_w is not None:
+            try:
+                os.write(status_w, status.to_bytes(4, "big"))
+            except OSError:
+                pass  # nobody waits for it any more
+            os.close(status_w)
+
+
+def _child(request: dict[str, Any], fds: list[int]) -> None:
+    """Become `python -m app <argv>` as the request describes, then exit with its code."""
+    code = 1
+    try:
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        if request["session"]:
+            os.setsid()
+        for target, fd in enumerate(fds[:3]):
+            os.dup2(fd, target)  # inheritable: what this child starts inherits its stdio
+        os.closerange(3, 1 << 16)  # what the server held: sockets, its children's pipes
+        os.chdir(request["cwd"])
+        env: dict[str, str] = request["env"]
+        os.environ.clear()
+        os.environ.update(env)
+        _stdio(env)
+        sys.dont_write_bytecode = bool(env.get("PYTHONDONTWRITEBYTECODE"))
+        sys.path[0] = os.getcwd()  # as `python -m` puts it
+        sys.argv = ["-m", *request["argv"]]
+        import runpy
+
+        try:
+            runpy.run_module("app", run_name="__main__", alter_sys=True)
+            code = 0
+        except SystemExit as exc:
+            code = _exit_code(exc.code)
+        except BaseException:
+            import traceback
+
+            traceback.print_exc()
+            code = 1
+        import atexit
+
+        threading._shutdown()  # type: ignore[attr-defined]  # as an interpreter's exit
+        atexit._run_exitfuncs()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:
+                pass
+    finally:
+        os._exit(code)
+
+
+def _exit_code(value: Any) -> int:
+    if value is None:
+        return 0
+    if isinstance(value, int):
+        return value & 0xFF
+    print(value, file=sys.stderr)
+    return 1
+
+
+def _stdio(env: dict[str, str]) -> None:
+    """New text streams over fds 0-2, buffered as a new interpreter's would be for `env`."""
+    unbuffered = bool(env.get("PYTHONUNBUFFERED"))
+    encoding = (env.get("PYTHONIOENCODING") or "utf-8").split(":")[0] or "utf-8"
+
+    def writer(fd: int, errors: str) -> io.TextIOWrapper:
+        raw = io.FileIO(fd, "w", closefd=False)
+        tty = raw.isatty()
+        return io.TextIOWrapper(io.BufferedWriter(raw), encoding=encoding, errors=errors,
+                                line_buffering=tty or fd == 2, write_through=unbuffered)
+
+    sys.stdin = io.TextIOWrapper(io.BufferedReader(io.FileIO(0, "r", closefd=False)),
+                                 encoding=encoding)
+    sys.stdout = writer(1, "strict")
+    sys.stderr = writer(2, "backslashreplace")
+
+
+if __name__ == "__main__":
+    _serve(socket.socket(fileno=int(sys.argv[1])))
