@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import APIRouter, FastAPI
 from fastapi_offline import FastAPIOffline
 from starlette.types import ASGIApp
 
@@ -27,7 +27,7 @@ from app.routes import (
     results,
     tasks,
 )
-from app.routes.fastlane import fast_lane
+from app.routes.fastlane import FastHandler, fast_lane
 from app.runtime import Runtime
 
 # FastAPI 0.165+ looks for OpenTelemetry providers (environment reads) on every request, a
@@ -36,6 +36,12 @@ from app.runtime import Runtime
 _NO_TELEMETRY: dict[str, Any] = (
     {"telemetry": {"tracing": False, "metrics": False, "logs": False}}
     if "telemetry" in inspect.signature(FastAPI.__init__).parameters else {})
+
+#: The routes answered in front of the app's routing (app/routes/fastlane.py), by router.
+FAST_LANES: tuple[tuple[APIRouter, dict[Any, FastHandler]], ...] = (
+    (tasks.router, {tasks.submit: tasks.submit, tasks.status: tasks.status_fast}),
+    (proxy.router, {proxy.proxy: proxy.proxy_fast}),
+)
 
 
 def create_app(
@@ -67,9 +73,7 @@ def create_app(
                    dashboard.router, proxy.router):
         app.include_router(router)
     openapi.install(app)
-    lanes = [fast_lane(app, tasks.router, {tasks.submit: tasks.submit,
-                                           tasks.status: tasks.status_fast}),
-             fast_lane(app, proxy.router, {proxy.proxy: proxy.proxy_fast})]
+    lanes = [fast_lane(app, router, handlers) for router, handlers in FAST_LANES]
     cap = max_requests(runtime.settings)
 
     def front(stack: ASGIApp) -> ASGIApp:

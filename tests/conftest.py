@@ -26,6 +26,7 @@ from app.startup import start_runtime
 from tests import warm
 from tests.servers import (
     QGW,
+    TLS,
     MariaDB,
     RedisServer,
     SeaweedFS,
@@ -158,7 +159,7 @@ def upstream_server() -> Iterator[str]:
 def upstream(upstream_server: str) -> str:
     """The session's mock upstream, its log emptied for each test: tests use their own paths,
     and a test that runs once per backend finds only its own calls."""
-    httpx.post(f"{upstream_server}/_mock/reset").raise_for_status()
+    httpx.post(f"{upstream_server}/_mock/reset", verify=TLS).raise_for_status()
     return upstream_server
 
 

@@ -22,7 +22,7 @@ import pytest
 from app import ROOT
 from app.settings import Settings
 from tests.conftest import ADMIN, Gateway
-from tests.servers import QGW, RedisServer, free_port, mock_log, stop, wait_port
+from tests.servers import QGW, TLS, RedisServer, free_port, mock_log, stop, wait_port
 
 # `make test` installs chromium (scripts/system-deps): missing, these tests fail, not skip.
 CHROMIUM = os.environ.get("QGW_TEST_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
@@ -240,7 +240,7 @@ async def test_docs_render_without_internet(served: str, browser: object) -> Non
 
 
 async def _admin(served: str, method: str, path: str) -> Any:
-    async with httpx.AsyncClient(base_url=served) as http:
+    async with httpx.AsyncClient(base_url=served, verify=TLS) as http:
         r = await http.request(method, path, headers={"Authorization": f"Bearer {ADMIN}"})
         assert r.status_code == 200, r.text
         return r.json()

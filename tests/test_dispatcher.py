@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from tests.conftest import Gateway
+from tests.servers import TLS
 from tests.test_ratelimit import most_in_window
 
 TASKS = 3000
@@ -71,7 +72,7 @@ async def _backlog_arrivals(
     if queued is not None:
         await queued()
     dispatcher_process(QGW_DISPATCH_CONCURRENCY=process_slots, QGW_REAP_INTERVAL_MS="10000")
-    async with httpx.AsyncClient(base_url=upstream) as mock:
+    async with httpx.AsyncClient(base_url=upstream, verify=TLS) as mock:
         for _ in range(240):
             await asyncio.sleep(0.25)
             if (await mock.get("/_mock/stats")).json()["received"] >= tasks:
@@ -169,7 +170,7 @@ async def test_kill_9_while_a_task_waits_to_retry_loses_nothing(
 
 
 async def _mock_log(base: str) -> list[dict[str, Any]]:
-    async with httpx.AsyncClient(base_url=base) as mock:
+    async with httpx.AsyncClient(base_url=base, verify=TLS) as mock:
         log: list[dict[str, Any]] = (await mock.get("/_mock/log")).json()
     return log
 

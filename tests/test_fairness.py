@@ -14,6 +14,7 @@ import pytest
 from app.lifecycle.expiry import ExpirySweep
 from app.settings import Settings
 from tests.conftest import Gateway
+from tests.servers import TLS
 from tests.test_storage import open_gateway
 
 pytestmark = pytest.mark.backends("single", "cluster")
@@ -22,7 +23,7 @@ BACKLOG, SMALL = 200, 5
 
 async def _calls(base: str, total: int) -> list[str]:
     """The task ids the mock upstream received, in order, once it has received `total`."""
-    async with httpx.AsyncClient(base_url=base) as mock:
+    async with httpx.AsyncClient(base_url=base, verify=TLS) as mock:
         for _ in range(600):
             if (await mock.get("/_mock/stats")).json()["received"] >= total:
                 break

@@ -24,7 +24,7 @@ from redis.exceptions import RedisError
 from app.runtime import Runtime
 from app.settings import Settings
 from tests.conftest import ADMIN, Gateway
-from tests.servers import QGW, RedisServer, mock_log, mock_upstream, read_until, stop
+from tests.servers import QGW, TLS, RedisServer, mock_log, mock_upstream, read_until, stop
 
 pytestmark = pytest.mark.backends("single", "cluster")
 
@@ -358,7 +358,7 @@ async def _answers(gw: Gateway) -> bool:
 
 
 async def _at_least(base: str, n: int) -> bool:
-    async with httpx.AsyncClient() as http:
+    async with httpx.AsyncClient(verify=TLS) as http:
         return int((await http.get(f"{base}/_mock/stats")).json()["received"]) >= n
 
 

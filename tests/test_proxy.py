@@ -19,7 +19,7 @@ import pytest
 from app.core.registry import SPREAD_S
 from app.runtime import Runtime
 from tests.conftest import Gateway
-from tests.servers import QGW, free_port, mock_log, mock_upstream, stop, wait_port
+from tests.servers import QGW, TLS, free_port, mock_log, mock_upstream, stop, wait_port
 
 StartApi = Callable[[], Awaitable[str]]
 StartDispatcher = Callable[[], Awaitable[Runtime]]
@@ -34,7 +34,7 @@ def openai_server() -> Iterator[str]:
 
 @pytest.fixture
 def llm(openai_server: str) -> str:
-    httpx.post(f"{openai_server}/_mock/reset").raise_for_status()
+    httpx.post(f"{openai_server}/_mock/reset", verify=TLS).raise_for_status()
     return openai_server
 
 
@@ -54,7 +54,7 @@ async def tasks_of(gateway: Gateway, status: str, endpoint: str = "llm"
 
 
 def mock_stats(base: str) -> dict[str, Any]:
-    stats: dict[str, Any] = httpx.get(f"{base}/_mock/stats").json()
+    stats: dict[str, Any] = httpx.get(f"{base}/_mock/stats", verify=TLS).json()
     return stats
 
 

@@ -16,6 +16,7 @@ import pytest
 from app.queue.signals import ALIGN_MARGIN_S, pause_s, reset_s
 from app.runtime import Runtime
 from tests.conftest import Gateway
+from tests.servers import TLS
 
 Spawn = Callable[..., subprocess.Popen[bytes]]
 # The pause, the probe and their scripts on both (the tests without Redis run once).
@@ -57,7 +58,7 @@ def test_a_wait_in_whole_seconds_ends_at_the_second_it_was_rounded_up_from() -> 
 
 
 async def _log(base: str) -> list[dict[str, Any]]:
-    async with httpx.AsyncClient(base_url=base) as mock:
+    async with httpx.AsyncClient(base_url=base, verify=TLS) as mock:
         log: list[dict[str, Any]] = (await mock.get("/_mock/log")).json()
     return log
 

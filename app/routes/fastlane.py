@@ -34,7 +34,16 @@ def fast_lane(app: FastAPI, router: APIRouter, handlers: dict[Any, FastHandler]
     the fast handler given for each, to put in front of what answers the rest (app/main.py
     puts it in front of the app's whole stack). A route's path is fixed, ends in its one
     parameter (`/tasks/{task_id}`), or is a prefix, one segment and the rest
-    (`/proxy/{endpoint_id}/{path:path}`)."""
+    (`/proxy/{endpoint_id}/{path:path}`). That no other route of the app is shadowed by one
+    is `shadowed`'s to say, in a test: not checked at every start."""
+    exact, tails, rests = _tables(router, handlers)
+    return lambda inner: _FastLane(inner, app, exact, tails, rests)
+
+
+def _tables(router: APIRouter, handlers: dict[Any, FastHandler]
+            ) -> tuple[dict[tuple[str, str], tuple[APIRoute, FastHandler]],
+                       dict[tuple[str, str], tuple[APIRoute, FastHandler, str]],
+                       dict[tuple[str, str], tuple[APIRoute, FastHandler, str, str]]]:
     exact: dict[tuple[str, str], tuple[APIRoute, FastHandler]] = {}
     tails: dict[tuple[str, str], tuple[APIRoute, FastHandler, str]] = {}
     rests: dict[tuple[str, str], tuple[APIRoute, FastHandler, str, str]] = {}
@@ -52,21 +61,23 @@ def fast_lane(app: FastAPI, router: APIRouter, handlers: dict[Any, FastHandler]
                 rests[(method, m[1])] = (route, handler, m[2], m[3])
             else:
                 raise ValueError(f"{route.path}: not a path the fast lane matches")
-    _refuse_shadowed(app, tails)
-    return lambda inner: _FastLane(inner, app, exact, tails, rests)
+    return exact, tails, rests
 
 
 #: `/prefix/` `{segment}` `/{rest:path}`: a prefix that no other route of the app starts with.
 _REST = re.compile(r"(/[^{}]+/)\{(\w+)\}/\{(\w+):path\}")
 
 
-def _refuse_shadowed(app: FastAPI, tails: dict[tuple[str, str], Any]) -> None:
-    """A fixed route where a fast route takes a parameter (`GET /tasks/stats` beside `GET
-    /tasks/{task_id}`) would be answered by the fast handler, never by its own (the router
-    would have tried them in order): refused at start rather than shadowed in silence. Every
-    route the app answers, its included routers' too (FastAPI nests them: it walks them with
-    `iter_route_contexts`, as its OpenAPI document does); not the document itself, whose
-    making took longer than the rest of the app's creation (0.05 s of 0.12)."""
+def shadowed(app: FastAPI, router: APIRouter, handlers: dict[Any, FastHandler]) -> list[str]:
+    """The app's fixed routes that a fast route of `router` taking a parameter would answer
+    instead (`GET /tasks/stats` beside `GET /tasks/{task_id}`: the router would have tried
+    them in order, the fast lane never does). Every route the app answers, its included
+    routers' too (FastAPI nests them: `iter_route_contexts` walks them, as its OpenAPI
+    document does). A test's to ask (tests/test_validation.py): walking them makes FastAPI
+    build every route's context, most of the app's creation (0.08 s of CPU), which the
+    routes a process never serves would otherwise never need."""
+    tails = _tables(router, handlers)[1]
+    found = []
     for route in iter_route_contexts(app.routes):
         path, methods = route.path or "", route.methods or ()
         head, _, last = path.rpartition("/")
@@ -74,8 +85,9 @@ def _refuse_shadowed(app: FastAPI, tails: dict[tuple[str, str], Any]) -> None:
             continue
         for method in methods:
             if (hit := tails.get((method.upper(), head + "/"))) is not None:
-                raise ValueError(f"{method.upper()} {path} would be answered by the fast "
-                                 f"lane's {hit[0].path}")
+                found.append(f"{method.upper()} {path} would be answered by the fast lane's "
+                             f"{hit[0].path}")
+    return found
 
 
 class _FastLane:
