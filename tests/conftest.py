@@ -367,7 +367,10 @@ SLOW_FIRST = frozenset({"test_starvation", "test_outbox", "test_package", "test_
 def pytest_sessionstart(session: pytest.Session) -> None:
     """`qgw` commands start warm (tests/warm.py: a third of the suite's CPU was their
     imports); QGW_TEST_COLD=1 starts each as a new interpreter, as before."""
-    if not os.environ.get("QGW_TEST_COLD"):
+    # Not in pytest-xdist's controller, which runs no test: only in its workers, or alone.
+    controller = not hasattr(session.config, "workerinput") and getattr(
+        session.config.option, "numprocesses", None)
+    if not os.environ.get("QGW_TEST_COLD") and not controller:
         warm.install()
 
 

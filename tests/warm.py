@@ -15,12 +15,16 @@ module as `python -m app` would, and exits with its code. What the test holds is
 signals (a SIGKILL to stop a process dead) reach the gateway itself; only waiting for it goes
 through the fork server, the child's parent, which reports its exit status on a pipe.
 
-A command the fork server cannot reproduce exactly (a shell, its own executable, pass_fds,
-a preexec_fn, another user, PYTHONPATH) starts the usual way.
+A command the fork server cannot reproduce exactly starts the usual way: a shell, its own
+executable, pass_fds, a preexec_fn, another user, or an environment that differs from the
+server's in what an interpreter's start fixes (PYTHON* settings, locale, time zone, what
+the libraries read when imported). Should the server die, a child still running is not
+taken for ended: its end is watched through a pidfd (its exit code is lost, 255).
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -45,11 +49,16 @@ LIBRARIES = (
     "uvicorn.protocols.http.httptools_impl", "uvicorn.lifespan.on", "uvloop", "httptools",
     "prometheus_client", "argparse", "asyncio", "json", "logging.config",
 )
-_UNSUPPORTED = frozenset({"PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "PYTHONSAFEPATH",
-                          "PYTHONWARNINGS", "PYTHONDEVMODE", "PYTHONMALLOC", "PYTHONINSPECT",
-                          "PYTHONOPTIMIZE", "PYTHONVERBOSE", "PYTHONPROFILEIMPORTTIME"})
+#: Environment the fork server's own start fixed (the interpreter's PYTHON* settings, the
+#: locale, the time zone; what the libraries above read when imported): a command whose
+#: environment differs from the server's in any of these starts cold. The child sets these
+#: two PYTHON* itself.
+_CHILD_SETS = frozenset({"PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE"})
+_FIXED = ("LANG", "LC_ALL", "LC_CTYPE", "TZ", "OTEL_PROPAGATORS", "OTEL_PYTHON_CONTEXT",
+          "PROMETHEUS_DISABLE_CREATED_SERIES", "PROMETHEUS_MULTIPROC_DIR")
 
 _server: subprocess.Popen[bytes] | None = None
+_server_env: dict[str, str] = {}
 _control: socket.socket | None = None
 _lock = threading.Lock()
 
@@ -57,9 +66,10 @@ _lock = threading.Lock()
 def install() -> None:
     """Start this process's fork server and give `subprocess.Popen` its warm way for `qgw`
     commands. Call before any thread or event loop (the server is a plain fork/exec)."""
-    global _server, _control
+    global _server, _control, _server_env
     if _server is not None or not _fits():
         return
+    _server_env = _fixed(os.environ)
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     _server = subprocess.Popen([sys.executable, "-m", "tests.warm", str(theirs.fileno())],
@@ -83,15 +93,14 @@ def _fits() -> bool:
 
 
 def uninstall() -> None:
-    """Stop the fork server (its children run on); `qgw` starts cold again."""
+    """Let the fork server go; `qgw` starts cold again."""
     global _server
     _unpatch()
     if _server is not None:
-        try:
-            _server.wait(10)
-        except subprocess.TimeoutExpired:
-            _server.kill()
-            _server.wait()
+        # It goes once the last of its children has (one a test left running keeps it),
+        # telling each one's end: never killed, which would leave them untold.
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            _server.wait(1)
         _server = None
 
 
@@ -131,7 +140,14 @@ def _warm(args: Any, executable: Any, preexec_fn: Any, pass_fds: Any, env: Any, 
     if not all(isinstance(a, str) for a in args):
         return False
     environ = os.environ if env is None else env
-    return not any(k in environ for k in _UNSUPPORTED)
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in environ.items()):
+        return False  # as given to a new interpreter: bytes, or an error of the test's
+    return _fixed(environ) == _server_env
+
+
+def _fixed(environ: Any) -> dict[str, str]:
+    return {k: v for k, v in environ.items() if k in _FIXED
+            or (k.startswith("PYTHON") and k not in _CHILD_SETS)}
 
 
 def _execute_child(self: subprocess.Popen[Any], args: Any, executable: Any, preexec_fn: Any,
@@ -141,7 +157,7 @@ def _execute_child(self: subprocess.Popen[Any], args: Any, executable: Any, pree
                    gid: Any, gids: Any, uid: Any, umask: int, start_new_session: bool,
                    process_group: Any) -> None:
     if not _warm(args, executable, preexec_fn, pass_fds, env, shell, gid, gids, uid, umask,
-                 process_group):
+                 process_group) or (cwd is not None and not os.path.isdir(cwd)):
         _COLD[_EXECUTE](self, args, executable, preexec_fn, close_fds, pass_fds, cwd, env,
                       startupinfo, creationflags, shell, p2cread, p2cwrite, c2pread,
                       c2pwrite, errread, errwrite, restore_signals, gid, gids, uid, umask,
@@ -149,8 +165,8 @@ def _execute_child(self: subprocess.Popen[Any], args: Any, executable: Any, pree
         return
     environ = dict(os.environ if env is None else env)
     request = json.dumps({
-        "argv": list(args[3:]), "env": {str(k): str(v) for k, v in environ.items()},
-        "cwd": os.fsdecode(cwd) if cwd is not None else os.getcwd(),
+        "argv": list(args[3:]), "env": environ,
+        "cwd": os.path.abspath(os.fsdecode(cwd) if cwd is not None else "."),
         "session": bool(start_new_session),
     }).encode()
     status_r, status_w = os.pipe()
@@ -159,7 +175,9 @@ def _execute_child(self: subprocess.Popen[Any], args: Any, executable: Any, pree
     assert _control is not None
     try:
         with _lock:
-            socket.send_fds(_control, [len(request).to_bytes(4, "big") + request], fds)
+            message = len(request).to_bytes(4, "big") + request
+            sent = socket.send_fds(_control, [message], fds)  # the fds go with its first bytes
+            _control.sendall(message[sent:])
             reply = _read_exactly(_control, 8)
     except OSError:  # the fork server is gone: this one and the rest start cold
         _unpatch()
@@ -177,6 +195,8 @@ def _execute_child(self: subprocess.Popen[Any], args: Any, executable: Any, pree
         raise OSError(-pid, f"the fork server could not start {args!r}: {os.strerror(-pid)}")
     self.pid = pid
     self._warm_status = status_r  # type: ignore[attr-defined]
+    # Its own end, should the fork server be gone before telling it (its status is lost then)
+    self._warm_pidfd = os.pidfd_open(pid)  # type: ignore[attr-defined]
     self._child_created = True  # type: ignore[attr-defined]
     self._close_pipe_fds(p2cread, p2cwrite, c2pread, c2pwrite,  # type: ignore[attr-defined]
                          errread, errwrite)
@@ -196,17 +216,36 @@ def _try_wait(self: subprocess.Popen[Any], wait_flags: int) -> tuple[int, int]:
     status_r = getattr(self, "_warm_status", None)
     if status_r is None:
         return _COLD[_TRY_WAIT](self, wait_flags)  # type: ignore[no-any-return]
-    if wait_flags & os.WNOHANG and not select.select([status_r], [], [], 0)[0]:
+    block = not wait_flags & os.WNOHANG
+    if not _ready(status_r, block):
         return 0, 0
     data = b""
     while len(data) < 4:
         part = os.read(status_r, 4 - len(data))
-        if not part:  # the server died without telling: as waitpid's ECHILD, status 0
+        if not part:
             break
         data += part
+    pidfd: int = self._warm_pidfd  # type: ignore[attr-defined]
+    if len(data) == 4:
+        status = int.from_bytes(data, "big")
+    elif _ready(pidfd, block):  # the server is gone and so is the child: its code is lost
+        status = UNKNOWN_STATUS
+    else:  # the server is gone, the child runs on
+        return 0, 0
     os.close(status_r)
+    os.close(pidfd)
     self._warm_status = None  # type: ignore[attr-defined]
-    return self.pid, (int.from_bytes(data, "big") if len(data) == 4 else 0)
+    return self.pid, status
+
+
+#: The wait status reported for a child whose fork server died before telling its own (255).
+UNKNOWN_STATUS = 255 << 8
+
+
+def _ready(fd: int, block: bool) -> bool:
+    poller = select.poll()  # not select(): a worker may hold more than 1024 descriptors
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(None if block else 0))
 
 
 def _internal_poll(self: subprocess.Popen[Any], _deadstate: Any = None, **kwargs: Any
@@ -236,6 +275,9 @@ def _serve(control: socket.socket) -> None:
     import gc
 
     gc.freeze()  # what is loaded now is shared with the children, not copied by their GC
+    # A Ctrl-C reaches the whole process group: the server stays until the tests' process has
+    # gone and its children have; each child takes SIGINT back as a new interpreter has it.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)
@@ -265,11 +307,11 @@ def _serve(control: socket.socket) -> None:
                 os.close(fd)
             control.sendall((-(exc.errno or 1)).to_bytes(8, "big", signed=True))
             continue
-        if pid == 0:
+        if pid == 0:  # nothing of this loop may catch what the child raises: see _child
             control.close()
             os.close(wake_r)
             os.close(wake_w)
-            _child(request, fds)  # never returns
+            _child(request, fds)
         for fd in fds[:3]:
             os.close(fd)
         children[pid] = fds[3]
@@ -278,89 +320,75 @@ def _serve(control: socket.socket) -> None:
 
 
 def _reap(children: dict[int, int]) -> None:
+    """Tell each ended child's status pipe its wait status, then reap it: told first, so
+    that its pid is not free for another process while the test may still signal it."""
     while children:
         try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
+            info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
         except ChildProcessError:
             return
-        if pid == 0:
+        if info is None:
             return
-        status_w = children.pop(pid, None)
+        status_w = children.pop(info.si_pid, None)
         if status_w is not None:
-            try:
-                os.write(status_w, status.to_bytes(4, "big"))
-            except OSError:
-                pass  # nobody waits for it any more
+            with contextlib.suppress(OSError):  # nobody waits for it any more
+                os.write(status_w, _wait_status(info).to_bytes(4, "big"))
             os.close(status_w)
+        os.waitpid(info.si_pid, 0)
+
+
+def _wait_status(info: Any) -> int:
+    """waitpid's status word from waitid's answer."""
+    if info.si_code == os.CLD_EXITED:
+        return (int(info.si_status) & 0xFF) << 8
+    return int(info.si_status) | (0x80 if info.si_code == os.CLD_DUMPED else 0)
 
 
 def _child(request: dict[str, Any], fds: list[int]) -> None:
-    """Become `python -m app <argv>` as the request describes, then exit with its code."""
-    code = 1
-    try:
-        signal.set_wakeup_fd(-1)
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        if request["session"]:
-            os.setsid()
-        for target, fd in enumerate(fds[:3]):
-            os.dup2(fd, target)  # inheritable: what this child starts inherits its stdio
-        os.closerange(3, 1 << 16)  # what the server held: sockets, its children's pipes
-        os.chdir(request["cwd"])
-        env: dict[str, str] = request["env"]
-        os.environ.clear()
-        os.environ.update(env)
-        _stdio(env)
-        sys.dont_write_bytecode = bool(env.get("PYTHONDONTWRITEBYTECODE"))
-        sys.path[0] = os.getcwd()  # as `python -m` puts it
-        sys.argv = ["-m", *request["argv"]]
-        import runpy
+    """Become `python -m app <argv>` as the request describes. It never returns: the app's
+    exit (SystemExit, an uncaught exception, a KeyboardInterrupt) unwinds out of `_serve`
+    and ends this interpreter as it would end a new one, its finalization included."""
+    signal.set_wakeup_fd(-1)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    if request["session"]:
+        os.setsid()
+    for target, fd in enumerate(fds[:3]):
+        os.dup2(fd, target)  # inheritable: what this child starts inherits its stdio
+    os.closerange(3, 1 << 16)  # what the server held: sockets, its children's pipes
+    os.chdir(request["cwd"])
+    env: dict[str, str] = request["env"]
+    os.environ.clear()
+    os.environ.update(env)
+    _stdio(env)
+    sys.dont_write_bytecode = bool(env.get("PYTHONDONTWRITEBYTECODE"))
+    sys.path[0] = os.getcwd()  # as `python -m` puts it
+    sys.argv = ["-m", *request["argv"]]
+    with contextlib.suppress(OSError):  # what `top` and `ps -o comm` show: its command
+        with open("/proc/self/comm", "w") as comm:
+            comm.write(" ".join(["qgw", *request["argv"][:1]])[:15])
+    import runpy
 
-        try:
-            runpy.run_module("app", run_name="__main__", alter_sys=True)
-            code = 0
-        except SystemExit as exc:
-            code = _exit_code(exc.code)
-        except BaseException:
-            import traceback
-
-            traceback.print_exc()
-            code = 1
-        import atexit
-
-        threading._shutdown()  # type: ignore[attr-defined]  # as an interpreter's exit
-        atexit._run_exitfuncs()
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except Exception:
-                pass
-    finally:
-        os._exit(code)
-
-
-def _exit_code(value: Any) -> int:
-    if value is None:
-        return 0
-    if isinstance(value, int):
-        return value & 0xFF
-    print(value, file=sys.stderr)
-    return 1
+    runpy.run_module("app", run_name="__main__", alter_sys=True)
+    sys.exit(0)
 
 
 def _stdio(env: dict[str, str]) -> None:
-    """New text streams over fds 0-2, buffered as a new interpreter's would be for `env`."""
+    """New text streams over fds 0-2, buffered as a new interpreter's would be for `env`
+    (the encoding is the server's: its environment's, as the command's)."""
     unbuffered = bool(env.get("PYTHONUNBUFFERED"))
-    encoding = (env.get("PYTHONIOENCODING") or "utf-8").split(":")[0] or "utf-8"
+    encoding = sys.stdout.encoding
 
     def writer(fd: int, errors: str) -> io.TextIOWrapper:
         raw = io.FileIO(fd, "w", closefd=False)
         tty = raw.isatty()
-        return io.TextIOWrapper(io.BufferedWriter(raw), encoding=encoding, errors=errors,
+        stream: Any = raw if unbuffered else io.BufferedWriter(raw)
+        return io.TextIOWrapper(stream, encoding=encoding, errors=errors,
                                 line_buffering=tty or fd == 2, write_through=unbuffered)
 
     sys.stdin = io.TextIOWrapper(io.BufferedReader(io.FileIO(0, "r", closefd=False)),
                                  encoding=encoding)
-    sys.stdout = writer(1, "strict")
+    sys.stdout = writer(1, sys.stdout.errors or "strict")
     sys.stderr = writer(2, "backslashreplace")
 
 
