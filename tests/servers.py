@@ -20,8 +20,9 @@ import httpx
 import psutil
 
 from app.embedded import server_binary
+from tests.warm import PREFIX
 
-QGW = [sys.executable, "-m", "app"]
+QGW = PREFIX  # what tests/warm.py starts warm
 #: The servers the gateway talks to (Redis, MariaDB, SeaweedFS, the mock upstream) run ahead of
 #: the gateway's processes and the test workers when both cores are busy, as on machines of
 #: their own in production: starved by the suite's own load, they failed tests about the

@@ -8,19 +8,18 @@ import random
 from collections.abc import Awaitable, Callable
 from datetime import datetime
 
-import httpx
 import pytest
 
 from app.runtime import Runtime
 from app.settings import Settings
 from tests.conftest import Gateway
-from tests.servers import TLS
+from tests.servers import mock_log
 
 pytestmark = pytest.mark.backends("single", "cluster")
 
 
 def _log(upstream: str, path: str) -> list[dict[str, object]]:
-    return [e for e in httpx.get(f"{upstream}/_mock/log", verify=TLS).json() if e["path"] == path]
+    return [e for e in mock_log(upstream) if e["path"] == path]
 
 
 async def test_status_walks_pending_processing_completed(

@@ -36,7 +36,7 @@ import sys
 import threading
 from typing import Any
 
-#: What a `qgw` command starts with in the tests (tests/servers.py QGW).
+#: What a `qgw` command starts with in the tests (tests/servers.py QGW is this).
 PREFIX = [sys.executable, "-m", "app"]
 #: The libraries `qgw` imports: the fork server's children find them loaded.
 LIBRARIES = (
@@ -125,21 +125,25 @@ _EXECUTE_PARAMS = [
     "startupinfo", "creationflags", "shell", "p2cread", "p2cwrite", "c2pread", "c2pwrite",
     "errread", "errwrite", "restore_signals", "gid", "gids", "uid", "umask",
     "start_new_session", "process_group"]
+_PIPES = ("p2cread", "p2cwrite", "c2pread", "c2pwrite", "errread", "errwrite")
 
 
-def _warm(args: Any, executable: Any, preexec_fn: Any, pass_fds: Any, env: Any, shell: bool,
-          gid: Any, gids: Any, uid: Any, umask: int, process_group: Any) -> bool:
-    if _control is None or shell or executable is not None or preexec_fn is not None:
+def _warm(p: dict[str, Any]) -> bool:
+    """Whether the fork server can start this command (`p`: `_execute_child`'s parameters)
+    exactly as a new interpreter would."""
+    if _control is None or p["shell"] or p["executable"] is not None:
         return False
-    if pass_fds or gid is not None or gids is not None or uid is not None or umask >= 0:
+    if p["preexec_fn"] is not None or p["pass_fds"] or p["umask"] >= 0:
         return False
-    if process_group not in (None, -1):
+    if any(p[k] is not None for k in ("gid", "gids", "uid")) or p["process_group"] not in (
+            None, -1):
         return False
+    args, cwd = p["args"], p["cwd"]
     if not isinstance(args, list | tuple) or list(args[:3]) != PREFIX:
         return False
-    if not all(isinstance(a, str) for a in args):
-        return False
-    environ = os.environ if env is None else env
+    if not all(isinstance(a, str) for a in args) or (cwd is not None and not os.path.isdir(cwd)):
+        return False  # a missing cwd: the usual way raises for it
+    environ = os.environ if p["env"] is None else p["env"]
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in environ.items()):
         return False  # as given to a new interpreter: bytes, or an error of the test's
     return _fixed(environ) == _server_env
@@ -150,28 +154,23 @@ def _fixed(environ: Any) -> dict[str, str]:
             or (k.startswith("PYTHON") and k not in _CHILD_SETS)}
 
 
-def _execute_child(self: subprocess.Popen[Any], args: Any, executable: Any, preexec_fn: Any,
-                   close_fds: bool, pass_fds: Any, cwd: Any, env: Any, startupinfo: Any,
-                   creationflags: int, shell: bool, p2cread: int, p2cwrite: int, c2pread: int,
-                   c2pwrite: int, errread: int, errwrite: int, restore_signals: bool,
-                   gid: Any, gids: Any, uid: Any, umask: int, start_new_session: bool,
-                   process_group: Any) -> None:
-    if not _warm(args, executable, preexec_fn, pass_fds, env, shell, gid, gids, uid, umask,
-                 process_group) or (cwd is not None and not os.path.isdir(cwd)):
-        _COLD[_EXECUTE](self, args, executable, preexec_fn, close_fds, pass_fds, cwd, env,
-                      startupinfo, creationflags, shell, p2cread, p2cwrite, c2pread,
-                      c2pwrite, errread, errwrite, restore_signals, gid, gids, uid, umask,
-                      start_new_session, process_group)
+def _execute_child(self: subprocess.Popen[Any], *params: Any) -> None:
+    """Popen's own, its positional parameters the same (`_EXECUTE_PARAMS`): a `qgw` command
+    the fork server can start is forked there, any other started the usual way."""
+    p = dict(zip(_EXECUTE_PARAMS[1:], params, strict=True))
+    if not _warm(p):
+        _COLD[_EXECUTE](self, *params)
         return
-    environ = dict(os.environ if env is None else env)
+    cwd = p["cwd"]
     request = json.dumps({
-        "argv": list(args[3:]), "env": environ,
+        "argv": list(p["args"][3:]), "env": dict(os.environ if p["env"] is None else p["env"]),
         "cwd": os.path.abspath(os.fsdecode(cwd) if cwd is not None else "."),
-        "session": bool(start_new_session),
+        "session": bool(p["start_new_session"]),
     }).encode()
     status_r, status_w = os.pipe()
-    fds = [p2cread if p2cread != -1 else 0, c2pwrite if c2pwrite != -1 else 1,
-           errwrite if errwrite != -1 else 2, status_w]
+    # The child's stdin, stdout, stderr (this process's own where the Popen gave none)
+    fds = [p["p2cread"], p["c2pwrite"], p["errwrite"]]
+    fds = [fd if fd != -1 else own for own, fd in enumerate(fds)] + [status_w]
     assert _control is not None
     try:
         with _lock:
@@ -182,24 +181,21 @@ def _execute_child(self: subprocess.Popen[Any], args: Any, executable: Any, pree
     except OSError:  # the fork server is gone: this one and the rest start cold
         _unpatch()
         os.close(status_r)
-        _COLD[_EXECUTE](self, args, executable, preexec_fn, close_fds, pass_fds, cwd, env,
-                      startupinfo, creationflags, shell, p2cread, p2cwrite, c2pread,
-                      c2pwrite, errread, errwrite, restore_signals, gid, gids, uid, umask,
-                      start_new_session, process_group)
+        _COLD[_EXECUTE](self, *params)
         return
     finally:
         os.close(status_w)
     pid = int.from_bytes(reply, "big", signed=True)
     if pid <= 0:
         os.close(status_r)
-        raise OSError(-pid, f"the fork server could not start {args!r}: {os.strerror(-pid)}")
+        raise OSError(-pid, f"the fork server could not start {p['args']!r}: "
+                      f"{os.strerror(-pid)}")
     self.pid = pid
     self._warm_status = status_r  # type: ignore[attr-defined]
     # Its own end, should the fork server be gone before telling it (its status is lost then)
     self._warm_pidfd = os.pidfd_open(pid)  # type: ignore[attr-defined]
     self._child_created = True  # type: ignore[attr-defined]
-    self._close_pipe_fds(p2cread, p2cwrite, c2pread, c2pwrite,  # type: ignore[attr-defined]
-                         errread, errwrite)
+    self._close_pipe_fds(*(p[k] for k in _PIPES))  # type: ignore[attr-defined]
 
 
 def _read_exactly(sock: socket.socket, n: int) -> bytes:
