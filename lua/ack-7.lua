@@ -46,7 +46,8 @@ local samples = {}  -- adaptive.lua
 for i = 0, n - 1 do
   local a, task = first_arg + 9 * i, KEYS[first_task + i]
   local id, token, status = ARGV[a], ARGV[a + 1], ARGV[a + 2]
-  local f = redis.call('HMGET', task, 'lease', 'started_at', 'cost', 'callback_url', 'user_id')
+  local f = redis.call('HMGET', task, 'lease', 'started_at', 'cost', 'callback_url', 'user_id',
+    'ended_before')
   if f[1] ~= token then
     out[#out + 1] = 0
   else
@@ -78,13 +79,14 @@ for i = 0, n - 1 do
     -- finished, the rest leased as they were). To the outbox as lifecycle.lua's to_outbox,
     -- but no PERSIST: a leased task has no TTL to take away (the claim took it, and nothing
     -- sets one while it runs).
+    local ending = ending_ms(f[6], now)
     redis.call('ZREM', active, id)
-    redis.call('ZADD', KEYS[5], now, id)
+    redis.call('ZADD', KEYS[5], ending, id)
     redis.call('HSET', task, 'status', status, 'result', ARGV[a + 3],
-      'result_status_code', ARGV[a + 4], 'ended_at', now, 'result_meta', ARGV[a + 8])
+      'result_status_code', ARGV[a + 4], 'ended_at', ending, 'result_meta', ARGV[a + 8])
     if f[4] then  -- its webhook is due (lifecycle.lua)
-      redis.call('HSET', task, 'hook', now, 'hook_tries', 0)
-      redis.call('ZADD', KEYS[6], now, id)
+      redis.call('HSET', task, 'hook', ending, 'hook_tries', 0)
+      redis.call('ZADD', KEYS[6], ending, id)
     end
     redis.call('HDEL', task, 'lease', 'deadline')
     ended[#ended + 1] = id

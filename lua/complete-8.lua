@@ -19,7 +19,7 @@ if f[2] ~= 'processing' or f[3] ~= 'online' then return {'conflict', f[2]} end
 local now = now_ms()
 redis.call('ZREM', KEYS[2], ARGV[1])
 redis.call('HDEL', KEYS[1], 'lease', 'deadline')
-redis.call('HSET', KEYS[1], 'status', 'completed', 'result', ARGV[3], 'ended_at', now)
+redis.call('HSET', KEYS[1], 'status', 'completed', 'result', ARGV[3])
 to_outbox(KEYS[5], KEYS[7], KEYS[1], ARGV[1], now)
 publish_changed(KEYS[2], {ARGV[1]})
 local stats = KEYS[6]

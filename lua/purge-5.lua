@@ -26,7 +26,7 @@ for _, set in ipairs({KEYS[1], KEYS[2]}) do
     local status = redis.call('HGET', task, 'status')
     if status == 'pending' then
       redis.call('ZREM', set, id)
-      redis.call('HSET', task, 'status', 'cancelled', 'ended_at', now)
+      redis.call('HSET', task, 'status', 'cancelled')
       to_outbox(KEYS[4], KEYS[5], task, id, now)
       changed[#changed + 1] = id
     elseif not status then

@@ -26,7 +26,7 @@ redis.call('HDEL', KEYS[2], 'lease', 'deadline')
 upstream_call_ended(KEYS[5], KEYS[8], ARGV[2], false)
 local f = redis.call('HMGET', KEYS[2], 'attempts', 'score')
 if tonumber(f[1]) >= tonumber(ARGV[4]) then
-  redis.call('HSET', KEYS[2], 'status', 'failed', 'ended_at', now,
+  redis.call('HSET', KEYS[2], 'status', 'failed',
     'result', 'interrupted on attempt ' .. f[1] .. ': the dispatcher shut down')
   local n = redis.call('HINCRBY', KEYS[5], 'failed', 1)
   stats_failure(KEYS[5], n, now, ARGV[1], '', 'interrupted on attempt ' .. f[1])

@@ -7,7 +7,8 @@ KEYS[7..] arrivals (only for an endpoint with max_starvation_s): the task goes b
 its first arrival (starvation.lua)
 ARGV[1] task id    ARGV[2] endpoint id    ARGV[3] pending TTL (ms)    ARGV[4] done TTL (ms)
 Its copy still waiting in the outbox (the old ending) is dropped, and it is taken off the
-delivered set, so the next ending reaches SQL and its owner like a first one.
+delivered set, so the next ending reaches SQL and its owner like a first one. The old ending's
+time stays as `ended_before`: the next one is later (now.lua ending_ms).
 A proxied request (type `proxy`) never runs again: its answer had one reader, the caller's
 connection, which is gone.
 Returns {'retried', rank, old ended_at ('' if none)} | {'missing'} | {'conflict', status} |
@@ -28,6 +29,8 @@ local now = now_ms()
 local pending_ttl = tonumber(ARGV[3])
 redis.call('HDEL', KEYS[1], 'result', 'result_status_code', 'result_meta', 'started_at', 'ended_at',
   'lease', 'deadline')
+-- Its next ending comes after this one whatever the clock then says (now.lua ending_ms).
+if f[4] then redis.call('HSET', KEYS[1], 'ended_before', f[4]) end
 redis.call('HSET', KEYS[1], 'status', 'pending', 'attempts', 0, 'pexp', now + pending_ttl)
 redis.call('PEXPIRE', KEYS[1], pending_ttl + tonumber(ARGV[4]))
 redis.call('ZADD', KEYS[2], f[2], ARGV[1])

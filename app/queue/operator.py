@@ -129,7 +129,8 @@ async def _revive(queue: TaskQueue, registry: EndpointRegistry, row: Any) -> dic
         "user_id", row.user_id, "type", row.type, "priority", priority, "method", req["method"],
         "url", req["url"], "body", req["body"], "headers", json.dumps(req["headers"]),
         "query", json.dumps(req["query"]), "client_ts", req.get("client_ts", ""),
-        "arrived_at", to_ms(row.created_at) or ""]  # its place by age (starvation.lua)
+        "arrived_at", to_ms(row.created_at) or "",  # its place by age (starvation.lua)
+        "ended_before", to_ms(row.ended_at) or ""]  # its next ending comes after this one
     for name in ("cost", "callback_url", "key_id"):
         if name in req:
             fields += [name, req[name]]
