@@ -86,7 +86,7 @@ for i = 0, n - 1 do
       'result_status_code', ARGV[a + 4], 'ended_at', ending, 'result_meta', ARGV[a + 8])
     if f[4] then  -- its webhook is due (lifecycle.lua)
       redis.call('HSET', task, 'hook', ending, 'hook_tries', 0)
-      redis.call('ZADD', KEYS[6], ending, id)
+      redis.call('ZADD', KEYS[6], now, id)  -- due now, whatever its `ended_at` says
     end
     redis.call('HDEL', task, 'lease', 'deadline')
     ended[#ended + 1] = id

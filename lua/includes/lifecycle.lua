@@ -18,7 +18,7 @@ local function to_outbox(outbox, hooks, task, id, now)
   redis.call('ZADD', outbox, ended, id)
   if f[2] then
     redis.call('HSET', task, 'ended_at', ended, 'hook', ended, 'hook_tries', 0)
-    redis.call('ZADD', hooks, ended, id)
+    redis.call('ZADD', hooks, now, id)  -- due now, whatever its `ended_at` says
   else
     redis.call('HSET', task, 'ended_at', ended)
   end
