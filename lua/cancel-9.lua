@@ -43,8 +43,7 @@ elseif f[2] == 'processing' then
 else
   return {'conflict', f[2]}
 end
-redis.call('HSET', KEYS[1], 'status', 'cancelled')
-to_outbox(KEYS[5], KEYS[8], KEYS[1], ARGV[1], now)
+to_outbox(KEYS[5], KEYS[8], KEYS[1], ARGV[1], now, 'status', 'cancelled')
 publish_changed(KEYS[2], {ARGV[1]})
 redis.call('HINCRBY', KEYS[7], 'cancelled', 1)
 return {'cancelled'}

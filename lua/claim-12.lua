@@ -198,10 +198,10 @@ while true do
     redis.call('ZREM', KEYS[1], id)
     if arrivals then redis.call('ZREM', arrivals, id) end
     if tf[4] then redis.call('ZREM', deadlines, id) end
-    redis.call('HSET', task, 'status', 'failed', 'result', 'caller connection lost')
     stats_failure(stats, redis.call('HINCRBY', stats, 'failed', 1), now, id, '',
       'caller connection lost')
-    to_outbox(KEYS[10], KEYS[11], task, id, now)
+    to_outbox(KEYS[10], KEYS[11], task, id, now, 'status', 'failed',
+      'result', 'caller connection lost')
     changed[#changed + 1] = id
   else
     local token = token_prefix .. ':' .. claimed

@@ -19,8 +19,7 @@ if f[2] ~= 'processing' or f[3] ~= 'online' then return {'conflict', f[2]} end
 local now = now_ms()
 redis.call('ZREM', KEYS[2], ARGV[1])
 redis.call('HDEL', KEYS[1], 'lease', 'deadline')
-redis.call('HSET', KEYS[1], 'status', 'completed', 'result', ARGV[3])
-to_outbox(KEYS[5], KEYS[7], KEYS[1], ARGV[1], now)
+to_outbox(KEYS[5], KEYS[7], KEYS[1], ARGV[1], now, 'status', 'completed', 'result', ARGV[3])
 publish_changed(KEYS[2], {ARGV[1]})
 local stats = KEYS[6]
 -- Its caller is done: the upstream took the call, so the pause is over (no pause is read from an

@@ -26,8 +26,7 @@ for _, set in ipairs({KEYS[1], KEYS[2]}) do
     local status = redis.call('HGET', task, 'status')
     if status == 'pending' then
       redis.call('ZREM', set, id)
-      redis.call('HSET', task, 'status', 'cancelled')
-      to_outbox(KEYS[4], KEYS[5], task, id, now)
+      to_outbox(KEYS[4], KEYS[5], task, id, now, 'status', 'cancelled')
       changed[#changed + 1] = id
     elseif not status then
       redis.call('ZREM', set, id)  -- its hash is gone: nothing left to run

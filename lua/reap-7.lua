@@ -44,24 +44,22 @@ for _, id in ipairs(ids) do
     if fields[1] == 'proxy' then
       -- The process relaying it stopped renewing (killed mid-stream): its caller is gone with it,
       -- so it never runs again.
-      redis.call('HSET', task, 'status', 'failed', 'result', 'caller connection lost')
       local n = redis.call('HINCRBY', KEYS[4], 'failed', 1)
       stats_failure(KEYS[4], n, now, id, '', 'caller connection lost')
-      to_outbox(outbox, hooks, task, id, now)
+      to_outbox(outbox, hooks, task, id, now, 'status', 'failed',
+        'result', 'caller connection lost')
       failed = failed + 1
     elseif fields[1] == 'online' then
       -- The permit lapsed without `complete`: the slot is free again.
-      redis.call('HSET', task, 'status', 'expired')
       redis.call('HINCRBY', KEYS[4], 'expired', 1)
       if tonumber(fields[5]) then stats_ema(KEYS[4], 'slot_ms', now - tonumber(fields[5])) end
-      to_outbox(outbox, hooks, task, id, now)
+      to_outbox(outbox, hooks, task, id, now, 'status', 'expired')
       ended = ended + 1
     elseif tonumber(fields[2]) >= tonumber(ARGV[3]) then
-      redis.call('HSET', task, 'status', 'failed',
-        'result', 'lease expired on attempt ' .. fields[2] .. ': the dispatcher stopped answering')
       local n = redis.call('HINCRBY', KEYS[4], 'failed', 1)
       stats_failure(KEYS[4], n, now, id, '', 'lease expired on attempt ' .. fields[2])
-      to_outbox(outbox, hooks, task, id, now)
+      to_outbox(outbox, hooks, task, id, now, 'status', 'failed',
+        'result', 'lease expired on attempt ' .. fields[2] .. ': the dispatcher stopped answering')
       failed = failed + 1
     else
       redis.call('HSET', task, 'status', 'pending')

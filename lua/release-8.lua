@@ -26,11 +26,10 @@ redis.call('HDEL', KEYS[2], 'lease', 'deadline')
 upstream_call_ended(KEYS[5], KEYS[8], ARGV[2], false)
 local f = redis.call('HMGET', KEYS[2], 'attempts', 'score')
 if tonumber(f[1]) >= tonumber(ARGV[4]) then
-  redis.call('HSET', KEYS[2], 'status', 'failed',
-    'result', 'interrupted on attempt ' .. f[1] .. ': the dispatcher shut down')
   local n = redis.call('HINCRBY', KEYS[5], 'failed', 1)
   stats_failure(KEYS[5], n, now, ARGV[1], '', 'interrupted on attempt ' .. f[1])
-  to_outbox(KEYS[6], KEYS[7], KEYS[2], ARGV[1], now)
+  to_outbox(KEYS[6], KEYS[7], KEYS[2], ARGV[1], now, 'status', 'failed',
+    'result', 'interrupted on attempt ' .. f[1] .. ': the dispatcher shut down')
   publish_changed(KEYS[1], {ARGV[1]})
   -- Its slot (and maybe the probe) is free for the tasks behind it.
   if redis.call('ZCARD', KEYS[3]) > 0 then redis.call('ZADD', KEYS[4], 'NX', now, ARGV[3]) end
