@@ -27,7 +27,7 @@ def openapi() -> Schema:
 
     with tempfile.TemporaryDirectory() as data_dir:  # the secrets are not looked for there
         settings = Settings(admin_token="0" * 16, permit_secret="0", data_dir=Path(data_dir),
-                            _env_file=None)  # type: ignore[call-arg]
+                            _env_file=None)
         doc = create_app(Runtime(settings), manage=False).openapi()
     copy: Schema = json.loads(json.dumps(doc))  # plain data: nothing of the app's own objects
     return copy

@@ -217,6 +217,8 @@ class _Topology(ABC):
 
 
 class _Sentinel(_Topology):
+    setup: SentinelSetup
+
     def __init__(self, root: Path) -> None:
         self.setup = SentinelSetup(root / "redis")
 
@@ -231,6 +233,8 @@ class _Sentinel(_Topology):
 
 
 class _Cluster(_Topology):
+    setup: ClusterSetup
+
     def __init__(self, root: Path, victim: Victim = "queue") -> None:
         self.setup = ClusterSetup(root / "cluster")
         self.kills, self.victim = victim, ""

@@ -79,13 +79,14 @@ def listening(port: int) -> psutil.Process:
 
 def _connections(proc: psutil.Process) -> list[Any]:
     try:
-        return proc.net_connections("tcp")
+        conns: list[Any] = proc.net_connections("tcp")  # psutil ships no annotations
+        return conns
     except psutil.Error:  # gone meanwhile
         return []
 
 
 def wait_port(
-    port: int, timeout: float = 15.0, proc: subprocess.Popen[bytes] | None = None
+    port: int, timeout: float = 15.0, proc: subprocess.Popen[Any] | None = None
 ) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -120,7 +121,7 @@ def read_until(proc: subprocess.Popen[Any], text: str, timeout: float = 30.0) ->
     raise TimeoutError(f"{text!r} not seen; the process said: {''.join(lines)[-2000:]}")
 
 
-def stop(*procs: subprocess.Popen[bytes], timeout: float = 10) -> None:
+def stop(*procs: subprocess.Popen[Any], timeout: float = 10) -> None:
     """SIGTERM to all at once, then those not gone within `timeout` are killed: a test's
     several processes, each taking its grace in turn, made teardowns of 5 s."""
     running = [p for p in procs if p.poll() is None]

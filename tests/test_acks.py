@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
 from app.endpoints import EndpointConfig
-from app.queue.claims import Claim
-from app.queue.dispatcher import CLAIM_FIELDS, Dispatcher
+from app.queue.claims import CLAIM_FIELDS, Claim
+from app.queue.dispatcher import Dispatcher
 from app.queue.upstream import Outcome, Request
 from tests.conftest import Gateway
 
@@ -57,7 +57,7 @@ async def test_acks_sent_together_finish_each_task_and_count_each_once(
     outbox = set(await rt.redis.zrange(rt.keys.outbox(e), 0, -1))
     assert outbox == {c.task_id for c in claims} - {lost.task_id}
 
-    stats = await rt.redis.hgetall(rt.keys.stats(e))
+    stats = cast("dict[str, str]", await rt.redis.hgetall(rt.keys.stats(e)))  # decode_responses
     assert (stats["completed"], stats["failed"], stats["fail_4xx"]) == ("2", "4", "4")
     assert _bucketed(stats, "upstream_ms") == (2, 24)
     assert _bucketed(stats, "upstream_failed_ms") == (4, 48)

@@ -21,6 +21,7 @@ pytestmark = pytest.mark.backends("single", "cluster")
 
 async def _row(gateway: Gateway, endpoint: str) -> dict[str, Any]:
     r = await gateway.http.get("/admin/v1/queues", headers=gateway.admin)
+    row: dict[str, Any]
     (row,) = [q for q in r.json()["endpoints"] if q["id"] == endpoint]
     return row
 

@@ -5,6 +5,7 @@ not seen yet strands no task."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import signal
 import time
 import uuid
@@ -73,8 +74,8 @@ class TestRedisOutage:
         listed = (await one.http.get("/admin/v1/api-keys", headers=one.admin)).json()
         assert [k["revoked"] for k in listed if k["id"] == key_id] == [True]
         for gw in (one, two):
-            took = await within(5, lambda gw=gw: _submits(gw, auth, "http://127.0.0.1:9/rv", 401),
-                                "the revoked key refused")
+            took = await within(5, functools.partial(_submits, gw, auth, "http://127.0.0.1:9/rv",
+                                                     401), "the revoked key refused")
             print(f"revoked key refused {took:.2f} s after redis answered")
 
     async def test_an_endpoint_disabled_while_redis_was_down_refuses_submits_everywhere(
@@ -94,7 +95,7 @@ class TestRedisOutage:
         got = (await one.http.get("/admin/v1/endpoints/off", headers=one.admin)).json()
         assert got["enabled"] is False
         for gw in (one, two):
-            took = await within(5, lambda gw=gw: _submits(gw, auth, url, 404),
+            took = await within(5, functools.partial(_submits, gw, auth, url, 404),
                                 "the disabled endpoint refused")
             print(f"disabled endpoint refused {took:.2f} s after redis answered")
 

@@ -6,10 +6,11 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
+from app.core.scripts import Lua
 from app.lifecycle import history
 from app.queue import operator
 from app.runtime import Runtime
@@ -176,7 +177,7 @@ async def test_purge_cancels_every_pending_task_a_batch_per_script(
         return res
 
     monkeypatch.setattr(gateway.rt.queue, "scripts",
-                        dataclasses.replace(gateway.rt.queue.scripts, purge=counted))
+                        dataclasses.replace(gateway.rt.queue.scripts, purge=cast(Lua, counted)))
     assert await _post(gateway, "/admin/v1/endpoints/purge/purge") == {
         "endpoint": "purge", "cancelled": 24}
     assert runs == [7, 7, 7, 3]

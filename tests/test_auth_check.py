@@ -135,6 +135,7 @@ async def test_under_traefik_only_the_request_line_traefik_sets_decides(
     smuggled = {**permit, "X-Original-URI": "/api/live", "X-Original-Method": "POST",
                 "X-Forwarded-Uri": "/api/live", "X-Forwarded-Method": "POST"}
     check = gateway.http.get
+    forward_auth: dict[str, Any]
     for forward_auth in (shipped, {}):  # as shipped, and a Traefik forwarding every header
         for method, uri in (("DELETE", "/api/admin/delete_all"), ("POST", "/api/other"),
                             ("DELETE", "/api/live"), ("POST", "//api/api/live"),

@@ -205,7 +205,8 @@ async def _external(base: str, key: str, url: str, size: int, seed: int) -> str:
         final = await task.wait(timeout=120)
     assert final.task_status == "completed", final
     assert final.raw["result_encoding"] == "external" and final.raw["result_bytes"] == size
-    return task.task_id
+    task_id: str = task.task_id  # typed when mypy sees clients/python (an editable install)
+    return task_id
 
 
 async def test_save_streams_a_stored_result_to_disk_in_bounded_memory(
@@ -312,7 +313,8 @@ async def test_a_cut_download_resumes_with_a_range_and_the_etag(
     async with CuttingProxy(base, CUT) as via:
         def run() -> Path:
             with Client(via, key, transport=transport) as qgw:
-                return qgw.download(tid, tmp_path / "cut.png")
+                path: Path = qgw.download(tid, tmp_path / "cut.png")
+                return path
 
         saved = await asyncio.to_thread(run)
     assert file_digest(saved) == binary_digest(SIZE, 13)

@@ -14,7 +14,7 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import httpx
 import pytest
@@ -490,6 +490,6 @@ async def test_dead_letters_searched_and_retried_from_the_dashboard(
         if len(mock_log(fresh_upstream)) == 8:
             break
         await asyncio.sleep(0.1)
-    assert sorted(c["body"] for c in mock_log(fresh_upstream)) == sorted(
+    assert sorted(cast(str, c["body"]) for c in mock_log(fresh_upstream)) == sorted(
         [f"{e}{i}" for e in ("dl-x", "dl-y") for i in range(2)] * 2)
     assert errors == []

@@ -155,7 +155,8 @@ async def test_an_ending_that_came_after_the_writer_read_stays_in_the_outbox(
     box = Outbox(rt.redis, rt.keys)
     waiting = await box.waiting(e, 10)
     records = await box.fetch(waiting)
-    assert records[tid] is not None and records[tid]["ended_at"] == str(first)
+    record = records[tid]
+    assert record is not None and record["ended_at"] == str(first)
     assert len(records) == 2
 
     await rt.redis.hset(task, mapping={"ended_at": second, "result": "second"})  # ended again

@@ -47,7 +47,7 @@ async def test_openapi_declares_security_schemes_and_readable_operation_ids(
     assert len(set(ids.values())) == len(ids)
     assert all(re.fullmatch(r"[a-z]+(_[a-z]+)*", i) for i in ids.values()), ids
 
-    api_key = [{"apiKey": []}, {"apiKeyHeader": []}]
+    api_key: list[dict[str, list[str]]] = [{"apiKey": []}, {"apiKeyHeader": []}]
     for (method, path), op in ops.items():
         expected = (api_key if path.startswith(("/api/", "/proxy/")) else
                     [{"adminToken": []}] if path.startswith("/admin/") else None)

@@ -70,7 +70,8 @@ def page(site: Path) -> Iterator[object]:
         try:
             tab = browser.new_page(viewport={"width": 1280, "height": 900})
             tab.outside = []  # type: ignore[attr-defined]
-            tab.errors = []  # type: ignore[attr-defined]
+            errors: list[str] = []
+            tab.errors = errors  # type: ignore[attr-defined]
 
             def route(r: object) -> None:
                 url = r.request.url  # type: ignore[attr-defined]
@@ -81,7 +82,7 @@ def page(site: Path) -> Iterator[object]:
                     r.abort()  # type: ignore[attr-defined]
 
             tab.route("**/*", route)
-            tab.on("pageerror", lambda exc: tab.errors.append(str(exc)))  # type: ignore[attr-defined]
+            tab.on("pageerror", lambda exc: errors.append(str(exc)))
             yield tab
         finally:
             browser.close()

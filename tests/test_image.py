@@ -42,6 +42,7 @@ ONE_SHOT = {"migrate"}
 def _instruction(name: str) -> str:
     """One instruction of the image's final stage, continuation lines joined."""
     final = DOCKERFILE.replace("\\\n", " ").rpartition("\nFROM ")[2]
+    line: str
     (line,) = re.findall(rf"^{name} .*$", final, re.MULTILINE)
     return line
 

@@ -299,7 +299,8 @@ async def test_a_huge_reported_cost_holds_the_endpoint_one_interval_at_most(
     warned = [r for r in caplog.records if "1000000000000" in r.getMessage()]
     assert warned and getattr(warned[0], "endpoint", None) == "huge"
     # Nor does the caller's real-cost average (its later reservations) keep the figure.
-    kept = await gateway.rt.redis.hgetall(gateway.rt.keys.real_costs("huge"))
+    kept = cast("dict[str, str]",
+                await gateway.rt.redis.hgetall(gateway.rt.keys.real_costs("huge")))
     costs = {f: float(v.split(",")[0]) for f, v in kept.items() if not f.startswith("#")}
     assert costs and max(costs.values()) <= 1000, costs
 
@@ -311,7 +312,7 @@ async def test_an_edit_of_a_limit_resets_its_pacing(
     limit again, even unchanged: the next task runs at once."""
     url = f"{fresh_upstream}/reset"
     await gateway.add_endpoint("reset", url, limits=[HUGE_LIMIT], cost_from="header:x-usage")
-    k, spec = gateway.rt.keys, (HUGE_LIMIT["limiter"], "cost", 1000, 2000)
+    k, spec = gateway.rt.keys, (cast(str, HUGE_LIMIT["limiter"]), "cost", 1000, 2000)
     pace = k.further_pace("reset", *spec)
     far = int(time.time()) * 1000 + 10**13
     await gateway.rt.redis.set(pace, f"{far}.000", px=10**13)
@@ -368,10 +369,10 @@ async def test_real_costs_of_idle_callers_are_forgotten(
     reply = {"X-Mock-Reply-Headers": ['{"X-Usage": "3"}']}
     await _backlog(gateway, auth, url, 60, cost=1, headers=reply)
     await _drain(gateway, ["idle-costs"], timeout=60)
-    kept = await redis.hgetall(rc)
+    kept = cast("dict[str, str]", await redis.hgetall(rc))  # decode_responses
     users = {k: v for k, v in kept.items() if not k.startswith("#")}
     assert set(users) == {"7", "42"}, len(users)
     assert users["7"].startswith("3.0,") and users["42"] == f"9.0,{now}"
     assert 0 < await redis.pttl(rc) <= 3_600_000
-    stats = await redis.hgetall(gateway.rt.keys.stats("idle-costs"))
+    stats = cast("dict[str, str]", await redis.hgetall(gateway.rt.keys.stats("idle-costs")))
     assert not [f for f in stats if f.startswith("rc:")]

@@ -193,7 +193,7 @@ async def test_a_scrape_of_1000_endpoints_is_one_round_trip(
     async def counted_command(self: Redis, *args: Any, **options: Any) -> Any:
         if self is rt.redis:
             commands.append(args)
-        return await real_command(self, *args, **options)
+        return await real_command(self, *args, **options)  # type: ignore[no-untyped-call]  # untyped in redis-py
 
     monkeypatch.setattr(Pipeline, "execute", counted_execute)
     monkeypatch.setattr(Redis, "execute_command", counted_command)
@@ -455,6 +455,7 @@ async def _held(gateway: Gateway, endpoint: str) -> dict[str, Any]:
     """The admin view's row once the limiter holds the endpoint's line."""
     for _ in range(100):
         r = await gateway.http.get("/admin/v1/queues", headers=gateway.admin)
+        row: dict[str, Any]
         (row,) = [q for q in r.json()["endpoints"] if q["id"] == endpoint]
         if row["binding_limit"]:
             return row

@@ -30,14 +30,14 @@ class TestRedisReadOnly:
         assert r.json() == {"status": "ok", "checks": {"redis": "ok", "database": "ok",
                                                     "result_store": "ok"}}
         # A replica (here of a master that is not there) answers PING but refuses submits.
-        await gateway.rt.redis.execute_command("REPLICAOF", "127.0.0.1", str(free_port()))
+        await gateway.rt.redis.execute_command("REPLICAOF", "127.0.0.1", str(free_port()))  # type: ignore[no-untyped-call]  # untyped in redis-py
         try:
             assert await gateway.rt.redis.ping()
             r = await gateway.http.get("/readyz")
             assert r.status_code == 503, r.text
             assert r.json()["checks"]["redis"] == "error: ReadOnlyError"
         finally:
-            await gateway.rt.redis.execute_command("REPLICAOF", "NO", "ONE")
+            await gateway.rt.redis.execute_command("REPLICAOF", "NO", "ONE")  # type: ignore[no-untyped-call]  # untyped in redis-py
         assert (await gateway.http.get("/readyz")).status_code == 200
 
 
@@ -82,8 +82,8 @@ async def test_on_a_cluster_each_process_probes_readiness_in_a_slot_its_id_picks
             if isinstance(rt.redis, RedisCluster):
                 probes = await rt.redis.keys(f"{settings.key_prefix}*readyz*",
                                              target_nodes=RedisCluster.PRIMARIES)
-                nodes = {rt.redis.get_node_from_key(k).name for k in probes}
-                slots = {key_slot(k.encode()) for k in probes}
+                nodes: set[str] = {rt.redis.get_node_from_key(k).name for k in probes}
+                slots: set[int] = {key_slot(k.encode()) for k in probes}
             else:
                 probes = await rt.redis.keys(f"{settings.key_prefix}*readyz*")
         finally:

@@ -11,7 +11,7 @@ import signal
 import subprocess
 import threading
 from collections.abc import Awaitable, Callable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import httpx
 import pytest
@@ -109,7 +109,7 @@ async def test_queued_tasks_and_proxied_calls_share_the_cap(
         await asyncio.sleep(1)  # time enough for a fifth, were one let through
         held = mock_log(llm)
         assert mock_stats(llm)["in_flight"] == 4 and len(held) == 4
-        assert sorted(e["path"] for e in held) == ["/v1"] * 3 + ["/v1/chat/completions"]
+        assert sorted(cast(str, e["path"]) for e in held) == ["/v1"] * 3 + ["/v1/chat/completions"]
         httpx.post(f"{llm}/_mock/release").raise_for_status()
         answers = await proxying
     assert [r.status_code for r in answers] == [200] * 3, answers[0].text
@@ -390,7 +390,7 @@ async def test_upstream_connections_are_kept_for_the_next_call(
         await asyncio.sleep(0.5)
         r = await http.post("/proxy/llm/chat/completions", json=CHAT)
         assert r.status_code == 200
-    peers = [tuple(e["peer"]) for e in mock_log(llm)]  # type: ignore[arg-type]
+    peers = [tuple(cast("list[str | int]", e["peer"])) for e in mock_log(llm)]  # [host, port]
     assert len(peers) == 5 and len(set(peers[:4])) == 1  # one connection, kept
     assert peers[4] != peers[3]  # the cut one was closed, not kept
 

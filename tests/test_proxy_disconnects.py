@@ -232,10 +232,10 @@ async def test_requests_waiting_in_a_killed_api_process_do_not_hold_the_line(
             with pytest.raises(httpx.HTTPError):
                 await caller
         for orphan in orphans:
-            view = await gateway.http.get(f"/admin/v1/tasks/{orphan['task_id']}",
-                                          headers=gateway.admin)
-            assert view.json()["task_status"] == "failed", view.text
-            assert view.json()["task_result"] == "caller connection lost"
+            got = await gateway.http.get(f"/admin/v1/tasks/{orphan['task_id']}",
+                                         headers=gateway.admin)
+            assert got.json()["task_status"] == "failed", got.text
+            assert got.json()["task_result"] == "caller connection lost"
         assert len(mock_log(llm)) == 2  # the one held and the live one
     finally:
         stop(proc, timeout=1)
@@ -267,6 +267,7 @@ async def test_a_stalled_api_process_keeps_its_waiting_request(
                                                       json=CHAT))
             (task,) = await until(lambda: tasks_of(gateway, "pending"))
             marker = await gateway.rt.redis.hget(gateway.rt.keys.task(task["task_id"]), "owner")
+            assert marker is not None
             await asyncio.sleep(1.5)
             proc.send_signal(signal.SIGSTOP)
             await asyncio.sleep(1.5)

@@ -4,18 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
+from typing import Any, cast
 
 import httpx
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 
 from tests.conftest import Gateway
 from tests.servers import mock_log
 from tests.test_proxy import StartApi, StartDispatcher, mock_stats, openai_server, proxied
 
 __all__ = ["openai_server"]  # the module's mock, shared with tests/test_proxy.py
-HI = [{"role": "user", "content": "hello there"}]
+HI: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hello there"}]
 
 
 @pytest.fixture
@@ -40,9 +41,9 @@ async def test_chat_stream_and_embeddings(
 
     def drive() -> tuple[Any, list[Any], Any]:
         client = openai.OpenAI(base_url=base_url, api_key=key, max_retries=0)
-        chat = client.chat.completions.create(model="m", messages=HI)  # type: ignore[arg-type]
+        chat = client.chat.completions.create(model="m", messages=HI)
         events = list(client.chat.completions.create(
-            model="m", messages=HI, stream=True,  # type: ignore[arg-type]
+            model="m", messages=HI, stream=True,
             stream_options={"include_usage": True}))
         emb = client.embeddings.create(model="e", input=["a", "b c"])
         return chat, events, emb
@@ -55,7 +56,7 @@ async def test_chat_stream_and_embeddings(
     assert [len(d.embedding) for d in emb.data] == [8, 8]
     log = mock_log(llm)
     assert [e["path"] for e in log] == ["/v1/chat/completions"] * 2 + ["/v1/embeddings"]
-    assert all(e["headers"].get("authorization") is None for e in log)  # type: ignore[union-attr]
+    assert all(cast("dict[str, str]", e["headers"]).get("authorization") is None for e in log)
 
 
 @pytest.mark.backends("single", "cluster")
@@ -66,9 +67,10 @@ async def test_429_then_ok_goes_back_in_line(
     httpx.post(f"{llm}/_mock/config", json={"reject_next": 1}).raise_for_status()
     client = openai.AsyncOpenAI(base_url=base_url, api_key=key, max_retries=0)
     raw = await client.chat.completions.with_raw_response.create(
-        model="m", messages=HI)  # type: ignore[arg-type]
+        model="m", messages=HI)
     assert raw.http_response.status_code == 200  # the caller never saw the 429
-    assert raw.parse().choices[0].message.content.startswith("tok0")
+    content = raw.parse().choices[0].message.content
+    assert content is not None and content.startswith("tok0")
     first, second = mock_log(llm)
     assert (first["status"], second["status"]) == (429, 200)
     # The endpoint paused for the second the upstream asked (to the clock's next whole second,
@@ -116,7 +118,7 @@ async def test_closing_the_stream_aborts_the_call_and_frees_the_slot(
                                     max_concurrency=1)
     httpx.post(f"{llm}/_mock/config", json={"chunks": 100, "chunk_ms": 100}).raise_for_status()
     client = openai.AsyncOpenAI(base_url=base_url, api_key=key, max_retries=0)
-    stream = await client.chat.completions.create(model="m", messages=HI, stream=True)  # type: ignore[arg-type]
+    stream = await client.chat.completions.create(model="m", messages=HI, stream=True)
     async for _ in stream:
         break
     task_id = stream.response.headers["x-queue-task-id"]
@@ -127,7 +129,7 @@ async def test_closing_the_stream_aborts_the_call_and_frees_the_slot(
     # The slot is free: the next call (cap 1) goes through without waiting for a lease.
     httpx.post(f"{llm}/_mock/config", json={"chunks": 2, "chunk_ms": 0}).raise_for_status()
     r = await client.chat.completions.with_raw_response.create(
-        model="m", messages=HI)  # type: ignore[arg-type]
+        model="m", messages=HI)
     assert int(r.headers["x-queue-waited-ms"]) < 1000
     auth = {"Authorization": f"Bearer {key}"}
     view = await gateway.status(auth, task_id)

@@ -51,7 +51,7 @@ def test_what_remains_is_read_from_the_request_counts() -> None:
     # The lowest count of several; a token count is no count of calls; no reset, no count.
     assert remaining({"x-ratelimit-remaining": "9", "x-ratelimit-reset": "2",
                       "ratelimit-remaining": "3", "ratelimit-reset": "2"},
-                     now) == (3, pytest.approx(1.8 + ALIGN_MARGIN_S))
+                     now) == (3, pytest.approx(1.8 + ALIGN_MARGIN_S))  # type: ignore[comparison-overlap]  # approx == float
     assert remaining({"x-ratelimit-remaining-tokens": "1",
                       "x-ratelimit-reset-tokens": "1s"}, now) is None
     assert remaining({"x-ratelimit-remaining-requests": "4"}, now) is None

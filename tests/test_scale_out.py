@@ -112,6 +112,7 @@ async def test_a_key_whose_first_submit_never_queued_makes_the_task_on_retry(
 
     await gateway.add_endpoint("once", "http://127.0.0.1:9/once")
     auth = {**await _key(gateway, 43, daily_quota=5), "Idempotency-Key": "order-9"}
+    failed: list[int]
     real, failed = TaskQueue._enqueue, []
 
     async def fail_once(self: TaskQueue, *args: Any) -> Any:
@@ -229,6 +230,7 @@ def _script_problems(lua_dir: Path) -> list[str]:
 def _args(text: str, start: int) -> list[str]:
     """The comma-separated arguments of the call whose `(` is at text[start - 1] (strings
     blanked to '' so their commas and dots do not count)."""
+    out: list[str]
     depth, out, arg, i = 0, [], "", start
     while i < len(text):
         c = text[i]

@@ -8,6 +8,7 @@ import asyncio
 import base64
 import contextlib
 import json
+import os
 import subprocess
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -139,7 +140,7 @@ def redis_dumps(url: str, prefix: str) -> dict[bytes, bytes]:
     target = parse_redis_url(url)
     client: Any
     if target.kind == "cluster":
-        client = RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in target.hosts])
+        client = RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in target.hosts])  # type: ignore[no-untyped-call]  # untyped in redis-py
         nodes = [redis.Redis(n.host, n.port) for n in client.get_nodes()]
     else:
         client = redis.Redis.from_url(url)
@@ -419,7 +420,7 @@ async def test_rotation_keeps_calls_working_while_it_runs(
         r = await client.post("/admin/v1/api-keys", headers=ADMIN_AUTH, json={"user_id": 7})
         auth = {"Authorization": f"Bearer {r.json()['key']}"}
         rotating = asyncio.create_task(asyncio.to_thread(qgw, env, "secrets", "rotate", **both))
-        ids = []
+        ids: list[str] = []
         while not rotating.done() or len(ids) < 20:
             r = await client.post("/api/v1/tasks", headers=auth,
                                   json={"target_url": target, "body": "{}"})
@@ -538,8 +539,8 @@ def test_a_generated_secret_file_is_created_private(tmp_path: Path,
     skipped and a umask that restricts nothing, what is created is already 0600."""
     from app import settings as settings_module
     monkeypatch.setattr(Path, "chmod", lambda *a, **k: None)
-    monkeypatch.setattr(settings_module.os, "chmod", lambda *a, **k: None)
-    old = settings_module.os.umask(0)
+    monkeypatch.setattr(os, "chmod", lambda *a, **k: None)
+    old = os.umask(0)
     try:
         for name in ("secrets_key", "admin_token", "permit_secret"):
             value = settings_module._stored_secret(tmp_path / "data", name, new_key)
@@ -547,7 +548,7 @@ def test_a_generated_secret_file_is_created_private(tmp_path: Path,
             assert path.read_text().strip() == value
             assert path.stat().st_mode & 0o777 == 0o600, oct(path.stat().st_mode)
     finally:
-        settings_module.os.umask(old)
+        os.umask(old)
     assert sorted(p.name for p in (tmp_path / "data").iterdir()) == [
         "admin_token", "permit_secret", "secrets_key"]  # no draft left behind
 

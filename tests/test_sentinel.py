@@ -60,7 +60,7 @@ class TestReplica:
         await gateway.add_endpoint("ro", url)
         auth = await gateway.new_key()
         # A replica of a master that does not answer: it keeps its data and refuses writes.
-        await gateway.rt.redis.execute_command("REPLICAOF", "127.0.0.1", str(free_port()))
+        await gateway.rt.redis.execute_command("REPLICAOF", "127.0.0.1", str(free_port()))  # type: ignore[no-untyped-call]  # untyped in redis-py
 
         submit = await gateway.http.post("/api/v1/tasks", headers=auth, json={"target_url": url})
         key = await gateway.http.post("/admin/v1/api-keys", headers=gateway.admin,

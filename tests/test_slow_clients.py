@@ -42,9 +42,9 @@ def _until_closed(socks: list[socket.socket], timeout: float) -> dict[socket.soc
     """What each socket received until the server closed it (or `timeout` passed)."""
     got = {s: b"" for s in socks}
     with selectors.DefaultSelector() as sel:
-        for s in socks:
-            s.setblocking(False)
-            sel.register(s, selectors.EVENT_READ)
+        for sock in socks:
+            sock.setblocking(False)
+            sel.register(sock, selectors.EVENT_READ)
         deadline = time.monotonic() + timeout
         while sel.get_map() and time.monotonic() < deadline:
             for key, _ in sel.select(0.1):

@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
 from datetime import datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import httpx
 import pytest
@@ -200,7 +200,7 @@ async def test_status_falls_back_to_sql_with_the_same_fields(
     auth, (tid,) = await finish(gateway, upstream, start_dispatcher, "fallback")
     await eventually(lambda: _has(gateway.rt.engine, [tid]))
     redis, keys = gateway.rt.redis, gateway.rt.keys
-    fields = await redis.hgetall(keys.task(tid))
+    fields = cast("dict[str, str]", await redis.hgetall(keys.task(tid)))  # decode_responses
     from_redis = gateway.rt.queue._view(tid, fields, None, None, None).model_dump(mode="json")
     await redis.delete(keys.task(tid))  # as if its done TTL ran out
 
@@ -518,7 +518,8 @@ async def test_text_outside_latin1_is_kept_in_a_latin1_database(mariadb: MariaDB
             "task_id": "cat.latin", "user_id": 1, "endpoint": "latin", "type": "offline",
             "status": "completed", "result": "猫 🐱", "result_status_code": 200, "attempts": 1,
             "created_at": now, "started_at": now, "ended_at": now}])
-        assert (await store.get("cat.latin", 1)).result == "猫 🐱"
+        row = await store.get("cat.latin", 1)
+        assert row is not None and row.result == "猫 🐱"
     finally:
         await engine.dispose()
 

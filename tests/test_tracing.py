@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, cast
 
 import httpx
 import pytest
@@ -147,7 +147,8 @@ def test_one_trace_per_task_across_api_and_dispatcher(
         for tid in (joined, alone):
             assert httpx.get(f"{base}/api/v1/tasks/{tid}", headers=auth
                              ).json()["task_status"] == "completed"
-        called = {c["idempotency_key"]: c["headers"] for c in mock_log(fresh_upstream)}
+        called = {c["idempotency_key"]: cast("dict[str, str]", c["headers"])
+                  for c in mock_log(fresh_upstream)}
 
     by_task = {tid: [s for s in receiver.spans if s.attributes.get("qgw.task_id") == tid]
                for tid in (joined, alone)}

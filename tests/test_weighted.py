@@ -46,9 +46,9 @@ async def test_three_users_weighted_3_2_1_share_every_window_by_weight(
     for user, (tier, weight) in enumerate(WEIGHTS.items(), 1):
         auth = await _key(gateway, user, tier)
         for _ in range(100 * weight):
-            r = await gateway.submit(auth, url)
-            owner[r["task_id"]] = tier
-            answers.append(r)
+            task = await gateway.submit(auth, url)
+            owner[task["task_id"]] = tier
+            answers.append(task)
     dispatcher_process()
     order = await _calls(fresh_upstream, len(owner))
     total = sum(WEIGHTS.values())

@@ -24,7 +24,7 @@ import os
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from redis.exceptions import RedisError
 
@@ -34,7 +34,7 @@ from app.core.keys import Keys
 from app.core.loop import persist
 from app.endpoints import EndpointConfig
 from app.errors import ApiError
-from app.models import SubmitRequest, SubmitResponse
+from app.models import Method, SubmitRequest, SubmitResponse
 from app.proxy.calls import EndpointCalls, endpoint_calls
 from app.proxy.paths import upstream_url
 from app.queue.claims import CLAIM_FIELDS, asked_pause_ms, settle_limits
@@ -100,9 +100,13 @@ class ProxyCall:
     async def submit(self) -> None:
         """Into the line; claimed at once, in the submit's own round trip, when the rules a
         dispatcher's claim follows admit it first (its lease token is then set)."""
+        # Built, not validated (the route checked the request): its method is one the endpoint
+        # accepts, and `proxy` is a task type only the gateway makes, never a caller's.
         req = SubmitRequest.model_construct(
-            target_url=self.url, http_method=self.method, body="", priority=self.priority,
-            timestamp=None, task_type="proxy", headers={}, query_params={}, callback_url=None,
+            target_url=self.url, http_method=cast(Method, self.method), body="",
+            priority=self.priority, timestamp=None,
+            task_type="proxy",  # type: ignore[arg-type]
+            headers={}, query_params={}, callback_url=None,
             cost=self.cost, max_wait_s=max(1, math.ceil(self.max_wait_s)))
         self.task_id = new_task_id(self.endpoint.id)
         own = None if self.endpoint.paused else self._own_claim()

@@ -330,7 +330,7 @@ class TaskQueue:
             ended_at=rfc3339(f.get("ended_at")),
             result_status_code=int(code) if code else None,
             attempts=int(f.get("attempts", 0)), permit=permit,
-            result_encoding=(meta.encoding or None) if meta else None,  # type: ignore[arg-type]
+            result_encoding=(meta.encoding or None) if meta else None,
             result_content_type=meta.content_type if meta else None,
             result_bytes=size if status.finished else None,
         )
