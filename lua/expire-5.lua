@@ -1,8 +1,8 @@
 --[[ Expire tasks still pending past their deadline (`pexp`, set at submit): they leave their
 queue and never run. No extra index: within one priority the queue is in arrival order, which
 is deadline order, so the script looks at the head of each priority band and jumps to the next
-band at the first task not yet due (a task handed back after a claim has no deadline; the
-walk steps past it). Bounded: at most ARGV[3] expirations and ARGV[4] steps.
+band at the first task not yet due (a task handed back after a claim has no deadline, and one
+an operator retried, `dl` 2, has a new one in the deadline set: the walk steps past both). Bounded: at most ARGV[3] expirations and ARGV[4] steps.
 KEYS[1] queue    KEYS[2] stats    KEYS[3] outbox    KEYS[4] deadlines    KEYS[5] hooks
 ARGV[1] task key prefix    ARGV[2] unused (the done TTL: set once SQL has the row)    ARGV[3] max expirations    ARGV[4] max steps
 Returns {expired, 1 if it stopped at a bound (more may be due) else 0}.
@@ -47,10 +47,12 @@ while steps_left > 0 do
   if #head == 0 then return done(0) end
   local id, score = head[1], tonumber(head[2])
   local task = ARGV[1] .. id
-  local f = redis.call('HMGET', task, 'status', 'pexp')
-  if not f[1] or not f[2] then
+  local f = redis.call('HMGET', task, 'status', 'pexp', 'dl')
+  if not f[1] or not f[2] or f[3] == '2' then
     -- No pending deadline: started once and handed back. Or no hash here: gone past its
     -- pending TTL (a claim drops the id), or not moved here yet by a reshard: not dropped.
+    -- Or retried by an operator: back at its old place with a later deadline than the tasks
+    -- behind it, which the deadline set watches (requeue-7.lua).
     from = '(' .. int(score)
   elseif tonumber(f[2]) <= now then
     expire_pending(task, id, KEYS[1], KEYS[2], KEYS[3], KEYS[5], now)

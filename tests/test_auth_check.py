@@ -168,3 +168,27 @@ async def test_permit_expiry_follows_the_redis_clock_not_the_hosts(
     stale = permits.sign(gateway.rt.settings.permit_key, tid, ended)
     r = await gateway.http.get("/auth/check", headers={**_nginx(s), "X-Queue-Permit": stale})
     assert r.status_code == 403 and "expired" in r.json()["error"]["message"], r.text
+
+
+async def test_a_retried_online_task_gets_a_permit_of_its_own(
+    gateway: Gateway, start_dispatcher: Callable[[], Awaitable[Runtime]]
+) -> None:
+    """A permit used up and left to lapse ends its task `expired`; an operator's retry admits
+    it again with a new permit, whose uses count from none (lua/requeue-7.lua), not from the
+    old permit's."""
+    auth, s = await _admitted(gateway, start_dispatcher, permit_max_uses=1, permit_ttl_s=1)
+    assert (await gateway.http.get("/auth/check", headers=_nginx(s))).status_code == 200
+    assert (await gateway.http.get("/auth/check", headers=_nginx(s))).status_code == 403
+    (ended,) = await gateway.wait_finished(auth, [s["task_id"]])
+    assert ended["task_status"] == "expired"
+    r = await gateway.http.post(f"/admin/v1/tasks/{s['task_id']}/retry", headers=gateway.admin)
+    assert r.status_code == 200, r.text
+    for _ in range(100):
+        again = await gateway.status(auth, s["task_id"])
+        if again["permit"]:
+            break
+        await asyncio.sleep(0.05)
+    else:
+        raise AssertionError("the retried task was not admitted again")
+    assert again["permit"]["token"] != s["permit"]["token"]
+    assert (await gateway.http.get("/auth/check", headers=_nginx(again))).status_code == 200

@@ -79,8 +79,8 @@ HAND_BACKS = {
     "refused": {"X-Mock-Status": ["503"], "X-Mock-Reply-Headers": [json.dumps({
         "retry-after": "1"})]},  # given back to its place (retry-8.lua)
     "backoff": {"X-Mock-Status": ["500"]},  # retry-8.lua, then the claim when it is due
-    "operator": {"X-Mock-Status": ["400"]},  # failed, then an operator's retry (requeue-6.lua)
-    "revived": {"X-Mock-Status": ["400"]},  # the same once only SQL has it (revive-4.lua)
+    "operator": {"X-Mock-Status": ["400"]},  # failed, then an operator's retry (requeue-7.lua)
+    "revived": {"X-Mock-Status": ["400"]},  # the same once only SQL has it (revive-5.lua)
     "released": {},  # its dispatcher stops (release-8.lua)
     "reaped": {},  # its dispatcher is killed; the other's reaper (reap-7.lua)
 }

@@ -233,7 +233,7 @@ class Keys:
 
     def live(self, endpoint: str) -> str:
         """Hash whose field `endpoint` says it exists, read by the scripts that enqueue
-        (submit-11.lua, requeue-6.lua): the registry hash on one Redis; on a Cluster, a hash in
+        (submit-11.lua, requeue-7.lua): the registry hash on one Redis; on a Cluster, a hash in
         the endpoint's slot that the registry keeps beside its own (core/registry.py)."""
         if self.cluster:
             return f"{self.prefix}:{self.tag(endpoint)}:live"

@@ -71,7 +71,7 @@ async def retry(queue: TaskQueue, registry: EndpointRegistry, task_id: str) -> d
     k, e = queue.keys, endpoint_of(task_id)
     res = await queue.scripts.requeue(
         keys=[k.task(task_id), k.queue(e), k.wake(e), k.outbox(e), k.delivered(e), k.live(e),
-              *_arrivals(queue, registry, e)],
+              k.deadlines(e), *_arrivals(queue, registry, e)],
         args=[task_id, e, queue.ttls.pending_ms, queue.ttls.done_ms],
     )
     if res[0] == "retried":
@@ -136,7 +136,8 @@ async def _revive(queue: TaskQueue, registry: EndpointRegistry, row: Any) -> dic
             fields += [name, req[name]]
     score = req.get("score") or -priority * PRIORITY_STEP
     res = await queue.scripts.revive(
-        keys=[k.task(task_id), k.queue(e), k.wake(e), k.live(e), *_arrivals(queue, registry, e)],
+        keys=[k.task(task_id), k.queue(e), k.wake(e), k.live(e), k.deadlines(e),
+              *_arrivals(queue, registry, e)],
         args=[task_id, e, queue.ttls.pending_ms, queue.ttls.done_ms, score, *fields])
     if res[0] == "exists":  # retried meanwhile (or now in Redis again): Redis's copy decides
         return await retry(queue, registry, task_id)

@@ -5,7 +5,7 @@ local function now_ms()
 end
 
 -- When a task ends: the Redis clock, but always after an earlier ending of the same task
--- (`before`: its `ended_before`, which an operator's retry keeps, requeue-6.lua and revive-4.lua).
+-- (`before`: its `ended_before`, which an operator's retry keeps, requeue-7.lua and revive-5.lua).
 -- A failover to a master whose clock is behind must not make a newer ending look older: SQL
 -- keeps a task's newest ending by this time, and the outbox writer lets a task go only while
 -- its `ended_at` is still the one it wrote (lua/saved-1.lua).

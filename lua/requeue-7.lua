@@ -3,7 +3,9 @@ queue at its original place, pending with a fresh deadline and no attempts count
 KEYS[1] task    KEYS[2] queue    KEYS[3] wake    KEYS[4] outbox    KEYS[5] delivered
 KEYS[6] endpoints (the registry hash): no task goes back into the queue of a deleted endpoint,
         which nobody would claim, reap or expire
-KEYS[7..] arrivals (only for an endpoint with max_starvation_s): the task goes back into it at
+KEYS[7] deadlines: its new deadline may come after those of the tasks behind it in its band,
+        so the expiry sweep finds it there (`dl` 2) and walks past it (expire-5.lua)
+KEYS[8..] arrivals (only for an endpoint with max_starvation_s): the task goes back into it at
 its first arrival (starvation.lua)
 ARGV[1] task id    ARGV[2] endpoint id    ARGV[3] pending TTL (ms)    ARGV[4] done TTL (ms)
 Its copy still waiting in the outbox (the old ending) is dropped, and it is taken off the
@@ -28,13 +30,14 @@ if f[1] ~= 'failed' and f[1] ~= 'expired' then return {'conflict', f[1]} end
 local now = now_ms()
 local pending_ttl = tonumber(ARGV[3])
 redis.call('HDEL', KEYS[1], 'result', 'result_status_code', 'result_meta', 'started_at', 'ended_at',
-  'lease', 'deadline')
+  'lease', 'deadline', 'permit_uses', 'refusals')  -- a new permit, free refusals afresh
 -- Its next ending comes after this one whatever the clock then says (now.lua ending_ms).
 if f[4] then redis.call('HSET', KEYS[1], 'ended_before', f[4]) end
-redis.call('HSET', KEYS[1], 'status', 'pending', 'attempts', 0, 'pexp', now + pending_ttl)
+redis.call('HSET', KEYS[1], 'status', 'pending', 'attempts', 0, 'pexp', now + pending_ttl, 'dl', 2)
+redis.call('ZADD', KEYS[7], now + pending_ttl, ARGV[1])
 redis.call('PEXPIRE', KEYS[1], pending_ttl + tonumber(ARGV[4]))
 redis.call('ZADD', KEYS[2], f[2], ARGV[1])
-starve_back(unpack(KEYS, 7), KEYS[1], ARGV[1])
+starve_back(unpack(KEYS, 8), KEYS[1], ARGV[1])
 redis.call('ZADD', KEYS[3], 'NX', now, ARGV[2])
 redis.call('ZREM', KEYS[4], ARGV[1])  -- its old ending no longer goes to SQL
 redis.call('ZREM', KEYS[5], ARGV[1])
