@@ -62,7 +62,7 @@ while steps_left > 0 do
     -- Not due: neither is anything after it in this band. Jump to the next lower priority.
     if score > 0 then return done(0) end  -- priority 0 is the last band
     local priority = math.ceil(-score / BAND)
-    from = int(-(priority - 1) * BAND + 1)
+    from = int(-(priority - 1) * BAND)  -- where that band starts (oldest-1.lua)
   end
 end
 return done(1)

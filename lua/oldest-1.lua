@@ -16,13 +16,15 @@ while left > 0 do
   local top = redis.call('ZREVRANGEBYSCORE', KEYS[1], hi, '-inf', 'WITHSCORES', 'LIMIT', 0, 1)
   if #top == 0 then break end
   local score = tonumber(top[2])
-  -- Priority p holds the scores in (-p * BAND, -(p - 1) * BAND]; priority 0 those above 0.
+  -- Priority p holds the scores in [-p * BAND, -(p - 1) * BAND), priority 0 those from 0 up:
+  -- a band's start plus an offset under BAND (submit-11.lua; a fair turn 0 is the start itself,
+  -- lua/includes/fairness.lua).
   local priority = 0
   if score <= 0 then priority = math.ceil(-score / BAND) end
-  local floor = '(' .. int(-priority * BAND)
+  local floor = int(-priority * BAND)
   local head = redis.call('ZRANGEBYSCORE', KEYS[1], floor, hi, 'LIMIT', 0, 1)
   local ms = tonumber(string.sub(head[1], 1, 12), 16)
   if ms and (not best_ms or ms < best_ms) then best, best_ms = head[1], ms end
-  hi = floor
+  hi = '(' .. floor
 end
 return best

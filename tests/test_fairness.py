@@ -15,6 +15,7 @@ from app.lifecycle.expiry import ExpirySweep
 from app.settings import Settings
 from tests.conftest import Gateway
 from tests.servers import TLS
+from tests.test_metrics import scrape, value
 from tests.test_storage import open_gateway
 
 pytestmark = pytest.mark.backends("single", "cluster")
@@ -189,3 +190,21 @@ async def test_an_unknown_fairness_is_refused(gateway: Gateway) -> None:
     assert r.status_code == 422 and "fairness" in r.json()["error"]["message"], r.text
     r = await gateway.http.get("/admin/v1/endpoints/fair-bad", headers=gateway.admin)
     assert r.status_code == 404
+
+
+@pytest.mark.backends("single", "cluster")
+async def test_a_task_at_its_bands_very_start_is_seen_by_the_oldest_lookup(
+    gateway: Gateway, fresh_upstream: str
+) -> None:
+    """A fair turn 0 of arrival 8192 (any multiple of 2^13) scores the band's start itself:
+    priority 0's is 0. The oldest-pending lookup took the band to start above it, found no
+    head, and its error left /metrics without any endpoint's queue gauges while that task
+    led its band (lua/oldest-1.lua)."""
+    url = f"{fresh_upstream}/start"
+    await gateway.add_endpoint("band-start", url, fairness="per_user", paused=True)
+    auth = await gateway.new_key()
+    await gateway.rt.redis.set(gateway.rt.keys.seq("band-start"), 8191)
+    tid = (await gateway.submit(auth, url))["task_id"]
+    assert await gateway.rt.redis.zscore(gateway.rt.keys.queue("band-start"), tid) == 0
+    age = value(await scrape(gateway), "qgw_oldest_pending_age_seconds", "band-start")
+    assert 0 <= age < 60
