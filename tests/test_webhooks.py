@@ -12,16 +12,19 @@ import math
 import signal
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from datetime import datetime
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 from aiohttp import web
 
 from app.mock_upstream import binary_body
+from app.queue import webhooks
+from app.runtime import Runtime
 from tests.conftest import Gateway
 from tests.servers import free_port
 from tests.test_metrics import scrape, value
@@ -238,6 +241,24 @@ async def test_retried_until_2xx_with_one_delivery_id(
 
 
 HOOK_OUTCOMES = ("delivered", "retried", "given_up")
+
+
+async def test_a_sender_whose_clock_is_an_hour_ahead_still_retries(
+    gateway: Gateway, upstream: str, receiver: Receiver,
+    start_dispatcher: Callable[[], Awaitable[Runtime]], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A webhook is given up once its task ended an hour ago by the Redis clock that stamped
+    the ending, read through the delivery's claim: a sender host whose own clock is an hour
+    ahead took the first failed try of a fresh ending for its last."""
+    ahead = SimpleNamespace(time=lambda: time.time() + 3600)  # the sender's host clock
+    monkeypatch.setattr(webhooks, "time", ahead)
+    await gateway.add_endpoint("whc", f"{upstream}/wh/clock")
+    auth = await hook_key(gateway, receiver)
+    await gateway.submit(auth, f"{upstream}/wh/clock",
+                         callback_url=f"{receiver.base}/hooks/flaky/2")
+    await start_dispatcher()
+    await receiver.wait_accepted(1)
+    assert [r["status"] for r in receiver.requests] == [500, 500, 200]
 
 
 async def test_a_webhook_of_a_revoked_key_is_given_up_and_counted(

@@ -139,7 +139,7 @@ class WebhookSender:
         back = []
         for (deadline, task_id), (url, hook) in zip(batch, found, strict=True):
             name = receiver_of(url) if url and hook else None
-            if name is not None and time.time() - int(hook) / 1000 < GIVE_UP_S:
+            if name is not None and self._ended_s_ago(hook, deadline) < GIVE_UP_S:
                 wait_s = self.receivers.admit(name)
                 if wait_s:
                     back.append((task_id, hook, deadline, wait_s))
@@ -157,6 +157,12 @@ class WebhookSender:
                         args=[task_id, hook, deadline, int(wait_s * 1000), "0"], client=pipe)
                 await pipe.execute()
         return len(back)
+
+    def _ended_s_ago(self, hook: str, deadline: int) -> float:
+        """How long ago its task ended (`hook`), by the Redis clock that stamped it: as read by
+        the delivery's claim (its lease's deadline less the lease), not this host's clock,
+        which may be off by any amount."""
+        return (deadline - self.lease_ms - int(hook)) / 1000
 
     async def _deliver(self, task_id: str, deadline: int, receiver: str | None) -> None:
         extra = {"task_id": task_id, "endpoint": endpoint_of(task_id)}
@@ -190,7 +196,7 @@ class WebhookSender:
             url, f"{task_id}:{hook}", key.webhook_secret, render(self.view(task_id, fields)))
         if outcome is None:
             await self._done(task_id, hook, "delivered")
-        elif time.time() - int(hook) / 1000 >= GIVE_UP_S:
+        elif self._ended_s_ago(hook, deadline) >= GIVE_UP_S:
             log.warning("webhook given up after %d tries: %s", int(fields.get("hook_tries", 0))
                         + 1, outcome, extra=extra)
             await self._done(task_id, hook, "given_up")
