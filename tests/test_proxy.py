@@ -5,16 +5,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import json
 import os
 import signal
+import ssl
 import subprocess
 import threading
 from collections.abc import Awaitable, Callable, Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any, cast
 
 import httpx
 import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
 
 from app.core.registry import SPREAD_S
 from app.runtime import Runtime
@@ -455,6 +463,62 @@ async def test_a_304_goes_back_without_a_body_and_the_connection_goes_on(
                 assert done["task_status"] == "completed", done
     finally:
         server.close()
+
+
+def _self_signed(where: Path) -> ssl.SSLContext:
+    """A server's TLS context with a certificate for 127.0.0.1 that nobody signed."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = datetime.now(UTC)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name)
+            .public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - timedelta(days=1)).not_valid_after(now + timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName(
+                [x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+            .sign(key, hashes.SHA256()))
+    (where / "cert.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    (where / "key.pem").write_bytes(key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption()))
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.load_cert_chain(where / "cert.pem", where / "key.pem")
+    return ctx
+
+
+async def test_an_upstream_that_cannot_answer_properly_is_a_502_not_the_callers_fault(
+    gateway: Gateway, start_api: StartApi, start_dispatcher: StartDispatcher, tmp_path: Path
+) -> None:
+    """A certificate nobody signed (ssl's error is a ValueError too: it read as the caller's
+    400 invalid_request), and a status no HTTP answer has (999: the caller's server could not
+    write it back, and the caller got an empty reply). Both are the upstream's: 502, its task
+    failed."""
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError, ssl.SSLError):
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(b"HTTP/1.1 999 Odd\r\nContent-Length: 2\r\n\r\nok")
+            await writer.drain()
+        writer.close()
+
+    tls = await asyncio.start_server(answer, "127.0.0.1", 0, ssl=_self_signed(tmp_path))
+    odd = await asyncio.start_server(answer, "127.0.0.1", 0)
+    try:
+        for eid, server, scheme in (("unsigned", tls, "https"), ("odd", odd, "http")):
+            port = server.sockets[0].getsockname()[1]
+            await gateway.add_endpoint(eid, f"{scheme}://127.0.0.1:{port}/v1", proxy=True)
+        auth = await gateway.new_key()
+        base = await start_api()
+        await start_dispatcher()
+        async with httpx.AsyncClient(base_url=base, headers=auth, timeout=10) as http:
+            for eid, why in (("unsigned", "CERTIFICATE_VERIFY_FAILED"), ("odd", "status 999")):
+                r = await http.post(f"/proxy/{eid}/chat/completions", json=CHAT)
+                err = r.json()["error"]
+                assert r.status_code == 502 and err["code"] == "upstream_unreachable", r.text
+                assert why in err["message"]
+                done = await gateway.status(auth, err["task_id"])
+                assert done["task_status"] == "failed" and why in done["task_result"], done
+    finally:
+        tls.close()
+        odd.close()
 
 
 @contextlib.contextmanager

@@ -281,6 +281,28 @@ async def test_an_interim_100_continue_is_skipped(
     assert (out.status_code, out.text) == (200, "final")
 
 
+@pytest.mark.parametrize("status", [b"999", b"600", b"099"])
+async def test_a_status_no_http_answer_has_is_an_error(
+    upstream: Callable[..., Awaitable[Upstream]], client: Any, status: bytes
+) -> None:
+    """llhttp takes any three digits: a status the gateway's own server cannot write back
+    (the proxy relays it) is no answer."""
+    up = await upstream(b"HTTP/1.1 " + status + b" Odd\r\nContent-Length: 2\r\n\r\nok")
+    out, _ = await timed(client, req(f"{up.url}/odd"))
+    assert out.status_code is None and not out.ok and f"status {int(status)} " in out.text
+
+
+async def test_endless_interim_answers_are_an_error_at_once(
+    upstream: Callable[..., Awaitable[Upstream]], client: Any
+) -> None:
+    """A flood of 1xx answers never gets to a real one: refused after a few, not read (a core
+    busy) until the endpoint's timeout."""
+    up = await upstream(b"HTTP/1.1 103 Early Hints\r\nLink: </a.css>\r\n\r\n" * 100_000)
+    out, took = await timed(client, req(f"{up.url}/hints"))
+    assert out.status_code is None and not out.ok and "interim" in out.text
+    assert took < TIMEOUT_S / 2
+
+
 # 11-12: headers ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("status, name", [(503, "Retry-After"), (429, "RETRY-AFTER")])

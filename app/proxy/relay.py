@@ -319,15 +319,17 @@ class ProxyCall:
             await self.finish("failed", f"upstream credentials: {exc}", None, -1, None)
             raise ApiError(503, "credentials_unavailable", str(exc), {"Retry-After": "5"},
                            task_id=self.task_id) from None
-        except ValueError as exc:
-            await self.finish("failed", f"request cannot be sent: {exc}", None, -1, None)
-            raise ApiError(400, "invalid_request", str(exc)) from None
         except (OSError, BadAnswer, TimeoutError) as exc:
+            # Before ValueError: a certificate the upstream fails to prove is both (ssl's
+            # SSLCertVerificationError), and the upstream's fault, not the caller's request's.
             why = "timed out" if isinstance(exc, TimeoutError) else f"{type(exc).__name__}: {exc}"
             await self.finish("failed", f"upstream unreachable: {why}", None,
                               (time.monotonic() - started) * 1000, None)
             raise ApiError(502, "upstream_unreachable", f"the upstream did not answer: {why}",
                            task_id=self.task_id) from None
+        except ValueError as exc:
+            await self.finish("failed", f"request cannot be sent: {exc}", None, -1, None)
+            raise ApiError(400, "invalid_request", str(exc)) from None
         pause = self._pause(answer)
         if pause is None:
             return answer

@@ -26,6 +26,7 @@ from yarl import URL
 from app.queue.streams import BodyStream
 
 MAX_HEAD_BYTES = 64 * 1024  # an answer's headers; more is not an answer we take
+MAX_INTERIM = 16  # interim (1xx) answers before the real one: an endless stream of them is none
 IDLE_S = 4.0  # a connection idle longer is closed, not reused: many servers close theirs after
 # 5 s (uvicorn), and a request written just as the server closes would be lost to its call
 MAX_IDLE = 64  # kept connections per host: what a burst leaves beyond that is closed
@@ -240,6 +241,7 @@ class _Connection(asyncio.Protocol):
         self._framed = False  # Content-Length or chunked: the answer's end is known
         self._head_only = False
         self._interim = False  # a 1xx answer before the real one
+        self._interims = 0  # how many came before this answer's real one
         self.idle_since = 0.0
         self._keep = False
         self.lost = False
@@ -282,6 +284,7 @@ class _Connection(asyncio.Protocol):
         self._max_bytes, self._head_only, self._spill = max_bytes, head_only, spill
         self._relay_idle_s, self._stream, self._raw = relay_idle_s, None, []
         self._head_done = self._framed = self._interim = False
+        self._interims = 0
         self._keep = self._keep_hint = self.heard = False
         self._transport.write(head + body if body else head)
         if on_sent is not None:
@@ -359,8 +362,13 @@ class _Connection(asyncio.Protocol):
         self._unparsed = 0
         status = self._parser.get_status_code()
         if 100 <= status < 200:
+            self._interims += 1
+            if self._interims > MAX_INTERIM:  # stops the parser here
+                raise BadAnswer(f"more than {MAX_INTERIM} interim (1xx) answers")
             self._interim, self._headers, self._head_bytes, self._raw = True, {}, 0, []
             return
+        if not 200 <= status <= 599:  # llhttp takes any three digits; no server would relay it
+            raise BadAnswer(f"status {status} is no HTTP status")
         headers = self._headers
         self._head_done = True
         # llhttp reads any other Transfer-Encoding to the connection's end
