@@ -39,7 +39,10 @@ class CostReader:
         self._paths = [p.split(".") for p in spec.split("+")] if where == "sse" else []
         self._first = {p[0] for p in self._paths}  # a cheap test before parsing an event
         self._found: list[float | None] = [None] * len(self._paths)
-        self._partial = b""  # a line begun, not yet ended
+        # A line begun, not yet ended: its pieces, joined once it ends (joined at each read, a
+        # line trickling in small reads cost its length squared).
+        self._partial: list[bytes] = []
+        self._partial_len = 0
         self._dropping = False  # a line over EVENT_BYTES, dropped: its end is no blank line
         self._cr = False  # the last read ended in CR: an LF that opens the next ends no line
         self._data: list[bytes] = []  # the event's data lines so far
@@ -59,11 +62,19 @@ class CostReader:
         if self._cr and chunk[:1] == b"\n":
             chunk = chunk[1:]
         self._cr = chunk[-1:] == b"\r"
-        text = self._partial + chunk
-        if b"\r" in text:
+        if b"\n" not in chunk and b"\r" not in chunk:  # the line goes on
+            self._partial.append(chunk)
+            self._partial_len += len(chunk)
+            if self._partial_len > EVENT_BYTES:  # the event it is in is not read
+                self._partial, self._partial_len = [], 0
+                self._dropping, self._size = True, EVENT_BYTES + 1
+            return
+        text = b"".join(self._partial) + chunk if self._partial else chunk
+        if b"\r" in chunk:  # the pieces before hold no line end
             text = text.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
         lines = text.split(b"\n")
-        self._partial = lines.pop()
+        rest = lines.pop()
+        self._partial, self._partial_len = ([rest], len(rest)) if rest else ([], 0)
         if self._dropping and lines:  # the rest of the line dropped: gone with it
             lines.pop(0)
             self._dropping = False
@@ -75,8 +86,9 @@ class CostReader:
                 self._size += len(value) + 1
                 if self._size <= EVENT_BYTES:
                     self._data.append(value)
-        if len(self._partial) > EVENT_BYTES:  # the event it is in is not read
-            self._partial, self._dropping, self._size = b"", True, EVENT_BYTES + 1
+        if self._partial_len > EVENT_BYTES:  # the event it is in is not read
+            self._partial, self._partial_len = [], 0
+            self._dropping, self._size = True, EVENT_BYTES + 1
 
     def _dispatch(self) -> None:
         """The event's end (a blank line, or the stream's)."""
