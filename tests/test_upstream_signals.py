@@ -236,3 +236,28 @@ async def test_a_probe_handed_back_or_reaped_lets_another_go(
     while len(await calls()) < 2:
         assert loop.time() < deadline, "nobody probed again"
         await asyncio.sleep(0.1)
+
+
+async def test_a_probe_longer_than_its_keys_first_life_stays_the_only_one(
+    gateway: Gateway, upstream: str, dispatcher_process: Spawn,
+) -> None:
+    """The probe's key was set for a lease (or the permit's time) once, at its claim: a probe
+    call outliving that (its lease renewed meanwhile) let the next claim send a second probe
+    to an upstream still asking for a pause. Its renewals keep its key now."""
+    url = f"{upstream}/longprobe"
+    await gateway.add_endpoint("longprobe", url, permit_ttl_s=1, max_concurrency=4)
+    auth = await gateway.new_key()
+    signal = await gateway.submit(auth, url, headers={"X-Mock-Reply-Headers": [json.dumps(
+        {"x-ratelimit-remaining-requests": "0", "x-ratelimit-reset-requests": "1s"})]})
+    dispatcher_process()
+    await gateway.wait_finished(auth, [signal["task_id"]])
+    slow = (await gateway.submit(auth, url, headers={"X-Mock-Latency-Ms": ["8000"]}))["task_id"]
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 10
+    while not [e for e in await _log(upstream) if e["idempotency_key"] == slow]:
+        assert loop.time() < deadline, "no probe after the pause"
+        await asyncio.sleep(0.05)
+    after = (await gateway.submit(auth, url))["task_id"]  # held behind the probe
+    await asyncio.sleep(5)  # past the 3 s lease its key was first set for
+    assert not [e for e in await _log(upstream) if e["idempotency_key"] == after]
+    await gateway.wait_finished(auth, [slow, after], timeout=20)

@@ -264,7 +264,7 @@ class ProxyCall:
             asked = time.monotonic()
             try:
                 res = await self.rt.queue.scripts.extend(
-                    keys=[k.active(e), k.task(self.task_id)],
+                    keys=[k.active(e), k.task(self.task_id), k.probe(e)],
                     args=[self.task_id, self.token, lease_ms])
             except (RedisError, OSError) as exc:
                 log.warning("lease renewal failed: %s", exc, extra=self._extra())

@@ -3,7 +3,7 @@ is announced on its endpoint's cancel channel, and the dispatcher holding its le
 
 One pattern subscription per dispatcher covers every endpoint, present and future, on one Redis
 and on a Cluster alike (a PUBLISH reaches every node). A message lost while the connection was
-down is not missed for long: the lease renewal answers "cancelled" too (lua/extend-2.lua), a
+down is not missed for long: the lease renewal answers "cancelled" too (lua/extend-3.lua), a
 third of a lease later at most.
 """
 

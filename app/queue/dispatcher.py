@@ -502,7 +502,7 @@ class Dispatcher:
                     for c in claims:
                         k, e = self.keys, c.endpoint.id
                         await self.scripts.extend(
-                            keys=[k.active(e), k.task(c.task_id)],
+                            keys=[k.active(e), k.task(c.task_id), k.probe(e)],
                             args=[c.task_id, c.token, self.settings.lease_ms], client=pipe,
                         )
                     renewed = await pipe.execute()
