@@ -170,7 +170,7 @@ while true do
   if only and id ~= only then break end  -- another goes first: the dispatchers' (see below)
   local task = prefix .. id
   local tf = redis.call('HMGET', task, 'type', 'pexp', 'cost', 'dl', 'attempts', 'created_at',
-    'user_id', 'owner', 'owner_ms')
+    'user_id', 'owner', 'owner_ms', 'waited')
   local ttype = tf[1]
   -- A proxied request's API process holds its caller (app/queue/owners.py): another's claim
   -- admits it for a short lease only, which that process renews once it hears; `gone`: since
@@ -232,7 +232,7 @@ while true do
     active = active + redis.call('ZADD', KEYS[2], deadline, id)
     local attempts = (tonumber(tf[5]) or 0) + 1
     redis.call('HSET', task, 'status', 'processing', 'lease', token, 'started_at', now,
-      'deadline', deadline, 'attempts', attempts)
+      'deadline', deadline, 'attempts', attempts, 'waited', 1)
     -- it has started: handed back later, it still runs
     if tf[2] then redis.call('HDEL', task, 'pexp') end
     -- A started task lives until it ends, and every ending sets its TTL: a call made near the
@@ -240,7 +240,8 @@ while true do
     redis.call('PERSIST', task)
     claimed = claimed + 1
     changed[#changed + 1] = id
-    if attempts == 1 then  -- time in line before its first start (not after a hand-back)
+    if not tf[10] then  -- time in line before its first start: not again after a hand-back,
+      -- a refusal given back (attempts count down then) or an operator's retry
       stats_tally(waits, 'queue_wait_ms', now - (tonumber(tf[6]) or now))
     end
     local req = redis.call('HMGET', task, 'method', 'url', 'headers', 'query', 'body')

@@ -17,6 +17,7 @@ from app.queue.signals import ALIGN_MARGIN_S, pause_s, reset_s
 from app.runtime import Runtime
 from tests.conftest import Gateway
 from tests.servers import TLS
+from tests.test_metrics import scrape, value
 
 Spawn = Callable[..., subprocess.Popen[bytes]]
 # The pause, the probe and their scripts on both (the tests without Redis run once).
@@ -116,6 +117,9 @@ async def test_a_signal_pauses_every_dispatcher_then_one_probe_goes_first(
     # time again.
     assert min(after) - probe >= 190
     assert sum(1 for t in after if t - after[0] < 100) == 4
+    # Each task's wait in line counts once, at its first start: not again at each start after
+    # a refusal given back (measured from its submit, those took in the earlier calls too).
+    assert value(await scrape(gateway), "qgw_queue_wait_seconds_count", "signal") == 9
 
 
 @pytest.mark.backends("single")  # no script of its own: the flag only skips the pause
