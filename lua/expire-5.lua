@@ -1,8 +1,11 @@
 --[[ Expire tasks still pending past their deadline (`pexp`, set at submit): they leave their
 queue and never run. No extra index: within one priority the queue is in arrival order, which
 is deadline order, so the script looks at the head of each priority band and jumps to the next
-band at the first task not yet due (a task handed back after a claim has no deadline, and one
-an operator retried, `dl` 2, has a new one in the deadline set: the walk steps past both). Bounded: at most ARGV[3] expirations and ARGV[4] steps.
+band at the first task not yet due. A task handed back after a claim has no deadline, and one
+an operator retried (`dl` 2) has a later one than tasks behind it, kept in the deadline set:
+the walk steps past both, past at most RETRIED_PER_BAND retried ones a band (a bulk retry of
+thousands must not take every step of every run, nor keep the walk from the bands below).
+Bounded: at most ARGV[3] expirations and ARGV[4] steps.
 KEYS[1] queue    KEYS[2] stats    KEYS[3] outbox    KEYS[4] deadlines    KEYS[5] hooks
 ARGV[1] task key prefix    ARGV[2] unused (the done TTL: set once SQL has the row)    ARGV[3] max expirations    ARGV[4] max steps
 Returns {expired, 1 if it stopped at a bound (more may be due) else 0}.
@@ -14,9 +17,10 @@ Task hashes of ids read here are built from ARGV[1] (prefix), same hash tag.
 --@include events.lua
 
 local BAND = 8796093022208  -- 2^43, one priority step of the score (submit-11.lua)
+local RETRIED_PER_BAND = 32
 local now = now_ms()
 local max_expired, steps_left = tonumber(ARGV[3]), tonumber(ARGV[4])
-local from, expired = '-inf', 0
+local from, expired, retried = '-inf', 0, 0
 local changed = {}
 
 local function done(more)
@@ -48,7 +52,9 @@ while steps_left > 0 do
   local id, score = head[1], tonumber(head[2])
   local task = ARGV[1] .. id
   local f = redis.call('HMGET', task, 'status', 'pexp', 'dl')
-  if not f[1] or not f[2] or f[3] == '2' then
+  local again = f[2] and f[3] == '2'  -- retried by an operator, not started since
+  if again then retried = retried + 1 end
+  if not f[1] or not f[2] or (again and retried <= RETRIED_PER_BAND) then
     -- No pending deadline: started once and handed back. Or no hash here: gone past its
     -- pending TTL (a claim drops the id), or not moved here yet by a reshard: not dropped.
     -- Or retried by an operator: back at its old place with a later deadline than the tasks
@@ -59,10 +65,12 @@ while steps_left > 0 do
     expired = expired + 1
     changed[expired] = id
   else
-    -- Not due: neither is anything after it in this band. Jump to the next lower priority.
+    -- Not due: neither is anything after it in this band (or too many retried tasks lead it).
+    -- Jump to the next lower priority.
     if score > 0 then return done(0) end  -- priority 0 is the last band
     local priority = math.ceil(-score / BAND)
     from = int(-(priority - 1) * BAND)  -- where that band starts (oldest-1.lua)
+    retried = 0
   end
 end
 return done(1)

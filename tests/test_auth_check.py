@@ -176,7 +176,7 @@ async def test_a_retried_online_task_gets_a_permit_of_its_own(
     """A permit used up and left to lapse ends its task `expired`; an operator's retry admits
     it again with a new permit, whose uses count from none (lua/requeue-7.lua), not from the
     old permit's."""
-    auth, s = await _admitted(gateway, start_dispatcher, permit_max_uses=1, permit_ttl_s=1)
+    auth, s = await _admitted(gateway, start_dispatcher, permit_max_uses=1, permit_ttl_s=3)
     assert (await gateway.http.get("/auth/check", headers=_nginx(s))).status_code == 200
     assert (await gateway.http.get("/auth/check", headers=_nginx(s))).status_code == 403
     (ended,) = await gateway.wait_finished(auth, [s["task_id"]])

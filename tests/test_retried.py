@@ -46,3 +46,32 @@ async def test_a_retried_task_does_not_hold_back_the_expiry_of_tasks_behind_it(
     (ended,) = await gateway.wait_finished(auth, [behind], timeout=10)
     assert ended["task_status"] == "expired"
     assert (await gateway.status(auth, first))["task_status"] == "pending"
+
+
+@pytest.mark.backends("single", "cluster")
+async def test_the_sweep_steps_past_a_bounded_run_of_retried_tasks_to_the_bands_below(
+    gateway: Gateway,
+) -> None:
+    """A bulk retry can put thousands back at the head of a band, each with a deadline the
+    deadline set watches: the walk steps past 32 of them, then goes on to the next band, and
+    a task due there still expires (stepping past every one, its steps ran out first)."""
+    rt, e = gateway.rt, "walk"
+    k, band = rt.keys, -(2**43)  # priority 1's start (submit-11.lua)
+    secs, micros = await rt.redis.time()
+    now = secs * 1000 + micros // 1000
+    for i in range(40):
+        tid = f"{i + 1:032x}.{e}"
+        await rt.redis.hset(k.task(tid), mapping={"status": "pending", "pexp": now + 60_000,
+                                                  "dl": 2, "type": "offline"})
+        await rt.redis.zadd(k.queue(e), {tid: band + i + 1})
+        await rt.redis.zadd(k.deadlines(e), {tid: now + 60_000})
+    due = f"{'f' * 32}.{e}"  # priority 0, past its deadline
+    await rt.redis.hset(k.task(due), mapping={"status": "pending", "pexp": now - 1,
+                                              "type": "offline"})
+    await rt.redis.zadd(k.queue(e), {due: 5})
+    res = await rt.queue.scripts.expire(
+        keys=list(k.of(e, "queue", "stats", "outbox", "deadlines", "hooks")),
+        args=[k.task_prefix(e), 0, 10, 40])
+    assert [int(x) for x in res] == [1, 0]
+    assert await rt.redis.hget(k.task(due), "status") == "expired"
+    assert await rt.redis.zcard(k.queue(e)) == 40  # the retried ones wait on

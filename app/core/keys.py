@@ -113,7 +113,8 @@ class Keys:
 
     def deadlines(self, endpoint: str) -> str:
         """ZSet of pending task ids whose deadline may come before that of tasks ahead of them
-        (a caller's max_wait_s; every task of a per_user endpoint); score = the deadline (ms)."""
+        (a caller's max_wait_s; every task of a per_user endpoint), or after that of tasks
+        behind them (an operator's retry, at its old place); score = the deadline (ms)."""
         return f"{self.prefix}:{self.tag(endpoint)}:deadlines"
 
     def owner(self, endpoint: str, instance: str) -> str:
