@@ -65,10 +65,12 @@ async def test_the_sweep_steps_past_a_bounded_run_of_retried_tasks_to_the_bands_
                                                   "dl": 2, "type": "offline"})
         await rt.redis.zadd(k.queue(e), {tid: band + i + 1})
         await rt.redis.zadd(k.deadlines(e), {tid: now + 60_000})
-    due = f"{'f' * 32}.{e}"  # priority 0, past its deadline
+    # Priority 0, past its deadline, at the band's very start (score 0: a fair turn 0), where
+    # the walk's jump lands.
+    due = f"{'f' * 32}.{e}"
     await rt.redis.hset(k.task(due), mapping={"status": "pending", "pexp": now - 1,
                                               "type": "offline"})
-    await rt.redis.zadd(k.queue(e), {due: 5})
+    await rt.redis.zadd(k.queue(e), {due: 0})
     res = await rt.queue.scripts.expire(
         keys=list(k.of(e, "queue", "stats", "outbox", "deadlines", "hooks")),
         args=[k.task_prefix(e), 0, 10, 40])
