@@ -15,8 +15,9 @@ out of the reply, which then has the field `result_omitted` = its length instead
 the API serves its encoded answer from its own cache, app/routes/large.py)
 Returns {rank or false, measured, field, value, ...}, or {} when missing or not this user's;
 measured = {exec ms, slot ms, tasks in flight, last admission, upstream pause until, now, limited
-until, average cost, adaptive limit} of the endpoint while the task waits in line (else {}), for the wait
-estimate (app/queue/tasks.py estimate_wait; in flight from the active set, KEYS[6]).
+until, average cost, adaptive limit} of the endpoint while the task waits in line, for the wait
+estimate (app/queue/tasks.py estimate_wait; in flight from the active set, KEYS[6]); for a task
+waiting out a retry's back-off (`retry_at`) only now, sixth; else {}.
 ]]
 --@include now.lua
 
@@ -36,10 +37,11 @@ if size > limit then  -- not copied out of the hash: each read would cost Redis 
 else
   fields = redis.call('HGETALL', KEYS[1])
 end
-local owner, hook, external
+local owner, hook, external, backing_off
 for i = 1, #fields, 2 do
   if fields[i] == 'user_id' then owner = fields[i + 1] end
   if fields[i] == 'hook' then hook = true end
+  if fields[i] == 'retry_at' then backing_off = true end
   if fields[i] == 'result_meta' and string.find(fields[i + 1], '"enc":"external"', 1, true) then
     local ok, meta = pcall(cjson.decode, fields[i + 1])
     external = ok and type(meta) == 'table' and type(meta.ref) == 'string' and meta.ref or true
@@ -76,6 +78,8 @@ if rank then
   local m = redis.call('HMGET', KEYS[3], 'exec_ms', 'slot_ms', 'last_admit', 'upause',
     'limited_until', 'cost_avg', 'alimit')
   measured = {m[1], m[2], redis.call('ZCARD', KEYS[6]), m[3], m[4], now_ms(), m[5], m[6], m[7]}
+elseif backing_off then  -- its `retry_at` is the Redis clock's: the wait left is counted on it
+  measured = {false, false, false, false, false, now_ms()}
 end
 table.insert(fields, 1, measured)
 table.insert(fields, 1, rank)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import time
 from collections.abc import Awaitable, Callable
 from datetime import datetime
 
@@ -14,6 +15,7 @@ from app.runtime import Runtime
 from app.settings import Settings
 from tests.conftest import Gateway
 from tests.servers import mock_log
+from tests.test_metrics import wait_until
 
 pytestmark = pytest.mark.backends("single", "cluster")
 
@@ -136,6 +138,35 @@ async def test_5xx_is_retried_up_to_max_retries(
     (s,) = await gateway.wait_finished(auth, [task["task_id"]])
     assert s["task_status"] == "failed" and s["result_status_code"] == 503
     assert s["attempts"] == 3 and len(_log(upstream, "/flaky")) == 3
+
+
+async def test_a_task_backing_off_shows_its_wait_by_the_redis_clock(
+    gateway: Gateway, upstream: str, start_dispatcher: Callable[[], Awaitable[Runtime]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The back-off's end (`retry_at`) is stamped by Redis: its `wait_time` is counted on the
+    same clock, whatever the API host's says (an hour behind here: it showed an hour more)."""
+    await gateway.add_endpoint("later", f"{upstream}/later", retry_backoff_ms=60_000,
+                               max_retries=1)
+    auth = await gateway.new_key()
+    task = await gateway.submit(auth, f"{upstream}/later", headers={
+        "X-Mock-Status": ["503"], "X-Mock-Status-Times": ["1"]})
+    await start_dispatcher()
+
+    async def backing_off() -> bool:
+        s = await gateway.status(auth, task["task_id"])
+        return bool(s["task_status"] == "pending" and s["attempts"] == 1)
+
+    await wait_until(backing_off)
+    real = time.time
+    monkeypatch.setattr(time, "time", lambda: real() - 3600)
+    s = await gateway.status(auth, task["task_id"])
+    monkeypatch.undo()
+    assert s["wait_num"] == 0 and 0 < s["wait_time"] <= 60
+    r = await gateway.http.post(f"/api/v1/tasks/{task['task_id']}/cancel", headers=auth)
+    assert r.status_code == 200, r.text
+    # Cancelled, it waits for nothing: its `retry_at` stays in its hash, its wait does not.
+    assert (await gateway.status(auth, task["task_id"]))["wait_time"] == 0
 
 
 async def test_other_users_cannot_see_or_cancel_a_task(gateway: Gateway, upstream: str) -> None:

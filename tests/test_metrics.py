@@ -149,6 +149,26 @@ async def test_admin_queues_has_what_the_dashboard_shows(
     assert r.status_code == 401
 
 
+async def test_admin_queues_counts_the_window_by_the_redis_clock(
+    gateway: Gateway, upstream: str, start_dispatcher: Callable[[], Awaitable[Runtime]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A sliding window's admissions are stamped by Redis: the admin view counts them back from
+    the same clock, not the API host's (an hour ahead here: it counted none)."""
+    url = f"{upstream}/windowed"
+    await gateway.add_endpoint("windowed", url, rate=100, interval_ms=60_000)
+    auth = await gateway.new_key()
+    ids = [(await gateway.submit(auth, url))["task_id"] for _ in range(3)]
+    await start_dispatcher()
+    await gateway.wait_finished(auth, ids)
+    real = time.time
+    monkeypatch.setattr(time, "time", lambda: real() + 3600)
+    r = await gateway.http.get("/admin/v1/queues", headers=gateway.admin)
+    monkeypatch.undo()
+    (q,) = [e for e in r.json()["endpoints"] if e["id"] == "windowed"]
+    assert q["admitted_last_window"] == 3
+
+
 async def test_oldest_pending_age_sees_a_band_starved_behind_newer_higher_ones(
     gateway: Gateway, upstream: str
 ) -> None:

@@ -219,6 +219,7 @@ class Scripts:
     nudge: Lua
     expire: Lua
     oldest: Lua
+    recent: Lua
     sent: Lua
     turn: Lua
     retry: Lua

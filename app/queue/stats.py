@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import re
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -177,9 +176,9 @@ async def queue_stats(redis: Redis, keys: Keys, scripts: Scripts,
             pipe.zcard(keys.active(e))
             pipe.hgetall(keys.stats(e))
             await scripts.oldest(keys=[keys.queue(e)], args=[OLDEST_BANDS], client=pipe)
-            if ep.limiter == "sliding_window":
-                since = int(time.time() * 1000) - ep.interval_ms  # this clock: same trip
-                pipe.zcount(keys.ratelimit(e, ep.limiter), f"({since}", "+inf")
+            if ep.limiter == "sliding_window":  # counted back from the Redis clock
+                await scripts.recent(keys=[keys.ratelimit(e, ep.limiter)], args=[ep.interval_ms],
+                                     client=pipe)
             else:
                 pipe.exists(keys.ratelimit(e, ep.limiter))  # keeps the stride
         raw = await pipe.execute()

@@ -281,13 +281,14 @@ class TaskQueue:
         """The task as its owner sees it. A finished task read with `deliver` has reached its
         owner (its copies go soon); a repeated submit only peeks: it carries no result.
         With `result_limit`, a longer inline result is left out (`result_left_out`)."""
-        fields, rank, exec_ms = await self.fields(user_id, task_id, deliver, result_limit)
-        return self._view(task_id, fields, rank, exec_ms, endpoint)
+        fields, rank, measured = await self.fields(user_id, task_id, deliver, result_limit)
+        return self._view(task_id, fields, rank, measured, endpoint)
 
     async def fields(self, user_id: int, task_id: str, deliver: bool = True,
-                     result_limit: int = 0) -> tuple[dict[str, str], int | None, str | None]:
+                     result_limit: int = 0) -> tuple[dict[str, str], int | None, Any]:
         """The task's fields as its hash has them (from SQL once Redis has let it go), its
-        place in line and its endpoint's measured exec time (None for a finished task); with
+        place in line and what status-6.lua measured of its endpoint (`measured`; None from
+        SQL); with
         `result_limit`, a longer `result` is replaced by `result_omitted` (its length)."""
         k, e = self.keys, endpoint_of(task_id)
         res = await self.scripts.status.repeatable(
@@ -304,7 +305,7 @@ class TaskQueue:
         return self._view(task_id, fields, None, None, None)
 
     def _view(
-        self, task_id: str, f: dict[str, str], rank: int | None, exec_ms: str | None,
+        self, task_id: str, f: dict[str, str], rank: int | None, measured: Any,
         endpoint: EndpointConfig | None,
     ) -> TaskView:
         status = TaskStatus(f["status"])
@@ -324,8 +325,8 @@ class TaskQueue:
             task_id=task_id, task_type=ttype, task_status=status,
             task_result=None if meta and meta.encoding == EXTERNAL else result,
             wait_num=wait_num,
-            wait_time=(wait_seconds(endpoint, wait_num, exec_ms) if rank is not None
-                       else math.ceil(_retry_wait(f.get("retry_at")))),
+            wait_time=(wait_seconds(endpoint, wait_num, measured) if rank is not None
+                       else math.ceil(_retry_wait(status, f.get("retry_at"), measured))),
             created_at=rfc3339(f.get("created_at")), started_at=rfc3339(f.get("started_at")),
             ended_at=rfc3339(f.get("ended_at")),
             result_status_code=int(code) if code else None,
@@ -547,6 +548,10 @@ def _limits_wait(endpoint: EndpointConfig, ahead: int, head: float, last_admit: 
     return wait
 
 
-def _retry_wait(retry_at: str | None) -> float:
-    """Seconds until a task waiting out a retry back-off is back in line (0 for any other)."""
-    return max(0.0, int(retry_at) / 1000 - time.time()) if retry_at else 0
+def _retry_wait(status: TaskStatus, retry_at: str | None, measured: Any) -> float:
+    """Seconds until a task waiting out a retry back-off is back in line (0 for any other),
+    by the Redis clock that set `retry_at` (status-6.lua's `now`, sixth in `measured`)."""
+    if status is not TaskStatus.PENDING or not retry_at or not isinstance(measured, list) \
+            or len(measured) < 6 or measured[5] is None:
+        return 0
+    return max(0.0, (int(retry_at) - int(measured[5])) / 1000)
