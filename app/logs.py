@@ -40,8 +40,18 @@ _values: set[str] = set()
 
 
 def redact(*values: str) -> None:
-    """Never print these (secrets without a recognisable shape)."""
-    _values.update(v for v in values if v and len(v) >= 8)
+    """Never print these (secrets without a recognisable shape): as they are, and as a JSON
+    line escapes them (a quote, a backslash, a character past ASCII)."""
+    for v in values:
+        if v and len(v) >= 8:
+            _values.update({v, json.dumps(v)[1:-1], json.dumps(v, ensure_ascii=False)[1:-1]})
+
+
+def clipped(text: str, most: int) -> str:
+    """`text` scrubbed, then cut to `most` characters: cut first, a value that crossed the cut
+    would show its beginning, which no longer reads as the value."""
+    longest = max(map(len, _values), default=0)
+    return scrub(text[:most + longest])[:most]
 
 
 def scrub(line: str) -> str:

@@ -125,7 +125,7 @@ class Keyring:
         # A value has no shape the log patterns know (Ocp-Apim-Subscription-Key, x-goog-...):
         # once this process holds it in plain text, no log line it writes may show it (an
         # upstream's error body may echo it back).
-        logs.redact(value)
+        logs.redact(*forms(value))
         return value
 
     def seal_given(self, endpoint_id: str, given: Mapping[str, str],
@@ -200,3 +200,63 @@ def _opened(keyring: Keyring, credentials: Credentials) -> tuple[tuple[str, str]
     # an unchanged endpoint costs a dictionary lookup a call, not an AES-GCM open.
     return tuple((name, keyring.open(credentials.endpoint_id, name, token))
                  for name, token in credentials.sealed)
+
+
+#: The shortest form hidden: shorter ones would hide ordinary words (logs.redact's bound).
+MIN_HIDDEN = 8
+_HIDDEN = logs.REDACTED.encode()
+
+
+def forms(value: str) -> tuple[str, ...]:
+    """What of a credential's value an upstream may echo back: the value, and the token after
+    its scheme (`Bearer sk-...` comes back as `sk-...`)."""
+    words = value.split()
+    token = words[-1] if len(words) > 1 else value
+    return (value, token) if token != value and len(token) >= MIN_HIDDEN else (value,)
+
+
+def echoes(credentials: Credentials | None) -> tuple[bytes, ...]:
+    """The byte strings an upstream's answer must not carry back to a caller: the forms of the
+    endpoint's credentials, longest first (a value goes whole before its token could)."""
+    if credentials is None or _keyring is None:
+        return ()
+    try:
+        return _echoes(_keyring, credentials)
+    except Undecryptable:  # never sent, so never echoed
+        return ()
+
+
+@lru_cache(maxsize=4096)
+def _echoes(keyring: Keyring, credentials: Credentials) -> tuple[bytes, ...]:
+    found = {f.encode() for _, value in _opened(keyring, credentials) for f in forms(value)
+             if len(f) >= MIN_HIDDEN}
+    return tuple(sorted(found, key=len, reverse=True))
+
+
+def hide(data: bytes, echoed: tuple[bytes, ...]) -> bytes:
+    """`data` with every echo of a credential replaced by `[redacted]`."""
+    for value in echoed:
+        if value in data:
+            data = data.replace(value, _HIDDEN)
+    return data
+
+
+class Hider:
+    """`hide` over a stream read a piece at a time: the last bytes of each piece, which could
+    begin a value the next piece ends, are held back until that piece comes."""
+
+    __slots__ = ("_echoed", "_held", "_keep")
+
+    def __init__(self, echoed: tuple[bytes, ...]) -> None:
+        self._echoed, self._held = echoed, b""
+        self._keep = max(map(len, echoed)) - 1
+
+    def feed(self, piece: bytes) -> bytes:
+        data = hide(self._held + piece, self._echoed)
+        cut = max(0, len(data) - self._keep)
+        self._held = data[cut:]
+        return data[:cut]
+
+    def end(self) -> bytes:
+        held, self._held = self._held, b""
+        return held

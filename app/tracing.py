@@ -29,7 +29,7 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
-from app import __version__
+from app import __version__, logs
 
 ENABLED = bool(os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
                or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")) and (
@@ -159,7 +159,7 @@ class TaskTrace:
         if status_code is None or status_code >= 400:
             span.set_attribute("error.type", str(status_code) if status_code else "timeout"
                                if "timed out" in problem else "connection")
-            span.set_status(Status(StatusCode.ERROR, problem[:200]))
+            span.set_status(Status(StatusCode.ERROR, logs.clipped(problem, 200)))
 
     @contextmanager
     def ack(self, name: str) -> Iterator[Any]:
@@ -227,5 +227,5 @@ class ProxyTrace:
             span.set_attribute("http.response.status_code", status_code)
         if problem is not None or status_code is None or status_code >= 500:
             span.set_attribute("error.type", str(status_code) if status_code else "connection")
-            span.set_status(Status(StatusCode.ERROR, (problem or "")[:200]))
+            span.set_status(Status(StatusCode.ERROR, logs.clipped(problem or "", 200)))
         span.end()

@@ -573,6 +573,102 @@ def test_opened_values_and_the_keys_are_scrubbed_from_log_lines(
         assert key not in logs.scrub(f"started with QGW_SECRETS_KEY {key} in its environment")
 
 
+class EchoUpstream:
+    """A provider whose 401 echoes the key it was sent, as Azure's does: the value of each
+    header named in `echo` (a bearer token without its scheme), the first one across the
+    200th character of the body, the body written in two pieces cut inside the second."""
+
+    def __init__(self, echo: tuple[str, ...]) -> None:
+        self.echo = echo
+        self.server: asyncio.Server | None = None
+
+    async def start(self) -> str:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = (await reader.readuntil(b"\r\n\r\n")).decode()
+                got = {n.strip().lower(): v.strip() for n, _, v in
+                       (line.partition(":") for line in head.split("\r\n")[1:] if line)}
+                await reader.readexactly(int(got.get("content-length", "0")))
+                keys = [got.get(name, "").removeprefix("Bearer ") for name in self.echo]
+                body = json.dumps({"error": {"message": "Access denied: " + "x" * 142 + " key "
+                                             + " and ".join(keys) + " is not valid"}}).encode()
+                writer.write(f"HTTP/1.1 401 Unauthorized\r\nContent-Type: application/json\r\n"
+                             f"Content-Length: {len(body)}\r\n\r\n".encode())
+                cut = body.rindex(keys[-1].encode()) + len(keys[-1]) // 2
+                writer.write(body[:cut])
+                await writer.drain()
+                await asyncio.sleep(0.05)  # apart: two reads for the relay
+                writer.write(body[cut:])
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
+            writer.close()
+
+
+def test_hidden_across_every_cut_of_a_stream_and_scrubbed_across_a_log_cut() -> None:
+    echoed = (b"sk-0123456789abcdef", b"0123456789abcdef")
+    body = b"a sk-0123456789abcdef, b 0123456789abcdef c 0123456789abcde"
+    whole = secrets.hide(body, echoed)
+    assert whole == b"a [redacted], b [redacted] c 0123456789abcde"
+    for i in range(len(body) + 1):
+        for j in range(i, len(body) + 1):
+            hider = secrets.Hider(echoed)
+            out = b"".join(hider.feed(p) for p in (body[:i], body[i:j], body[j:])) + hider.end()
+            assert out == whole, (i, j)
+    value = "opaque" + uuid.uuid4().hex
+    logs.redact(*secrets.forms(f"Token {value}"))
+    text = "x" * 190 + value + " and more"
+    assert value[:10] in text[:200] and value[:10] not in logs.clipped(text, 200)
+    assert len(logs.clipped(text, 200)) <= 200
+
+
+async def test_a_key_an_upstream_echoes_reaches_no_caller_and_no_log(
+    serve: Serve, env: dict[str, str],
+) -> None:
+    """An error answer that echoes the endpoint's credentials (a 401 naming the key it got) is
+    kept and relayed with them hidden, a bearer token as well, and logged without any of
+    them, though the first crosses the log's 200-character cut; a success stays byte-exact
+    (the other tests)."""
+    plain, token = "azure" + uuid.uuid4().hex, "sk-" + uuid.uuid4().hex
+    up = EchoUpstream(("ocp-apim-subscription-key", "authorization"))
+    base = await up.start()
+    assert (await aqgw(env, "migrate")).returncode == 0
+    serve.start()
+    try:
+        async with httpx.AsyncClient(base_url=serve.url, timeout=30) as client:
+            r = await client.post("/admin/v1/endpoints", headers=ADMIN_AUTH, json={
+                "id": "azure", "target_url": f"{base}/v1", "max_retries": 0, "proxy": True,
+                "upstream_headers": {"Ocp-Apim-Subscription-Key": plain,
+                                     "Authorization": f"Bearer {token}"}})
+            assert r.status_code == 201, r.text
+            r = await client.post("/admin/v1/api-keys", headers=ADMIN_AUTH, json={"user_id": 7})
+            auth = {"Authorization": f"Bearer {r.json()['key']}"}
+            await asyncio.sleep(1.2)  # the endpoint reaches the dispatcher (registry.SPREAD_S)
+            r = await client.post("/api/v1/tasks", headers=auth,
+                                  json={"target_url": f"{base}/v1", "body": "{}"})
+            assert r.status_code == 202, r.text
+            done = await wait_done(client, auth, r.json()["task_id"])
+            proxied = await client.post("/proxy/azure/chat", headers=auth, content=b"{}")
+            failed = await client.get("/admin/v1/tasks?status=failed", headers=ADMIN_AUTH)
+    finally:
+        assert up.server is not None
+        up.server.close()
+        serve.stop()
+    assert done["task_status"] == "failed" and done["result_status_code"] == 401
+    assert proxied.status_code == 401
+    hidden = f"key {logs.REDACTED} and {logs.REDACTED} is not valid"
+    assert hidden in done["task_result"] and hidden in proxied.json()["error"]["message"]
+    logged = serve.log_path.read_text()
+    assert "task failed" in logged
+    for where, text in (("result", done["task_result"]), ("relayed", proxied.text),
+                        ("operator", failed.text), ("log", logged)):
+        for secret in (plain, token):  # nor the part of one before a cut
+            assert not any(secret[:n] in text for n in range(8, len(secret) + 1)), where
+
+
 async def test_a_rotation_racing_an_edit_leaves_the_newest_row_in_the_mirror(
     gateway: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:

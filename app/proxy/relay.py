@@ -50,6 +50,7 @@ from app.store import ApiKey
 log = logging.getLogger(__name__)
 CALLER_LOST = "caller connection lost"
 CALLER_STALLED = "the caller stopped reading its answer"
+CREDENTIALS_LOST = "upstream credentials unavailable"  # as a queued task says it
 
 
 class CallerGone(Exception):
@@ -316,9 +317,12 @@ class ProxyCall:
                 self.method, self.url, [], self.body, ep.timeout_ms / 1000, self._on_sent(),
                 head))
         except secrets.Undecryptable as exc:
-            await self.finish("failed", f"upstream credentials: {exc}", None, -1, None)
-            raise ApiError(503, "credentials_unavailable", str(exc), {"Retry-After": "5"},
-                           task_id=self.task_id) from None
+            # The caller learns no endpoint, header name or key id (as a queued task's owner
+            # does not, app/queue/upstream.py); the operator reads them here.
+            log.error("cannot open credentials: %s", exc, extra=self._extra())
+            await self.finish("failed", CREDENTIALS_LOST, None, -1, None)
+            raise ApiError(503, "credentials_unavailable", CREDENTIALS_LOST,
+                           {"Retry-After": "5"}, task_id=self.task_id) from None
         except (OSError, BadAnswer, TimeoutError) as exc:
             # Before ValueError: a certificate the upstream fails to prove is both (ssl's
             # SSLCertVerificationError), and the upstream's fault, not the caller's request's.

@@ -12,6 +12,7 @@ from collections.abc import Awaitable
 from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
+from app import secrets
 from app.core.interrupt import Interrupt
 from app.proxy.cost import CostReader
 from app.proxy.relay import CALLER_LOST, CALLER_STALLED, ProxyCall
@@ -47,6 +48,9 @@ class RelayResponse(Response):
         self.call, self.answer, self.stream = call, answer, answer.stream
         self.status_code = answer.status
         self.raw_headers = relayed_headers(answer, call.task_id, call.waited_ms)
+        self.hider = _hider(call, answer)
+        if self.hider is not None:  # its length may change: it goes chunked
+            self.raw_headers = [h for h in self.raw_headers if h[0] != b"content-length"]
         self.background = None
         self.ended = False  # the task: once, by the pump before the last bytes, or at the end
         self.acking: asyncio.Future[None] | None = None  # the pump's ack, its reply to come
@@ -93,9 +97,12 @@ class RelayResponse(Response):
         # Otherwise it goes with the first piece (after the ack, when that piece is the last):
         # two writes back to back, which the caller reads at one wake rather than two.
         ending: asyncio.Future[None] | None = None
+        hider = self.hider
         async for chunk in stream:
             cost.feed(chunk)
             last = stream.at_end
+            if hider is not None:
+                chunk = hider.feed(chunk) + (hider.end() if last else b"")
             if last:
                 ending = await self._end_first(cost)
             if start is not None:
@@ -109,7 +116,8 @@ class RelayResponse(Response):
             ending = await self._end_first(cost)
             if start is not None:
                 await send(start)
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            rest = hider.end() if hider is not None else b""
+            await send({"type": "http.response.body", "body": rest, "more_body": False})
         # Its reply is awaited by the caller of the pump: with the answer complete, the server
         # tells the request it is over (a disconnect), which must not read as a caller gone.
         self.acking = ending
@@ -163,6 +171,15 @@ class RelayResponse(Response):
         elif not acked:
             log.warning("lease lost before the proxied call was finished",
                         extra={"task_id": call.task_id, "endpoint": call.endpoint.id})
+
+
+def _hider(call: ProxyCall, answer: Answer) -> secrets.Hider | None:
+    """An error answer goes without the endpoint's credentials it may echo back (a 401 saying
+    "key sk-... is not valid"): the caller never holds them. A success goes byte for byte."""
+    if 200 <= answer.status < 300 or answer.status in BODILESS:
+        return None
+    echoed = secrets.echoes(call.endpoint.credentials)
+    return secrets.Hider(echoed) if echoed else None
 
 
 async def _nothing() -> None:

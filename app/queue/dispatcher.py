@@ -38,7 +38,7 @@ from typing import Any
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from app import tracing
+from app import logs, tracing
 from app.core.blocking import HeldPop
 from app.core.keys import Keys
 from app.core.loop import backoff, persist
@@ -446,7 +446,7 @@ class Dispatcher:
         if acked and outcome.ok:
             log.debug("task %s", status, extra=extra)
         elif acked:  # for good: an operator wants to see these without debug on
-            log.warning("task failed: %s", outcome.text[:200], extra=extra)
+            log.warning("task failed: %s", logs.clipped(outcome.text, 200), extra=extra)
         else:
             log.warning("lease lost before ack; the newer attempt wins", extra=extra)
             await self._drop_answer(outcome)

@@ -120,7 +120,7 @@ async def call(
         busy = status == 429 or status >= 500
         return Outcome(status, f"upstream answer over {max_bytes} bytes: not kept",
                        refused=not busy)
-    text, meta = inline(answer.body, got)
+    text, meta = inline(unechoed(answer.body, status, req.credentials), got)
     pause = pause_s(status, got)
     after = retry_after(got.get("retry-after"))
     if pause is not None and status in (429, 503):
@@ -128,6 +128,16 @@ async def call(
     return Outcome(status, text, after, pause_s=pause,
                    cost=real_cost(req.cost_from, got, text if not meta.encoding else ""),
                    meta=meta, remaining=remaining(got))
+
+
+def unechoed(body: bytes, status: int, credentials: secrets.Credentials | None) -> bytes:
+    """An error answer without the endpoint's credentials it may echo back (a 401 saying "key
+    sk-... is not valid"): whoever reads the task never holds them. A success stays byte for
+    byte as sent."""
+    if 200 <= status < 300:
+        return body
+    echoed = secrets.echoes(credentials)
+    return secrets.hide(body, echoed) if echoed else body
 
 
 async def _stored(keeper: Keeper, task_id: str, answer: Answer, max_bytes: int,
