@@ -6,8 +6,9 @@ KEYS[5] deadlines (as requeue-7.lua: `dl` 2)
 KEYS[6..] arrivals (only for an endpoint with max_starvation_s): the task goes into it at its
 first arrival (the pairs' `arrived_at`, the row's creation; starvation.lua)
 ARGV[1] task id    ARGV[2] endpoint id    ARGV[3] pending TTL (ms)    ARGV[4] done TTL (ms)
-ARGV[5] its score (place in line)    ARGV[6..] field, value pairs (owner, type, request, and
-`ended_before`: the row's ending, which the next one comes after, now.lua ending_ms)
+ARGV[5] its score (place in line)    ARGV[6..] field, value pairs (owner, type, request,
+`ended_before`: the row's ending, which the next one comes after, now.lua ending_ms; its
+`created_at`, which replaces the revival's time written before it, and `waited` once it started)
 Returns {'retried', rank} | {'exists', status} (Redis has it again: requeue-7.lua's to judge) |
 {'gone'}.
 ]]

@@ -95,6 +95,7 @@ async def test_a_failure_its_owner_read_stays_and_is_replayed_from_sql(
     assert len(await _calls(fresh_upstream, "payload", 2)) == 2  # it ran again, as sent
     (again,) = await gateway.wait_finished(auth, [tid])
     assert again["task_status"] == "failed" and again["attempts"] == 1
+    assert again["created_at"] == failed["created_at"]  # submitted once, as from Redis
 
 
 async def test_a_retrys_late_delete_of_the_old_ending_keeps_the_new_one(

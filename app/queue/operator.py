@@ -131,6 +131,10 @@ async def _revive(queue: TaskQueue, registry: EndpointRegistry, row: Any) -> dic
         "query", json.dumps(req["query"]), "client_ts", req.get("client_ts", ""),
         "arrived_at", to_ms(row.created_at) or "",  # its place by age (starvation.lua)
         "ended_before", to_ms(row.ended_at) or ""]  # its next ending comes after this one
+    if row.created_at is not None:  # its submit, as a retry from Redis keeps it
+        fields += ["created_at", to_ms(row.created_at)]
+    if row.started_at is not None:  # its wait in line was counted at its first start
+        fields += ["waited", 1]
     for name in ("cost", "callback_url", "key_id"):
         if name in req:
             fields += [name, req[name]]
