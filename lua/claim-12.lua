@@ -23,7 +23,10 @@ real costs (cost_from): a per-cost admission then reserves at least what the cal
 really cost of late (the acks' moving average in Keys.real_costs, costs.lua: its key comes after
 the limits' keys and the arrival index), and the whole rate while that is unknown, so a caller who declares less than it spends cannot overrun the limit with
 calls admitted before their acks settle them. The amount reserved is written to the task's
-`cost`, which its settle reads. Last, optionally, `only`: a task id, for the API process that
+`cost`, which its settle reads. Then '0' when the endpoint ignores its upstream's signals
+(`honor_upstream_limits` off): a pause or budget asked for before holds nothing then (an
+operator turning it off moves the line at once, whatever a call begun before still reports).
+Last, optionally, `only`: a task id, for the API process that
 submitted it first in line (submit-11.lua's ARGV[13], a proxied request) and claims it itself,
 N = 1: claimed only if it is the first the rules would claim; whatever it leaves to the
 dispatchers is theirs as after any claim (more behind it or another first: the wake marker the
@@ -77,7 +80,7 @@ local function owner_settle(ttl)
 end
 
 local nlim = tonumber(ARGV[12]) or 0
-local only = ARGV[16 + 5 * nlim]
+local only = ARGV[17 + 5 * nlim]
 if only == '' then only = nil end
 -- Sent with its submit whatever its place (one round trip): not first in line, the submit
 -- woke the dispatchers, and this run has nothing to do.
@@ -95,6 +98,7 @@ local min_cap = tonumber(ARGV[14 + 5 * nlim]) or 0  -- adaptive.lua
 -- With further limits, the main one is checked among them (undone if another refuses).
 local limits = lim_parse(ARGV, 12, KEYS, 13)
 local settles = ARGV[15 + 5 * nlim] == '1'  -- reserve at least real costs (see above)
+local honors = ARGV[16 + 5 * nlim] ~= '0'  -- its upstream's pauses and budgets (see above)
 local rc = settles and KEYS[13 + 2 * nlim + (bound > 0 and 1 or 0)] or nil
 local whole = 1  -- the largest per-cost rate: what a caller of unknown costs reserves
 for _, l in ipairs(limits) do
@@ -123,7 +127,7 @@ local settling = false  -- 'limited' by a proxied request's lapsed marker, not b
 local changed = {}  -- ids whose status this run changes, published once at the end
 
 -- Paused by its upstream (upstream.lua): nothing until then, then one probe at a time.
-local paused, probing = tonumber(redis.call('HGET', stats, 'upause')), false
+local paused, probing = honors and tonumber(redis.call('HGET', stats, 'upause')), false
 if paused and paused > now then
   out[1], out[2], n = 'limited', paused - now, 0
 elseif paused and redis.call('EXISTS', probe) == 1 then
@@ -132,7 +136,8 @@ elseif paused then
   probing, n = true, 1
 end
 -- No more calls than the upstream said remain before its reset (upstream.lua).
-local budget, budget_wait = upstream_budget(stats, now)
+local budget, budget_wait = nil, 0
+if honors then budget, budget_wait = upstream_budget(stats, now) end
 if budget and n > 0 then
   if budget <= 0 then out[1], out[2], n = 'limited', budget_wait, 0
   else n = math.min(n, budget) end

@@ -135,6 +135,33 @@ async def test_signals_are_ignored_when_the_endpoint_says_so(
     assert time.time() * 1000 - started > 5000
 
 
+async def test_turning_the_signals_off_lifts_a_pause_or_budget_they_set(
+    gateway: Gateway, fresh_upstream: str, start_dispatcher: Callable[[], Awaitable[Runtime]],
+) -> None:
+    """An answer asks for no more calls for 10 minutes (none left till the reset); the operator
+    turns `honor_upstream_limits` off: the next task goes at once, and the view shows no pause
+    (the claim read the pause whatever the flag said)."""
+    url = f"{fresh_upstream}/unheld"
+    await gateway.add_endpoint("unheld", url)
+    auth = await gateway.new_key()
+    await start_dispatcher()
+    first = await gateway.submit(auth, url, headers={"X-Mock-Reply-Headers": [json.dumps({
+        "x-ratelimit-remaining-requests": "0", "x-ratelimit-reset-requests": "10m0s"})]})
+    await gateway.wait_finished(auth, [first["task_id"]])
+    held = await gateway.submit(auth, url)
+    await asyncio.sleep(0.5)
+    assert (await gateway.status(auth, held["task_id"]))["task_status"] == "pending"
+    r = await gateway.http.patch("/admin/v1/endpoints/unheld", headers=gateway.admin,
+                                 json={"honor_upstream_limits": False})
+    assert r.status_code == 200, r.text
+    await gateway.submit(auth, url)  # a submit wakes the endpoint's claim
+    (done,) = await gateway.wait_finished(auth, [held["task_id"]], timeout=10)
+    assert done["task_status"] == "completed"
+    r = await gateway.http.get("/admin/v1/queues", headers=gateway.admin)
+    (row,) = [q for q in r.json()["endpoints"] if q["id"] == "unheld"]
+    assert row["upstream_paused_until"] is None and row["binding_limit"] != "upstream"
+
+
 async def test_the_pause_shows_in_the_admin_view(
     gateway: Gateway, fresh_upstream: str, dispatcher_process: Spawn,
 ) -> None:

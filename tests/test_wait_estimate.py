@@ -41,6 +41,20 @@ def test_rate_bound_and_the_slower_of_two_limits() -> None:
     assert estimate_wait(None, 5, None) == 0
 
 
+
+def test_an_upstream_pause_is_counted_once() -> None:
+    """A claim the pause held writes the pause's end as its `limited_until`: the head of the
+    line waits out the pause once, not twice (117 s for a 58 s pause before); a limit that
+    holds past the pause holds it till the limit's end. Not honoured, a pause holds nothing."""
+    ep = endpoint(max_concurrency=4, avg_exec_ms=1000)
+    now, pause_end = 1_000_000, 1_058_000
+    measured = [None, None, 0, None, str(pause_end), now, str(pause_end)]
+    assert estimate_wait(ep, 0, measured) == 58.0
+    later = [None, None, 0, None, str(pause_end), now, str(pause_end + 5000)]
+    assert estimate_wait(ep, 0, later) == 63.0
+    off = endpoint(max_concurrency=4, avg_exec_ms=1000, honor_upstream_limits=False)
+    assert estimate_wait(off, 0, [None, None, 0, None, str(pause_end), now, None]) == 0
+
 async def test_status_reports_the_wait_behind_busy_slots(
     gateway: Gateway, upstream: str, start_dispatcher: Callable[[], Awaitable[Runtime]]
 ) -> None:

@@ -91,11 +91,13 @@ def cost_keys(endpoint: EndpointConfig) -> tuple[str, ...]:
 def admission_args(endpoint: EndpointConfig, guard_ms: int) -> list[str | int]:
     """claim-12.lua's ARGV[12..]: the further limits (a count of 0 when none), then the
     starvation bound (ms, 0 = none), then the adaptive endpoint's least cap (0 = fixed), then
-    '1' when per-cost admissions reserve at least the caller's recent real cost (cost_from)."""
+    '1' when per-cost admissions reserve at least the caller's recent real cost (cost_from),
+    then '0' when the upstream's pauses and budgets hold nothing (honor_upstream_limits off)."""
     return [*(further_limits(endpoint, guard_ms) or [0]),
             (endpoint.max_starvation_s or 0) * 1000,
             endpoint.min_concurrency if endpoint.concurrency == "adaptive" else 0,
-            "1" if reads_costs(endpoint) else "0"]
+            "1" if reads_costs(endpoint) else "0",
+            "1" if endpoint.honor_upstream_limits else "0"]
 
 
 def settle_limits(endpoint: EndpointConfig, keys: Keys, guard_ms: int

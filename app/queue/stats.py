@@ -108,7 +108,7 @@ def _parse(ep: EndpointConfig, pending: int, in_flight: int, raw: dict[str, str]
             cumulative.append(running)
         histograms[h] = Histogram(cumulative, int(raw.get(f"{h}:sum", 0)))
     avg = {a: float(v) if (v := raw.get(a)) else None for a in AVERAGES}
-    paused = raw.get("upause")
+    paused = raw.get("upause") if ep.honor_upstream_limits else None  # else it holds nothing
     return EndpointStats(ep, pending, in_flight, {c: int(raw.get(c, 0)) for c in COUNTERS},
                          avg["exec_ms"], avg["slot_ms"], histograms, raw=raw,
                          upstream_paused_until=int(paused) if paused else None)

@@ -505,11 +505,16 @@ def estimate_wait(endpoint: EndpointConfig | None, ahead: int, measured: Any) ->
         if behind > 0:
             wait = (behind - 0.5) * slot_s / cap
     now_ms = int(now) if now else None
-    head = max(0.0, (int(limited) - now_ms) / 1000) if limited and now_ms else 0.0
+    pause_end = (int(paused_until) if endpoint.honor_upstream_limits and paused_until
+                 and now_ms and int(paused_until) > now_ms else None)
+    # What holds the head past the pause, counted from the pause's end, which is added below
+    # (a claim the pause held wrote that end as its `limited_until`: not counted twice).
+    head = (max(0.0, (int(limited) - (pause_end or now_ms)) / 1000) if limited and now_ms
+            else 0.0)
     wait = max(wait, head, _limits_wait(endpoint, ahead, head, last_admit, now_ms,
                                         float(cost or 1)))
-    if paused_until and now_ms and int(paused_until) > now_ms:
-        wait += (int(paused_until) - now_ms) / 1000  # its upstream admits nothing till then
+    if pause_end and now_ms:
+        wait += (pause_end - now_ms) / 1000  # its upstream admits nothing till then
     return round(wait, 3)
 
 
