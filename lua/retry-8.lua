@@ -10,7 +10,8 @@ back into it at its first arrival (starvation.lua; a retry due later, when the c
 back in line)
 ARGV[1] task id   ARGV[2] lease token   ARGV[3] back-off (ms)   ARGV[4] endpoint id
 ARGV[5] pause the upstream asked for (ms; 0 = none), see upstream.lua
-ARGV[6] the failed call's HTTP status ('' if none)   ARGV[7] its exec time (ms)
+ARGV[6] the failed call's HTTP status ('' if none)   ARGV[7] its exec time (ms; -1 = no call
+made, or none that tells of the upstream: not counted as one)
 ARGV[8] how many refusals a task may have for free (0 = this call was not refused with a pause):
 a call the upstream refused asking for a pause (429/503 with a reset or Retry-After) did no work,
 so up to that many times the task goes straight back to its place in line (original score),
@@ -47,7 +48,7 @@ redis.call('ZREM', KEYS[1], ARGV[1])
 redis.call('HDEL', KEYS[2], 'lease', 'deadline')
 local stats = KEYS[7]
 redis.call('HINCRBY', stats, 'retried', 1)
-stats_call_failed(stats, ARGV[6], tonumber(ARGV[7]))
+if tonumber(ARGV[7]) >= 0 then stats_call_failed(stats, ARGV[6], tonumber(ARGV[7])) end
 local samples = {}
 adaptive_note(samples, 'failed', ARGV[6], tonumber(ARGV[7]), tonumber(started))
 adaptive_update(stats, now, samples, KEYS[1])

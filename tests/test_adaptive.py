@@ -100,6 +100,32 @@ async def test_the_cap_recovers_after_a_burst_of_failures(
     await gateway.wait_finished(auth, ids, timeout=60)
 
 
+async def test_a_call_never_sent_does_not_cut_the_cap(
+    gateway: Gateway, fresh_upstream: str, dispatcher_process: Spawn,
+) -> None:
+    """A caller's request that cannot be sent (a control character in a forwarded header)
+    fails with no call made: it says nothing of the upstream, so the learnt cap every caller
+    shares stays (each such task halved it, as a refusal does)."""
+    url = f"{fresh_upstream}/unsent"
+    await gateway.add_endpoint("unsent", url, concurrency="adaptive", min_concurrency=1,
+                               max_concurrency=16, max_retries=0)
+    auth = await gateway.new_key()
+    dispatcher_process()
+    learnt = asyncio.get_running_loop().time()
+    ids = [(await gateway.submit(auth, url, headers={"X-Mock-Latency-Ms": ["50"]}))["task_id"]
+           for _ in range(200)]
+    while (await _row(gateway, "unsent"))["adaptive_limit"] < 4:
+        assert asyncio.get_running_loop().time() - learnt < 30, "the cap learnt nothing"
+        await asyncio.sleep(0.2)
+    await gateway.wait_finished(auth, ids, timeout=60)
+    before = (await _row(gateway, "unsent"))["adaptive_limit"]
+    for _ in range(3):
+        bad = await gateway.submit(auth, url, headers={"Content-Type": ["a\r\nX-Injected: 1"]})
+        (done,) = await gateway.wait_finished(auth, [bad["task_id"]])
+        assert done["task_status"] == "failed" and done["result_status_code"] is None
+    assert (await _row(gateway, "unsent"))["adaptive_limit"] >= before
+
+
 async def test_adaptive_needs_a_maximum(gateway: Gateway) -> None:
     for fields in ({"concurrency": "adaptive"},
                    {"concurrency": "adaptive", "max_concurrency": 4, "min_concurrency": 5},

@@ -378,8 +378,12 @@ class Dispatcher:
             started = time.monotonic()
             outcome = await self._call(claim, traced)
             exec_ms = (time.monotonic() - started) * 1000
-            average = self._call_ms.get(ep.id, exec_ms)
-            self._call_ms[ep.id] = average + (exec_ms - average) / 8
+            if outcome.measured:
+                average = self._call_ms.get(ep.id, exec_ms)
+                self._call_ms[ep.id] = average + (exec_ms - average) / 8
+            else:  # -1: no call made, for the scripts (a failure that tells nothing of the
+                # upstream must not read as its refusal and halve an adaptive cap)
+                exec_ms = -1
             # A refusal given back goes back in line, its attempt not spent (claims.given_back).
             final = not given_back(claim, outcome) and (
                 outcome.ok or not outcome.retryable or claim.attempts > ep.max_retries)

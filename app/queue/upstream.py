@@ -58,6 +58,9 @@ class Outcome:
     meta: ResultMeta | None = None  # the answer's type, size, encoding (None: no answer kept)
     #: (calls, seconds): how many more the upstream takes before its reset (signals.remaining)
     remaining: tuple[int, float] | None = None
+    #: False: its time says nothing of the upstream (the call was never sent, or the answer
+    #: came but the result store failed): no latency sample, no refusal (adaptive.lua)
+    measured: bool = True
 
     @property
     def ok(self) -> bool:
@@ -91,7 +94,7 @@ async def call(
         # The caller reads the result: it learns no endpoint, header name or key id. The
         # operator reads them here.
         log.error("cannot open credentials: %s", exc, extra={"task_id": task_id})
-        return Outcome(None, "upstream credentials unavailable")
+        return Outcome(None, "upstream credentials unavailable", measured=False)
     headers.append(("Idempotency-Key", task_id))
     # Stored query parameters come on top of those in the URL.
     params = [(name, value) for name, values in json.loads(req.query or "{}").items()
@@ -111,10 +114,10 @@ async def call(
     except OSError as exc:
         return Outcome(None, f"upstream unreachable: {type(exc).__name__}: {exc}")
     except StoreUnavailable as exc:  # the answer came but could not be kept: tried again
-        return Outcome(None, f"result_store_unavailable: {exc}")
+        return Outcome(None, f"result_store_unavailable: {exc}", measured=False)
     except ValueError as exc:  # a request that cannot be sent (a control character in a
         # header): it never will be, so it fails at once instead of using up its retries
-        return Outcome(None, f"request cannot be sent: {exc}", refused=True)
+        return Outcome(None, f"request cannot be sent: {exc}", refused=True, measured=False)
     status, got = answer.status, answer.headers
     if answer.body is None:  # an error answer may be retried; a success would be as large
         busy = status == 429 or status >= 500
