@@ -100,6 +100,46 @@ async def test_the_cap_recovers_after_a_burst_of_failures(
     await gateway.wait_finished(auth, ids, timeout=60)
 
 
+@pytest.mark.backends("single")  # the learning itself: the same scripts on a Cluster
+async def test_the_cap_climbs_back_after_the_upstream_got_slower_for_good(
+    gateway: Gateway, fresh_upstream: str, dispatcher_process: Spawn,
+) -> None:
+    """Calls take 100 ms, then 300 ms for good, however many run: the cap is cut, then the
+    base follows the new latency and the cap climbs back within seconds (it stayed at its
+    minimum for over a minute: the base stopped following once the figure passed 1.0 while
+    the cap in use was still 1, and its slow drift was rounded away)."""
+    url = f"{fresh_upstream}/slower"
+    await gateway.add_endpoint("slower", url, concurrency="adaptive", min_concurrency=1,
+                               max_concurrency=12, max_retries=0)
+    auth = await gateway.new_key()
+    loop = asyncio.get_running_loop()
+
+    async def feed(latency: int, n: int) -> None:
+        for _ in range(n):
+            await gateway.submit(auth, url, headers={"X-Mock-Latency-Ms": [str(latency)]})
+
+    await feed(100, 300)
+    dispatcher_process()
+    started = loop.time()
+    while (await _row(gateway, "slower"))["adaptive_limit"] < 8:
+        assert loop.time() - started < 40, "the cap learnt nothing"
+        await asyncio.sleep(0.2)
+    feeder = asyncio.create_task(feed(300, 2000))
+    try:
+        step = loop.time()
+        # Cut first: three times slower is what an upstream's own queue looks like.
+        while (await _row(gateway, "slower"))["adaptive_limit"] >= 4:
+            assert loop.time() - step < 20, "the cap was never cut"
+            await asyncio.sleep(0.2)
+        cut = loop.time()
+        while (await _row(gateway, "slower"))["adaptive_limit"] < 8:
+            assert loop.time() - cut < 30, "the cap stayed low"
+            await asyncio.sleep(0.2)
+        print(f"cut {cut - step:.1f} s after the step, back to 8 {loop.time() - cut:.1f} s later")
+    finally:
+        feeder.cancel()
+
+
 async def test_a_call_never_sent_does_not_cut_the_cap(
     gateway: Gateway, fresh_upstream: str, dispatcher_process: Spawn,
 ) -> None:

@@ -88,7 +88,8 @@ local function adaptive_update(stats, now, samples, active)
       else
         sum, cnt = sum + ms, cnt + 1
         if cnt >= math.max(1, math.min(ADAPT_ROUND, math.floor(limit / 2))) then
-          base = adaptive_base(base, sum / cnt, limit <= minc)
+          -- At the minimum it admits: the cap in use (a limit of 1.9 admits 1), not the figure.
+          base = adaptive_base(base, sum / cnt, math.floor(limit) <= minc)
           limit, over = adaptive_decide(limit, sum / cnt / base, busy, over)
           limit = math.min(maxc, math.max(minc, limit))
           win, sum, cnt = now, 0, 0
@@ -98,7 +99,8 @@ local function adaptive_update(stats, now, samples, active)
   end
   redis.call('HSET', stats, 'alimit', string.format('%.3f', limit), 'awin', win, 'asum', sum,
     'acnt', cnt, 'aover', over and 1 or 0)
-  if base then redis.call('HSET', stats, 'abase', string.format('%.1f', base)) end
+  -- Not rounded to 0.1 ms: the slow drift moves it by less a round (1/4096 of the gap).
+  if base then redis.call('HSET', stats, 'abase', string.format('%.4f', base)) end
 end
 
 -- The cap the claim admits to: the learnt one within the bounds (written here for the acks).
