@@ -15,6 +15,7 @@ import psutil
 import pytest
 
 from app.mock_upstream import binary_digest
+from app.queue import objects
 from app.settings import Settings
 from tests.conftest import Gateway
 from tests.servers import SeaweedFS
@@ -161,3 +162,55 @@ def test_the_results_directory_is_the_gateways_alone(tmp_path: Path) -> None:
 
     ObjectStore(f"file://{tmp_path}/data/results")
     assert (tmp_path / "data" / "results").stat().st_mode & 0o777 == 0o700
+
+
+@pytest.mark.backends("single")  # no Redis in it
+async def test_a_store_that_stops_answering_fails_each_request_in_bounded_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An S3 endpoint that takes connections and never answers (a store hung, a partition):
+    a read, a delete and the readiness check fail as unavailable, a best-effort delete gives
+    up, and a put cut by its call's timeout returns, each within its bound (STORE_OP_S, 0.5 s
+    here); before, each waited for the client's own timeout, a day."""
+    monkeypatch.setattr(objects, "STORE_OP_S", 0.5)
+    held: list[asyncio.StreamWriter] = []
+
+    async def hold(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        held.append(writer)  # read nothing, answer nothing
+
+    server = await asyncio.start_server(hold, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{port}")
+    for name, value in (("AWS_ACCESS_KEY_ID", "x"), ("AWS_SECRET_ACCESS_KEY", "y"),
+                        ("AWS_REGION", "us-east-1")):
+        monkeypatch.setenv(name, value)
+    store = objects.ObjectStore("s3://quiet/results")
+
+    async def body() -> AsyncIterator[bytes]:
+        for _ in range(3):
+            yield b"x" * (1 << 20)
+
+    async def cut_put() -> None:
+        async with asyncio.timeout(1):  # the call's own bound (upstream.call)
+            await store.put("t.e/1", body(), "image/png")
+
+    loop = asyncio.get_running_loop()
+    try:
+        for name, op, fails in (("read", store.read("t.e/1"), objects.StoreUnavailable),
+                                ("delete", store.delete(["t.e/1"]), objects.StoreUnavailable),
+                                ("check", store.check(), objects.StoreUnavailable),
+                                ("put", cut_put(), TimeoutError),
+                                ("drop", store.drop(["t.e/1"]), None),
+                                ("discard", store.discard("t.e/1"), None)):
+            started = loop.time()
+            async with asyncio.timeout(5):  # the test's own bound: a hang fails here
+                if fails is None:
+                    await op
+                else:
+                    with pytest.raises(fails):
+                        await op
+            assert loop.time() - started < 3, name
+    finally:
+        server.close()
+        for writer in held:
+            writer.close()

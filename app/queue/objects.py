@@ -18,6 +18,7 @@ its lease never overwrites the answer of the one that won, and the sweep
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import secrets
@@ -42,6 +43,11 @@ READ_CHUNK = 64 << 10  # what a read hands on at a time: about what a stalled re
 SIGNED_S = 300  # how long a presigned URL (`/result?redirect=1`) stays valid
 SIGNED_MARGIN_S = 60  # a download that began just before its URL expired, to finish
 LIST_BATCH = 1000  # objects a listing hands on at a time (S3 pages hold 1,000 keys)
+#: The longest a store may take to answer one request (a read's head, each piece of its body,
+#: a delete, a listing's page) before it reads as unavailable. Its client waits up to a day
+#: (a download may be long), so without this a store that stops answering held a caller's
+#: read, a call's clean-up and its slot for as long.
+STORE_OP_S = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,7 +101,10 @@ class ObjectStore:
                                     use_multipart=True, chunk_size=PART_BYTES,
                                     max_concurrency=PARTS_IN_FLIGHT)
         except BaseException as exc:  # a timeout's cancellation too: nothing half-written
-            await asyncio.shield(self._unwritten(key, cancelled=not isinstance(exc, Exception)))
+            with contextlib.suppress(TimeoutError):  # the sweep's, from a store gone quiet
+                await asyncio.shield(asyncio.wait_for(
+                    self._unwritten(key, cancelled=not isinstance(exc, Exception)),
+                    STORE_OP_S))
             if producer.failed is not None:  # the body's own error (an OSError of the
                 raise producer.failed from None  # upstream's connection too): not the store's
             if isinstance(exc, Exception) and _ours(exc):
@@ -111,11 +120,12 @@ class ObjectStore:
         if start or end is not None:
             options["range"] = (start, end) if end is not None else {"offset": start}
         try:
-            res = await obstore.get_async(self.store, key, options=options or None)
+            async with asyncio.timeout(STORE_OP_S):
+                res = await obstore.get_async(self.store, key, options=options or None)
         except (NotFoundError, FileNotFoundError) as exc:
             raise FileNotFoundError(key) from exc
         except Exception as exc:
-            raise StoreUnavailable(f"{type(exc).__name__}: {exc}"[:500]) from exc
+            raise StoreUnavailable(_said(exc)) from exc
         return _chunks(res.stream(min_chunk_size=READ_CHUNK))
 
     async def sign(self, key: str, expires_s: int) -> str | None:
@@ -130,11 +140,12 @@ class ObjectStore:
         if not keys:
             return
         try:
-            await obstore.delete_async(self.store, keys)
+            async with asyncio.timeout(STORE_OP_S):
+                await obstore.delete_async(self.store, keys)
         except (NotFoundError, FileNotFoundError):
             pass
         except Exception as exc:
-            raise StoreUnavailable(f"{type(exc).__name__}: {exc}"[:500]) from exc
+            raise StoreUnavailable(_said(exc)) from exc
 
     async def drop(self, keys: list[str]) -> None:
         """Delete the objects of tasks that are gone, best effort: a store that does not
@@ -159,8 +170,9 @@ class ObjectStore:
     async def discard(self, key: str) -> None:
         """Delete one object if it is there, whatever the store says (a clean-up)."""
         try:
-            await obstore.delete_async(self.store, key)
-        except Exception:  # gone already, or the store is down: the sweep's
+            async with asyncio.timeout(STORE_OP_S):
+                await obstore.delete_async(self.store, key)
+        except Exception:  # gone already, or the store is down or quiet: the sweep's
             pass
 
     async def batches(self, older_than_s: float, size: int = LIST_BATCH
@@ -172,12 +184,17 @@ class ObjectStore:
         next one is safe (S3 continues after the last key it gave; a directory walk skips
         what has gone)."""
         cutoff = datetime.now(UTC) - timedelta(seconds=older_than_s)
-        try:
-            async for page in obstore.list(self.store, chunk_size=size):
-                yield [StoredObject(meta["path"], meta["size"], meta["last_modified"])
-                       for meta in page if meta["last_modified"] < cutoff]
-        except Exception as exc:
-            raise StoreUnavailable(f"{type(exc).__name__}: {exc}"[:500]) from exc
+        pages = aiter(obstore.list(self.store, chunk_size=size))
+        while True:
+            try:
+                async with asyncio.timeout(STORE_OP_S):
+                    page = await anext(pages)
+            except StopAsyncIteration:
+                return
+            except Exception as exc:
+                raise StoreUnavailable(_said(exc)) from exc
+            yield [StoredObject(meta["path"], meta["size"], meta["last_modified"])
+                   for meta in page if meta["last_modified"] < cutoff]
 
     async def listing(self, older_than_s: float) -> AsyncIterator[StoredObject]:
         """Every object last written more than `older_than_s` ago, one at a time."""
@@ -188,11 +205,12 @@ class ObjectStore:
     async def check(self) -> None:
         """Raise StoreUnavailable unless the store answers (a read of a key never written)."""
         try:
-            await obstore.head_async(self.store, "_qgw_ready_probe")
+            async with asyncio.timeout(STORE_OP_S):
+                await obstore.head_async(self.store, "_qgw_ready_probe")
         except (NotFoundError, FileNotFoundError):
             return
         except Exception as exc:
-            raise StoreUnavailable(f"{type(exc).__name__}: {exc}"[:500]) from exc
+            raise StoreUnavailable(_said(exc)) from exc
 
 
 class _Producer:
@@ -223,9 +241,21 @@ def _ours(exc: Exception) -> bool:
     return type(exc).__module__.startswith("obstore") or isinstance(exc, OSError)
 
 
+def _said(exc: Exception) -> str:
+    if isinstance(exc, TimeoutError):
+        return f"no answer within {STORE_OP_S:g} s"
+    return f"{type(exc).__name__}: {exc}"[:500]
+
+
 async def _chunks(stream: Any) -> AsyncIterator[bytes]:
-    try:
-        async for buf in stream:
-            yield bytes(buf)
-    except Exception as exc:
-        raise StoreUnavailable(f"{type(exc).__name__}: {exc}"[:500]) from exc
+    """The body's pieces; a store that stops sending for STORE_OP_S has failed the read."""
+    pieces = aiter(stream)
+    while True:
+        try:
+            async with asyncio.timeout(STORE_OP_S):
+                buf = await anext(pieces)
+        except StopAsyncIteration:
+            return
+        except Exception as exc:
+            raise StoreUnavailable(_said(exc)) from exc
+        yield bytes(buf)
