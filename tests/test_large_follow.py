@@ -20,7 +20,7 @@ import pytest
 
 from app.routes.large import LARGE
 from app.runtime import Runtime
-from app.settings import Settings
+from app.settings import MAX_INLINE_BYTES, Settings
 from tests.conftest import Gateway
 
 StartApi = Callable[[], Awaitable[str]]
@@ -31,7 +31,7 @@ STREAMS, SLOTS = 32, 2
 @pytest.fixture
 def settings(settings: Settings) -> Settings:
     settings.max_result_bytes = 16 << 20
-    settings.result_inline_bytes = 12 << 20
+    settings.result_inline_bytes = MAX_INLINE_BYTES
     settings.read_ttl_s = 300
     return settings
 

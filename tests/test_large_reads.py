@@ -25,7 +25,7 @@ import httpx
 import pytest
 
 from app.runtime import Runtime
-from app.settings import Settings
+from app.settings import MAX_INLINE_BYTES, Settings
 from tests.conftest import Gateway
 
 StartApi = Callable[[], Awaitable[str]]
@@ -48,7 +48,7 @@ def settings(settings: Settings, layout: str) -> Settings:
     settings.max_result_bytes = 16 << 20
     settings.read_ttl_s = 300  # the task stays readable through the test
     if layout.startswith("inline"):
-        settings.result_inline_bytes = 12 << 20
+        settings.result_inline_bytes = MAX_INLINE_BYTES
     return settings
 
 

@@ -18,7 +18,7 @@ from redis.exceptions import RedisError
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from app.settings import Settings
+from app.settings import MAX_INLINE_BYTES, Settings
 from tests.conftest import Gateway
 from tests.servers import MariaDB
 from tests.test_storage import Start, T, eventually, open_gateway, rows, run_dispatcher
@@ -183,7 +183,7 @@ async def test_answers_near_the_size_limit_are_kept_and_starve_nobody(
     calls the upstream answered 200 ended `failed: lease expired`. Now every one completes,
     reaches SQL, and another caller's submits and status reads never see a 503 meanwhile."""
     n, size = 64, 8_000_000
-    settings.result_inline_bytes = 12 << 20  # inline, as before the result store
+    settings.result_inline_bytes = MAX_INLINE_BYTES  # inline, as before the result store
     async with open_gateway(settings) as gw:
         auth, ids = await _submit_large(gw, upstream, "huge", n, size)
         # Another caller, on an endpoint that admits one call a minute: its tasks stay pending.

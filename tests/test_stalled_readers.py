@@ -21,7 +21,7 @@ import psutil
 import pytest
 
 from app.runtime import Runtime
-from app.settings import Settings
+from app.settings import MAX_INLINE_BYTES, Settings
 from tests.conftest import Gateway
 from tests.servers import listening
 
@@ -37,7 +37,7 @@ def settings(settings: Settings, request: pytest.FixtureRequest) -> Settings:
     settings.max_result_bytes = 16 << 20
     settings.read_ttl_s = 300
     if request.param == "inline":
-        settings.result_inline_bytes = 12 << 20
+        settings.result_inline_bytes = MAX_INLINE_BYTES
     return settings
 
 

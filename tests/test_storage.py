@@ -489,7 +489,8 @@ async def test_a_row_the_database_refuses_holds_back_no_other(gateway: Gateway) 
     def record(code: int) -> str:
         return json.dumps({"user_id": "7", "type": "offline", "status": "completed",
                            "result": "猫", "result_status_code": str(code), "attempts": "1",
-                           "created_at": str(now), "ended_at": str(now)})
+                           "created_at": str(now), "ended_at": str(now),
+                           "result_meta": '{"type":"text/plain","bytes":3}'})
 
     outbox = gateway.rt.keys.outbox_legacy("poison")
     await gateway.rt.redis.hset(outbox, mapping={good: record(200), bad: record(70_000)})
@@ -500,6 +501,8 @@ async def test_a_row_the_database_refuses_holds_back_no_other(gateway: Gateway) 
     assert (got[good].result, got[good].result_status_code) == ("猫", 200)
     assert got[bad].status == "completed" and got[bad].result_status_code is None
     assert got[bad].result.startswith("[result not stored")
+    # The reason is no answer: nothing describes it as one (its type, size or encoding).
+    assert got[good].result_meta and got[bad].result_meta is None
     assert await gateway.rt.redis.hlen(outbox) == 0
     # The result SQL would not take is not thrown away: Redis keeps it for an operator.
     kept = await gateway.rt.redis.hget(gateway.rt.keys.outbox_refused("poison"), bad)

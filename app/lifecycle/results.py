@@ -285,7 +285,9 @@ class OutboxWriter:
         log.error("the database refused a finished task (%s); its row is kept without the "
                   "result, the result in Redis (outbox:refused)", first.orig, extra=extra)
         reason = f"[result not stored: {first.orig}]"[:1000]
-        second = await self._refusal({**row, "result_status_code": None, "result": reason})
+        # Its meta goes too: the reason is text, not the answer's base64 or object it described.
+        second = await self._refusal({**row, "result_status_code": None, "result": reason,
+                                      "result_meta": None})
         if second is None:
             return False
         log.error("the database refused a finished task even without its result (%s); its "
