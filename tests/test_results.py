@@ -141,6 +141,26 @@ class TestInline:
         assert r.headers["content-security-policy"] == "sandbox"
         assert r.headers.get("content-disposition") == disposition
 
+    async def test_an_encoding_not_undone_is_kept_and_served_with_the_bytes(
+        self, gateway: Gateway, upstream: str, start_dispatcher: Callable[[], Awaitable[Runtime]]
+    ) -> None:
+        """The gateway asks for gzip or deflate and undoes them; an upstream that answers in
+        another coding anyway (`br`) has its bytes kept as sent, never as text, and /result
+        labels them so (they went out unlabelled, as JSON no client could read)."""
+        body = b"\x1b\x0b\x00\xf8\xa5@\xc2\xaa\x93\x8d"  # what brotli makes of a JSON
+        auth, done = await run_one(gateway, start_dispatcher, upstream, "/brotli", headers={
+            "X-Mock-Body-Base64": [base64.b64encode(body).decode()],
+            "X-Mock-Reply-Headers": [json.dumps({"Content-Type": "application/json",
+                                                 "Content-Encoding": "br"})]})
+        assert done["result_encoding"] == "base64" and done["result_bytes"] == len(body)
+        assert base64.b64decode(done["task_result"]) == body
+        url = f"/api/v1/tasks/{done['task_id']}/result"
+        async with gateway.http.stream("GET", url, headers=auth) as r:
+            raw = b"".join([piece async for piece in r.aiter_raw()])
+        assert r.status_code == 200 and raw == body
+        assert r.headers["content-encoding"] == "br"
+        assert r.headers["content-type"] == "application/json"
+
     async def test_a_json_answer_stays_text(
         self, gateway: Gateway, upstream: str, start_dispatcher: Callable[[], Awaitable[Runtime]]
     ) -> None:

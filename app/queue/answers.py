@@ -17,6 +17,8 @@ from typing import Any
 
 BASE64 = "base64"
 EXTERNAL = "external"
+#: Content-Encodings the upstream client undoes (app/queue/streams.py DECODERS), and none.
+UNDONE = frozenset({"", "identity", "gzip", "x-gzip", "deflate"})
 _TEXT_SUBTYPES = ("json", "xml", "javascript", "x-www-form-urlencoded", "yaml", "csv",
                   "graphql", "x-ndjson")
 
@@ -52,11 +54,15 @@ class ResultMeta:
     ref: str | None = None  # the result store's key of an EXTERNAL body
     disposition: str | None = None
     etag: str | None = None
+    #: A Content-Encoding the gateway did not undo (it asks for gzip and deflate only; one that
+    #: answers `br` anyway): the bytes are kept as sent, and served labelled so.
+    coding: str | None = None
 
     def dumps(self) -> str:
         raw: dict[str, Any] = {"type": self.content_type, "bytes": self.size}
         for name, value in (("enc", self.encoding), ("ref", self.ref),
-                            ("disp", self.disposition), ("etag", self.etag)):
+                            ("disp", self.disposition), ("etag", self.etag),
+                            ("ce", self.coding)):
             if value:
                 raw[name] = value
         return json.dumps(raw, separators=(",", ":"))
@@ -70,23 +76,30 @@ class ResultMeta:
         try:
             d = json.loads(raw)
             return cls(d.get("type"), int(d.get("bytes", 0)), d.get("enc", ""), d.get("ref"),
-                       d.get("disp"), d.get("etag"))
+                       d.get("disp"), d.get("etag"), d.get("ce"))
         except (ValueError, TypeError, AttributeError):
             return None
 
 
 def inline(body: bytes, headers: dict[str, str]) -> tuple[str, ResultMeta]:
     """A body small enough to keep in the task: its text (or base64) and its meta."""
-    ctype = headers.get("content-type")
-    text = as_text(body, ctype)
+    ctype, coding = headers.get("content-type"), kept_coding(headers)
+    text = as_text(body, ctype) if coding is None else None  # encoded bytes are no text
     meta = ResultMeta(ctype, len(body), "" if text is not None else BASE64, None,
-                      headers.get("content-disposition"), headers.get("etag"))
+                      headers.get("content-disposition"), headers.get("etag"), coding)
     return (text if text is not None else base64.b64encode(body).decode("ascii")), meta
 
 
 def external(ref: str, size: int, headers: dict[str, str]) -> ResultMeta:
     return ResultMeta(headers.get("content-type"), size, EXTERNAL, ref,
-                      headers.get("content-disposition"), headers.get("etag"))
+                      headers.get("content-disposition"), headers.get("etag"),
+                      kept_coding(headers))
+
+
+def kept_coding(headers: dict[str, str]) -> str | None:
+    """The answer's Content-Encoding if the gateway's client did not undo it."""
+    coding = (headers.get("content-encoding") or "").strip()
+    return None if coding.lower() in UNDONE else coding
 
 
 def as_text(body: bytes, content_type: str | None) -> str | None:

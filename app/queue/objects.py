@@ -89,12 +89,16 @@ class ObjectStore:
     def new_key(task_id: str) -> str:
         return f"{task_id}/{secrets.token_hex(8)}"
 
-    async def put(self, key: str, chunks: AsyncIterable[bytes], content_type: str | None
-                  ) -> None:
+    async def put(self, key: str, chunks: AsyncIterable[bytes], content_type: str | None,
+                  content_encoding: str | None = None) -> None:
         """Write `chunks` as the object `key`, part by part as they come. An error of the
         store is StoreUnavailable; one raised by `chunks` passes through; either way no
-        object is left (a multipart upload is aborted, else the sweep takes it)."""
-        attrs: Any = {"Content-Type": content_type} if content_type and self.s3 else None
+        object is left (a multipart upload is aborted, else the sweep takes it). On S3 the
+        object keeps its type and coding, for a presigned download."""
+        attrs: Any = {name: value for name, value in (("Content-Type", content_type),
+                                                      ("Content-Encoding", content_encoding))
+                      if value} if self.s3 else None
+        attrs = attrs or None
         producer = _Producer(chunks)
         try:
             await obstore.put_async(self.store, key, producer, attributes=attrs,

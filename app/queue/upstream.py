@@ -12,7 +12,7 @@ from typing import Any
 
 from app import __version__, secrets
 from app.endpoints import DEFAULT_FORWARD
-from app.queue.answers import ResultMeta, external, inline
+from app.queue.answers import ResultMeta, external, inline, kept_coding
 from app.queue.http1 import Answer, BadAnswer, UpstreamClient
 from app.queue.objects import ObjectStore, StoreUnavailable
 from app.queue.signals import pause_s, remaining, retry_after
@@ -166,7 +166,7 @@ async def _stored(keeper: Keeper, task_id: str, answer: Answer, max_bytes: int,
                              f"{keeper.inline_bytes} bytes: not kept", None, "")
         key = keeper.store.new_key(task_id)
         try:
-            await keeper.store.put(key, chunks(), got.get("content-type"))
+            await keeper.store.put(key, chunks(), got.get("content-type"), kept_coding(got))
         except Exception:
             if over:  # the partial object is gone (ObjectStore.put); never retried
                 return Outcome(status, f"upstream answer over {max_bytes} bytes "

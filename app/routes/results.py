@@ -63,7 +63,8 @@ async def task_result(
                "Accept-Ranges": "bytes", "Cache-Control": "private, no-store", **CONFINED}
     if meta is not None:
         headers.update({k: v for k, v in (("Content-Disposition", meta.disposition),
-                                          ("ETag", meta.etag)) if v})
+                                          ("ETag", meta.etag),
+                                          ("Content-Encoding", meta.coding)) if v})
     ctype = (meta.content_type if meta else None) or (
         "text/plain; charset=utf-8" if meta is None else "application/octet-stream")
     if "Content-Disposition" not in headers and _active(ctype):
