@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 import subprocess
+import time
 from collections.abc import Callable
+from typing import Any, cast
 
 import httpx
 import pytest
 
+from app.queue import acks, claims
 from app.queue.signals import ALIGN_MARGIN_S, pause_s, remaining
 from tests.conftest import Gateway
 
@@ -61,6 +64,22 @@ def test_what_remains_is_read_from_the_request_counts() -> None:
     assert pause_s(429, {"retry-after": "\u00b2"}, now) is None
     assert pause_s(429, {"x-ratelimit-remaining": "0", "x-ratelimit-reset": "\u00b2"},
                    now) is None
+
+
+def test_a_pause_counts_from_the_answer_not_from_a_late_try(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """An ack (or a retry's setting aside) retried through a Redis outage sends what is left
+    of the pause its answer asked for: started again from the late try, it held the endpoint
+    the outage's length longer. Spent meanwhile, one ms is left: the probe still goes first."""
+    now = [1000.0]
+    monkeypatch.setattr(time, "monotonic", lambda: now[0])
+    assert claims.pause_left_ms(0, 990.0) == 0  # none asked
+    assert claims.pause_left_ms(5000, 998.0) == 3000
+    assert claims.pause_left_ms(5000, 900.0) == 1
+    ack = acks._Ack(cast(Any, None), ["t", "tok", "completed", "", 429, 12, 5000, "", ""],
+                    cast(Any, None), answered=now[0])
+    now[0] += 2.0
+    assert ack.current()[6] == 3000 and ack.values[6] == 5000
 
 
 async def test_no_more_calls_than_the_upstream_said_remain_before_its_reset(

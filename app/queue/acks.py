@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -35,7 +36,14 @@ from redis.exceptions import NoScriptError, RedisError
 from app.core.loop import persist
 from app.core.scripts import Lua
 from app.endpoints import EndpointConfig
-from app.queue.claims import Claim, ack_cost_keys, pause_ms, real_cost, settle_limits
+from app.queue.claims import (
+    Claim,
+    ack_cost_keys,
+    pause_left_ms,
+    pause_ms,
+    real_cost,
+    settle_limits,
+)
 from app.queue.upstream import Outcome
 
 if TYPE_CHECKING:
@@ -54,6 +62,15 @@ class _Ack:
     values: list[Any]  # its nine values of ack-7.lua's ARGV
     result: asyncio.Future[int]
     remaining: tuple[int, float] | None = None  # what the upstream said remains (budget-2.lua)
+    answered: float = field(default_factory=time.monotonic)
+
+    def current(self) -> list[Any]:
+        """Its values as sent now: a pause the answer asked for counts from the answer, not
+        from this try (one after a Redis outage would pause the endpoint that much longer)."""
+        if not self.values[6]:
+            return self.values
+        return [*self.values[:6], pause_left_ms(self.values[6], self.answered),
+                *self.values[7:]]
 
 
 @dataclass
@@ -85,7 +102,7 @@ class AckBatch:
         return [*k.of(e, *ACK_KEYS), *limit_keys, *ack_cost_keys(ep, k, limit_keys),
                 *(k.task(a.claim.task_id) for a in acks)], [
             e, CLAIMS_FOLLOW if follow else "", len(acks), *limits,
-            *(v for a in acks for v in a.values)]
+            *(v for a in acks for v in a.current())]
 
     def _groups(self, batch: list[_Ack]) -> list[list[_Ack]]:
         """The batch by endpoint: one call each (a changed config's claims apart, should

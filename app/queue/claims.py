@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -162,6 +163,15 @@ def refused(outcome: Outcome) -> bool:
 def pause_ms(claim: Claim, outcome: Outcome) -> int:
     """The pause the upstream asked of the whole endpoint (0 = none, or not honoured)."""
     return asked_pause_ms(claim.endpoint, outcome.pause_s, claim.task_id)
+
+
+def pause_left_ms(pause: int, since: float) -> int:
+    """`pause` (ms, 0 = none), asked for by an answer read at monotonic time `since`, as what
+    is left of it now: an ack retried through a Redis outage must not start the upstream's
+    pause again from its late try. 1 at least: the probe still goes first."""
+    if not pause:
+        return 0
+    return max(1, pause - round((time.monotonic() - since) * 1000))
 
 
 def asked_pause_ms(endpoint: EndpointConfig, pause_s: float | None, task_id: str) -> int:

@@ -54,6 +54,7 @@ from app.queue.claims import (
     claim_args,
     claim_keys,
     given_back,
+    pause_left_ms,
     pause_ms,
     settle_args,
 )
@@ -430,12 +431,14 @@ class Dispatcher:
         log.info("retrying in %.2f s: %s", delay, outcome.status_code or outcome.text,
                  extra=extra)
         limit_keys, settle = settle_args(claim, outcome, k, self.settings.rate_guard_ms)
+        pause, answered = pause_ms(claim, outcome), time.monotonic()
         due = await persist("retry", lambda: self.scripts.retry(
             keys=[k.active(e), k.task(claim.task_id),
                   *k.of(e, "retry", "delayed", "queue", "wake", "stats", "probe"), *limit_keys,
                   *k.of(e, *starvation_keys(ep))],
-            args=[claim.task_id, claim.token, round(delay * 1000), e, pause_ms(claim, outcome),
-                  outcome.status_code or "", round(exec_ms), *settle]))
+            args=[claim.task_id, claim.token, round(delay * 1000), e,
+                  pause_left_ms(pause, answered), outcome.status_code or "", round(exec_ms),
+                  *settle]))
         if not due:
             log.warning("lease lost before the retry was scheduled", extra=extra)
         elif due != 1 and not self.stopping.is_set():  # 1: back in line, its marker set
