@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import shutil
 import uuid
 from collections.abc import AsyncIterator
@@ -214,3 +215,42 @@ async def test_a_store_that_stops_answering_fails_each_request_in_bounded_time(
         server.close()
         for writer in held:
             writer.close()
+
+
+@pytest.mark.parametrize("store_kind", ["s3"])  # presigned URLs are S3's
+async def test_a_presigned_url_never_outlives_its_object(
+    gateway: Gateway, upstream: str, start_dispatcher: Any, store_kind: str,
+) -> None:
+    """The object of a read result goes at a time set by its first read, never put off: a
+    redirect signs its URL for what is left of that (less a minute for a download begun at
+    its end), and serves the bytes itself when under half a minute would be left (a link
+    valid for five minutes outlived its object)."""
+    url = f"{upstream}/signed"
+    await gateway.add_endpoint("signed", url, max_retries=0)
+    auth = await gateway.new_key()
+    await start_dispatcher()
+    task = await gateway.submit(auth, url, headers={"X-Mock-Binary": [f"{MB};seed=4"]})
+    (done,) = await gateway.wait_finished(auth, [task["task_id"]], timeout=60)  # read: due
+    assert done["result_encoding"] == "external"
+    rt, tid = gateway.rt, task["task_id"]
+    ref = json.loads(str(await rt.redis.hget(rt.keys.task(tid), "result_meta")))["ref"]
+    delivered = rt.keys.delivered("signed")
+    path = f"/api/v1/tasks/{tid}/result?redirect=1"
+
+    async def due_in(seconds: int) -> None:
+        now_s, now_us = await rt.redis.time()
+        await rt.redis.zadd(delivered, {ref: now_s * 1000 + now_us // 1000 + seconds * 1000},
+                            xx=True)
+
+    r = await gateway.http.get(path, headers=auth)
+    assert r.status_code == 302 and 290 <= _expires(r.headers["location"]) <= 300
+    await due_in(100)
+    r = await gateway.http.get(path, headers=auth)
+    assert r.status_code == 302 and 35 <= _expires(r.headers["location"]) <= 40
+    await due_in(80)
+    r = await gateway.http.get(path, headers=auth)
+    assert r.status_code == 200 and hashlib.sha256(r.content).digest() == binary_digest(MB, 4)
+
+
+def _expires(url: str) -> int:
+    return int(url.split("X-Amz-Expires=")[1].split("&")[0])

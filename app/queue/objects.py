@@ -42,6 +42,7 @@ PARTS_IN_FLIGHT = 2
 READ_CHUNK = 64 << 10  # what a read hands on at a time: about what a stalled reader pins
 SIGNED_S = 300  # how long a presigned URL (`/result?redirect=1`) stays valid
 SIGNED_MARGIN_S = 60  # a download that began just before its URL expired, to finish
+MIN_SIGNED_S = 30  # a shorter-lived URL is not handed out: the bytes are served instead
 LIST_BATCH = 1000  # objects a listing hands on at a time (S3 pages hold 1,000 keys)
 #: The longest a store may take to answer one request (a read's head, each piece of its body,
 #: a delete, a listing's page) before it reads as unavailable. Its client waits up to a day

@@ -16,11 +16,20 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 
 from app.auth import api_key, runtime_of
+from app.core.clock import queue_time
+from app.core.keys import endpoint_of
 from app.errors import ApiError
 from app.queue.answers import EXTERNAL, ResultMeta, body_of
-from app.queue.objects import SIGNED_S, ObjectStore, StoreUnavailable
+from app.queue.objects import (
+    MIN_SIGNED_S,
+    SIGNED_MARGIN_S,
+    SIGNED_S,
+    ObjectStore,
+    StoreUnavailable,
+)
 from app.routes.large import LARGE, large_result
 from app.routes.tasks import ERRORS, _checked
+from app.runtime import Runtime
 from app.sending import HeldStream
 
 router = APIRouter(prefix="/api/v1", tags=["tasks"])
@@ -87,10 +96,12 @@ async def task_result(
         return Response(body, code, headers=headers, media_type=ctype)
     objects = rt.objects
     assert meta.ref is not None
-    if redirect and objects.s3:
-        url = await objects.sign(meta.ref, SIGNED_S)
+    if redirect and objects.s3 and (valid_s := await _signable_s(rt, tid, meta.ref)):
+        url = await objects.sign(meta.ref, valid_s)
         return Response(status_code=302, headers={"Location": url or "",
                                                   "Cache-Control": "no-store"})
+    # Without `redirect`, or too close to the object's deletion to hand out a link: the
+    # bytes go from here.
     await rt.read_slots.take(caller.id)  # given back once the answer has ended (HeldStream)
     try:
         chunks = await _read(objects, tid, status, meta.ref, start, end)
@@ -125,6 +136,22 @@ async def _empty() -> AsyncIterator[bytes]:
 
 class _Unsatisfiable(Exception):
     """A range outside the body: 416."""
+
+
+async def _signable_s(rt: Runtime, task_id: str, ref: str) -> int:
+    """How long a presigned URL of the object may be valid: SIGNED_S, less when the object
+    goes sooner (its deletion was scheduled at the first read, status-6.lua, and is never put
+    off), with SIGNED_MARGIN_S left for a download begun at the last moment; 0 when less than
+    MIN_SIGNED_S would be left (a link that fails half-way is worse than none)."""
+    delivered = rt.keys.delivered(endpoint_of(task_id))
+    async with rt.redis.pipeline(transaction=False) as pipe:
+        queue_time(pipe, delivered)
+        pipe.zscore(delivered, ref)
+        (now_s, now_us), due = await pipe.execute()
+    if due is None:
+        return SIGNED_S
+    left_s = (float(due) - (int(now_s) * 1000 + int(now_us) // 1000)) / 1000 - SIGNED_MARGIN_S
+    return min(SIGNED_S, int(left_s)) if left_s >= MIN_SIGNED_S else 0
 
 
 def _same_answer(if_range: str | None, etag: str | None) -> bool:
