@@ -16,11 +16,12 @@ from app import logs
 from app.redis_url import parse as parse_redis_url
 from app.secrets import Keyring, new_key, parse_key
 
-#: The largest answer kept in a task: its base64 (16,000,000 characters) fits a MEDIUMTEXT
-#: (16,777,215 bytes) and, with the rest of its row, MySQL's default max_allowed_packet
-#: (16 MiB). At 12 MiB the base64 overflowed both: the server cut the outbox writer's
-#: connection on every try, and no later task of the endpoint reached SQL.
-MAX_INLINE_BYTES = 12_000_000
+#: The largest answer kept in a task: its base64 (14,666,668 characters) fits a MEDIUMTEXT
+#: (16,777,215 bytes) and, with the rest of its row (a dead letter's kept request, escaped
+#: twice at worst), MySQL's default max_allowed_packet (16 MiB). At 12 MiB the base64
+#: overflowed both: the server cut the outbox writer's connection on every try, and no later
+#: task of the endpoint reached SQL.
+MAX_INLINE_BYTES = 11_000_000
 
 
 class Settings(BaseSettings):
@@ -88,8 +89,8 @@ class Settings(BaseSettings):
     #: may be up to 5 GiB.
     max_result_bytes: int = Field(8 << 20, ge=1024, le=5 << 30)
     #: Answers up to this size stay in the task (Redis, SQL); larger ones go to the result
-    #: store as they arrive and the task keeps a reference (at most 12,000,000: its base64
-    #: fits a MySQL MEDIUMTEXT and packet).
+    #: store as they arrive and the task keeps a reference (at most 11,000,000: its base64
+    #: and its row fit a MySQL MEDIUMTEXT and packet).
     result_inline_bytes: int = Field(262_144, ge=0, le=MAX_INLINE_BYTES)
     #: Where large answers go: `file://<dir>` or `s3://<bucket>[/<prefix>]` (credentials and
     #: endpoint from AWS_* variables); unset: `file://<QGW_DATA_DIR>/results`.

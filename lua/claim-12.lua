@@ -137,7 +137,11 @@ elseif paused then
 end
 -- No more calls than the upstream said remain before its reset (upstream.lua).
 local budget, budget_wait = nil, 0
-if honors then budget, budget_wait = upstream_budget(stats, now) end
+if honors then budget, budget_wait = upstream_budget(stats, now)
+elseif redis.call('HGET', stats, 'limited_by') == 'upstream' then
+  -- What a pause or budget held it till, for the estimates and operators: held no more.
+  redis.call('HDEL', stats, 'limited_until', 'limited_by')
+end
 if budget and n > 0 then
   if budget <= 0 then out[1], out[2], n = 'limited', budget_wait, 0
   else n = math.min(n, budget) end

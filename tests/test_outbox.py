@@ -134,7 +134,7 @@ async def test_large_results_held_back_by_the_database_all_reach_it(
     n, size = (160 if hold.server is not None else 400), 2_000_000
     # Kept inline, as every result was before the result store: what this test is about.
     settings = settings.model_copy(update={"database_url": hold.url(),
-                                           "result_inline_bytes": 12 << 20})
+                                           "result_inline_bytes": MAX_INLINE_BYTES})
     async with open_gateway(settings) as gw, run_dispatcher(settings):
         auth, _ = await _submit_large(gw, upstream, "locked", 0, size)  # endpoint and key in SQL
         hold.begin()

@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import time
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any, cast
 
 import httpx
 import pytest
+from redis.exceptions import ConnectionError as RedisConnectionError
 
+from app.core.keys import Keys
+from app.endpoints import EndpointConfig
 from app.queue import acks, claims
 from app.queue.signals import ALIGN_MARGIN_S, pause_s, remaining
 from tests.conftest import Gateway
@@ -80,6 +85,30 @@ def test_a_pause_counts_from_the_answer_not_from_a_late_try(
                     cast(Any, None), answered=now[0])
     now[0] += 2.0
     assert ack.current()[6] == 3000 and ack.values[6] == 5000
+
+
+async def test_an_ack_retried_through_an_outage_sends_what_is_left_of_its_pause() -> None:
+    """Each try of an ack that met an outage is built anew: the last one carries the pause
+    less the time the outage took (built once, every try carried the whole pause)."""
+    sent: list[int] = []
+
+    async def ack(keys: list[str], args: list[Any]) -> list[int]:
+        sent.append(int(args[-3]))  # the pause: seventh of the ack's nine values
+        if len(sent) < 3:
+            raise RedisConnectionError("away")
+        return [0, 1]
+
+    ep = EndpointConfig.model_validate({"id": "e", "target_url": "http://a/b"})
+    disp = SimpleNamespace(keys=Keys(), settings=SimpleNamespace(rate_guard_ms=200),
+                           scripts=SimpleNamespace(ack=ack), _done=lambda claim: None,
+                           backlog={})
+    batch = acks.AckBatch(cast(Any, disp))
+    item = acks._Ack(cast(Any, SimpleNamespace(endpoint=ep, task_id="t.e")),
+                     ["t.e", "tok", "failed", "", 429, 12, 60_000, "", ""],
+                     asyncio.get_running_loop().create_future())
+    await batch._one([item])
+    assert item.result.result() == 1 and len(sent) == 3
+    assert sent[0] <= 60_000 and sent[2] < sent[0] - 100  # the back-off between tries
 
 
 async def test_no_more_calls_than_the_upstream_said_remain_before_its_reset(

@@ -486,23 +486,30 @@ async def test_a_row_the_database_refuses_holds_back_no_other(gateway: Gateway) 
     now = int(time.time() * 1000)
     good, bad = f"{uuid.uuid4().hex}.poison", f"{uuid.uuid4().hex}.poison"
 
-    def record(code: int) -> str:
+    stored = f"{uuid.uuid4().hex}.poison"
+    external = json.dumps({"type": "image/png", "bytes": 9, "enc": "external",
+                           "ref": f"{stored}/0123"})
+
+    def record(code: int, meta: str = '{"type":"text/plain","bytes":3}') -> str:
         return json.dumps({"user_id": "7", "type": "offline", "status": "completed",
-                           "result": "猫", "result_status_code": str(code), "attempts": "1",
-                           "created_at": str(now), "ended_at": str(now),
-                           "result_meta": '{"type":"text/plain","bytes":3}'})
+                           "result": "" if "external" in meta else "猫",
+                           "result_status_code": str(code), "attempts": "1",
+                           "created_at": str(now), "ended_at": str(now), "result_meta": meta})
 
     outbox = gateway.rt.keys.outbox_legacy("poison")
-    await gateway.rt.redis.hset(outbox, mapping={good: record(200), bad: record(70_000)})
+    await gateway.rt.redis.hset(outbox, mapping={good: record(200), bad: record(70_000),
+                                                 stored: record(70_000, external)})
     writer = OutboxWriter(gateway.rt.redis, gateway.rt.keys, gateway.rt.registry,
                           ResultStore(gateway.rt.engine))
-    assert await writer.flush() == 2
+    assert await writer.flush() == 3
     got = await rows(gateway.rt.engine)
     assert (got[good].result, got[good].result_status_code) == ("猫", 200)
     assert got[bad].status == "completed" and got[bad].result_status_code is None
     assert got[bad].result.startswith("[result not stored")
-    # The reason is no answer: nothing describes it as one (its type, size or encoding).
+    # The reason is no answer: nothing describes it as one (its type, size or encoding);
+    # but an answer in the result store keeps its reference (the sweep goes by the rows).
     assert got[good].result_meta and got[bad].result_meta is None
+    assert got[stored].result_meta == external
     assert await gateway.rt.redis.hlen(outbox) == 0
     # The result SQL would not take is not thrown away: Redis keeps it for an operator.
     kept = await gateway.rt.redis.hget(gateway.rt.keys.outbox_refused("poison"), bad)

@@ -157,6 +157,11 @@ async def test_turning_the_signals_off_lifts_a_pause_or_budget_they_set(
     await gateway.submit(auth, url)  # a submit wakes the endpoint's claim
     (done,) = await gateway.wait_finished(auth, [held["task_id"]], timeout=10)
     assert done["task_status"] == "completed"
+    # Nor does the estimate count what the pause held the line till (600 s): one that must
+    # start within 30 s is taken.
+    r = await gateway.http.post("/api/v1/tasks", headers=auth,
+                                json={"target_url": url, "max_wait_s": 30})
+    assert r.status_code == 202, r.text
     r = await gateway.http.get("/admin/v1/queues", headers=gateway.admin)
     (row,) = [q for q in r.json()["endpoints"] if q["id"] == "unheld"]
     assert row["upstream_paused_until"] is None and row["binding_limit"] != "upstream"

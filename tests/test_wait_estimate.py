@@ -52,6 +52,10 @@ def test_an_upstream_pause_is_counted_once() -> None:
     assert estimate_wait(ep, 0, measured) == 58.0
     later = [None, None, 0, None, str(pause_end), now, str(pause_end + 5000)]
     assert estimate_wait(ep, 0, later) == 63.0
+    # A rate of 1 a minute, last admitted 2 s ago: its next admission is within the pause.
+    paced = endpoint(rate=1, interval_ms=60_000)
+    assert estimate_wait(paced, 0, [None, None, 0, str(now - 2000), str(pause_end), now,
+                                    str(pause_end)]) == 58.0
     off = endpoint(max_concurrency=4, avg_exec_ms=1000, honor_upstream_limits=False)
     assert estimate_wait(off, 0, [None, None, 0, None, str(pause_end), now, None]) == 0
 

@@ -25,7 +25,7 @@ from app.lifecycle.records import REQUEST_FIELDS, ROW_FIELDS
 T = TypeVar("T")
 
 #: Results per Redis round trip. Loopback reads run at hundreds of MB a second, so 4 MiB (or
-#: one result of up to QGW_MAX_RESULT_BYTES, 12 MiB at most) reads in tens of milliseconds.
+#: one inline result, of up to QGW_RESULT_INLINE_BYTES) reads in tens of milliseconds.
 READ_BYTES = 4 << 20
 ROW_OVERHEAD = 256  # bytes a row weighs besides its result
 

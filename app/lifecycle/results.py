@@ -285,9 +285,13 @@ class OutboxWriter:
         log.error("the database refused a finished task (%s); its row is kept without the "
                   "result, the result in Redis (outbox:refused)", first.orig, extra=extra)
         reason = f"[result not stored: {first.orig}]"[:1000]
-        # Its meta goes too: the reason is text, not the answer's base64 or object it described.
-        second = await self._refusal({**row, "result_status_code": None, "result": reason,
-                                      "result_meta": None})
+        # Its meta goes too (the reason is text, not the base64 it described), but for an
+        # answer in the result store: the meta is its object's only reference.
+        meta = ResultMeta.loads(row.get("result_meta"))
+        second = await self._refusal({
+            **row, "result_status_code": None, "result": reason,
+            "result_meta": row.get("result_meta") if meta and meta.encoding == EXTERNAL
+            else None})
         if second is None:
             return False
         log.error("the database refused a finished task even without its result (%s); its "

@@ -37,7 +37,7 @@ from app.errors import ApiError
 from app.models import Method, SubmitRequest, SubmitResponse
 from app.proxy.calls import EndpointCalls, endpoint_calls
 from app.proxy.paths import upstream_url
-from app.queue.claims import CLAIM_FIELDS, asked_pause_ms, settle_limits
+from app.queue.claims import CLAIM_FIELDS, asked_pause_ms, pause_left_ms, settle_limits
 from app.queue.fairness import starvation_keys
 from app.queue.http1 import Answer, BadAnswer, Target
 from app.queue.ids import new_task_id
@@ -450,7 +450,7 @@ class ProxyCall:
         def again() -> Awaitable[Any]:
             """The ack once more; the upstream's pause, if any, counted from the first."""
             if pause_ms:
-                args[-3] = max(0, pause_ms - round((time.monotonic() - sent) * 1000))
+                args[-3] = pause_left_ms(pause_ms, sent)  # 1 at least: the probe goes first
             return scripts.ack(keys=keys, args=args)
 
         return self._acked(acking, again, budget), written

@@ -176,8 +176,9 @@ class RelayResponse(Response):
 def _hider(call: ProxyCall, answer: Answer) -> secrets.Hider | None:
     """An error answer goes without the endpoint's credentials it may echo back (a 401 saying
     "key sk-... is not valid"): the caller never holds them. A success goes byte for byte."""
-    if 200 <= answer.status < 300 or answer.status in BODILESS:
-        return None
+    if 200 <= answer.status < 300 or answer.status in BODILESS or call.method == "HEAD" \
+            or answer.headers.get("content-length", "").strip() == "0":
+        return None  # no body: its Content-Length stays as it was
     echoed = secrets.echoes(call.endpoint.credentials)
     return secrets.Hider(echoed) if echoed else None
 

@@ -218,9 +218,12 @@ class AckBatch:
 
     async def _one(self, group: list[_Ack]) -> None:
         """Acks the batch could not make, alone, retried through an outage."""
-        keys, args = self._call(group, follow=False)
+        def ack() -> Any:  # built at each try: what is left of a pause counts from now
+            keys, args = self._call(group, follow=False)
+            return self.disp.scripts.ack(keys=keys, args=args)
+
         try:
-            res = await persist("ack", lambda: self.disp.scripts.ack(keys=keys, args=args))
+            res = await persist("ack", ack)
         except asyncio.CancelledError:
             for a in group:
                 a.result.cancel()  # stopping: its waiter ends with it

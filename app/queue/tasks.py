@@ -511,7 +511,7 @@ def estimate_wait(endpoint: EndpointConfig | None, ahead: int, measured: Any) ->
     # (a claim the pause held wrote that end as its `limited_until`: not counted twice).
     head = (max(0.0, (int(limited) - (pause_end or now_ms)) / 1000) if limited and now_ms
             else 0.0)
-    wait = max(wait, head, _limits_wait(endpoint, ahead, head, last_admit, now_ms,
+    wait = max(wait, head, _limits_wait(endpoint, ahead, head, last_admit, pause_end or now_ms,
                                         float(cost or 1)))
     if pause_end and now_ms:
         wait += (pause_end - now_ms) / 1000  # its upstream admits nothing till then
@@ -530,7 +530,8 @@ def current_cap(endpoint: EndpointConfig, learnt: Any) -> int:
 def _limits_wait(endpoint: EndpointConfig, ahead: int, head: float, last_admit: Any,
                  now: int | None, avg_cost: float) -> float:
     """How long the limits hold the task with `ahead` before it, the head of the line held
-    `head` seconds (the limiter's own word)."""
+    `head` seconds (the limiter's own word); counted from `now` (ms: a pause's end when the
+    upstream paused the endpoint, which the caller adds)."""
     wait = 0.0
     if endpoint.rate > 0:
         # The limiter paces admissions one emission apart: the head of the line waits for the

@@ -99,6 +99,7 @@ async def call(
     # Stored query parameters come on top of those in the URL.
     params = [(name, value) for name, values in json.loads(req.query or "{}").items()
               for value in values]
+    storing = _Storing()
     try:
         async with asyncio.timeout(timeout_s):
             answer = await client.request(
@@ -106,8 +107,12 @@ async def call(
                 req.body.encode() if req.body else None, max_bytes, on_sent,
                 keeper.inline_bytes if keeper else None)
             if answer.stream is not None and keeper is not None:
-                return await _stored(keeper, task_id, answer, max_bytes, req.cost_from)
+                return await _stored(keeper, task_id, answer, max_bytes, req.cost_from,
+                                     storing)
     except TimeoutError:
+        if storing.on_store:  # the upstream had given what was asked of it: not its fault
+            return Outcome(None, f"result_store_unavailable: the store took the call past "
+                           f"its {timeout_s:g} s", measured=False)
         return Outcome(None, f"upstream timed out after {timeout_s:g} s")
     except BadAnswer as exc:
         return Outcome(None, f"upstream answer unreadable: {exc}")
@@ -143,8 +148,16 @@ def unechoed(body: bytes, status: int, credentials: secrets.Credentials | None) 
     return secrets.hide(body, echoed) if echoed else body
 
 
+@dataclass(slots=True)
+class _Storing:
+    """Whose turn it is while a large answer streams into the store: a call that runs out of
+    time waiting on the store is the store's failure, not the upstream's."""
+
+    on_store: bool = False
+
+
 async def _stored(keeper: Keeper, task_id: str, answer: Answer, max_bytes: int,
-                  cost_from: str | None) -> Outcome:
+                  cost_from: str | None, storing: _Storing) -> Outcome:
     """Stream a large answer into the result store; the task keeps its key. An error answer
     this large is not kept (its status and signals are)."""
     stream, status, got = answer.stream, answer.status, answer.headers
@@ -153,7 +166,15 @@ async def _stored(keeper: Keeper, task_id: str, answer: Answer, max_bytes: int,
 
     async def chunks() -> AsyncIterator[bytes]:
         nonlocal size, over
-        async for chunk in stream:
+        pieces = aiter(stream)
+        while True:
+            storing.on_store = False  # waiting for the upstream's next piece
+            try:
+                chunk = await anext(pieces)
+            except StopAsyncIteration:
+                storing.on_store = True  # the upload's completion is the store's
+                return
+            storing.on_store = True
             size += len(chunk)
             if size > max_bytes:
                 over = True
@@ -165,6 +186,7 @@ async def _stored(keeper: Keeper, task_id: str, answer: Answer, max_bytes: int,
             return _answered(status, got, f"upstream answer of status {status} over "
                              f"{keeper.inline_bytes} bytes: not kept", None, "")
         key = keeper.store.new_key(task_id)
+        storing.on_store = True  # its upload begins with a request of the store's
         try:
             await keeper.store.put(key, chunks(), got.get("content-type"), kept_coding(got))
         except Exception:

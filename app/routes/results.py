@@ -146,11 +146,14 @@ async def _signable_s(rt: Runtime, task_id: str, ref: str) -> int:
     delivered = rt.keys.delivered(endpoint_of(task_id))
     async with rt.redis.pipeline(transaction=False) as pipe:
         queue_time(pipe, delivered)
-        pipe.zscore(delivered, ref)
-        (now_s, now_us), due = await pipe.execute()
+        # By its object's key (read from Redis), or by its id (read from its SQL row): the
+        # row and its object go together either way.
+        pipe.zmscore(delivered, [ref, task_id])
+        (now_s, now_us), dues = await pipe.execute()
+    due = min((float(d) for d in dues if d is not None), default=None)
     if due is None:
         return SIGNED_S
-    left_s = (float(due) - (int(now_s) * 1000 + int(now_us) // 1000)) / 1000 - SIGNED_MARGIN_S
+    left_s = (due - (int(now_s) * 1000 + int(now_us) // 1000)) / 1000 - SIGNED_MARGIN_S
     return min(SIGNED_S, int(left_s)) if left_s >= MIN_SIGNED_S else 0
 
 
