@@ -3,6 +3,7 @@ while a large answer streams into it: the call is the store's failure, not the u
 
 from __future__ import annotations
 
+import asyncio
 import socket
 from collections.abc import Awaitable, Callable, Iterator
 
@@ -35,6 +36,7 @@ def settings(settings: Settings, quiet_port: int, monkeypatch: pytest.MonkeyPatc
 
 async def test_a_call_held_by_a_quiet_store_fails_as_the_stores_fault(
     gateway: Gateway, upstream: str, start_dispatcher: Callable[[], Awaitable[Runtime]],
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """The upstream sent its whole answer at once; the upload never moved. The call's time
     ran out waiting on the store, which the task says (it said `upstream timed out`, which an
@@ -47,3 +49,10 @@ async def test_a_call_held_by_a_quiet_store_fails_as_the_stores_fault(
     (done,) = await gateway.wait_finished(auth, [task["task_id"]], timeout=30)
     assert done["task_status"] == "failed"
     assert done["task_result"].startswith("result_store_unavailable"), done["task_result"]
+    # The store's sweep meets the outage too: a line saying so, not a bug's traceback.
+    for _ in range(300):
+        said = [r for r in caplog.records if "result store sweep" in r.getMessage()]
+        if said:
+            break
+        await asyncio.sleep(0.1)
+    assert said and all(r.levelname == "WARNING" and not r.exc_info for r in said), said

@@ -23,15 +23,17 @@ BACKOFF_BASE_S = 0.1
 T = TypeVar("T")
 
 
-async def every(name: str, interval_s: float, step: Callable[[], Awaitable[object]]) -> None:
+async def every(name: str, interval_s: float, step: Callable[[], Awaitable[object]],
+                outages: tuple[type[BaseException], ...] = STORE_ERRORS) -> None:
     """Run `step` every `interval_s` until cancelled; after a failure, retry sooner than a
-    long outage would suggest (at most MAX_BACKOFF_S), jittered so replicas do not align."""
+    long outage would suggest (at most MAX_BACKOFF_S), jittered so replicas do not align.
+    `outages`: the errors that mean a store is away (logged in a line, not as a bug)."""
     failures = 0
     while True:
         try:
             await step()
             failures, delay = 0, interval_s
-        except STORE_ERRORS as exc:
+        except outages as exc:
             failures += 1
             ceiling = min(0.1 * 2 ** min(failures - 1, 8), max(MAX_BACKOFF_S, interval_s))
             delay = random.uniform(ceiling / 2, ceiling)

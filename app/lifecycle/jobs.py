@@ -23,7 +23,7 @@ from app.lifecycle.history import TICK_S, HistorySampler
 from app.lifecycle.janitor import Janitor
 from app.lifecycle.orphans import OrphanSweep
 from app.lifecycle.results import OutboxWriter, ResultStore
-from app.queue.objects import ObjectStore
+from app.queue.objects import ObjectStore, StoreUnavailable
 from app.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -68,7 +68,8 @@ class LifecycleJobs:
             *([("result store sweep", s.result_sweep_interval_s, self.orphans.run_once)]
               if self.orphans is not None else []),
         ):
-            self._loops.append(asyncio.create_task(every(name, interval_s, step), name=name))
+            self._loops.append(asyncio.create_task(
+                every(name, interval_s, step, (*STORE_ERRORS, StoreUnavailable)), name=name))
 
     async def stop(self) -> None:
         await cancel_all(self._loops)
