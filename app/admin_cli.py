@@ -389,10 +389,14 @@ def _task_list(args: argparse.Namespace) -> Job:
 
 def _filter(args: argparse.Namespace, endpoint: str | None = None) -> TaskFilter:
     """The filter options as the search takes them; bad ones refused (exit code 2)."""
-    from app.queue.search import TaskFilter
+    from app.queue.search import ID_PREFIX, TaskFilter
 
     if endpoint and args.endpoint and endpoint != args.endpoint:
         raise Refused("two different endpoints given", exit_code=2)
+    if args.id_prefix is not None and not re.fullmatch(ID_PREFIX, args.id_prefix):
+        # Not a pattern: `?` or `*` would match every id in SQL (a bulk retry of all)
+        raise Refused("--id takes the beginning of a task id (0-9, a-z, '.', '_', '-')",
+                      exit_code=2)
     return TaskFilter(args.status, endpoint or args.endpoint, _when(args.since, "--since"),
                       _when(args.until, "--until"), args.id_prefix)
 
@@ -409,7 +413,10 @@ def _when(text: str | None, option: str) -> datetime | None:
     age = re.fullmatch(r"(\d{1,7})([smhd])", text.strip())
     if age:
         ago = timedelta(seconds=int(age[1]) * _AGES[age[2]])
-        return datetime.now(UTC).replace(tzinfo=None) - ago
+        try:
+            return datetime.now(UTC).replace(tzinfo=None) - ago
+        except OverflowError:  # before the year 1: every time there is
+            return datetime.min
     try:
         return utc(datetime.fromisoformat(text.strip().replace("Z", "+00:00")))
     except ValueError:

@@ -85,6 +85,9 @@ async def test_missing_forged_or_misdirected_permits_are_refused(
     assert (await check("/auth/check", headers={
         k: v.encode("latin-1") if k == "X-Queue-Permit" else v for k, v in odd.items()
     })).status_code == 403
+    # Nor one of more digits than int() reads (4300): refused, not a 500.
+    long = {**_nginx(s), "X-Queue-Permit": "9" * 4400 + "." + s["permit"]["token"].split(".")[1]}
+    assert (await check("/auth/check", headers=long)).status_code == 403
     assert (await check("/auth/check", headers=_nginx(s, uri="/api/other"))).status_code == 403
     assert (await check("/auth/check", headers=_nginx(s, method="DELETE"))).status_code == 403
     assert (await check("/auth/check", headers=_nginx(s))).status_code == 200

@@ -263,6 +263,10 @@ async def test_search_every_endpoint_and_retry_or_cancel_in_bulk(
     assert [t["task_id"] for t in await search(id=one)] == [one]
     assert await search(status="failed", since="2999-01-01T00:00:00Z") == []
     assert len(await search(status="failed", until="2999-01-01T00:00:00+02:00")) == 6
+    # Times whose UTC lies past what a datetime holds are the first and last there are (they
+    # answered 500): everything from year 1, nothing from 9999.
+    assert len(await search(status="failed", since="0001-01-01T00:00:00+05:00")) == 6
+    assert await search(status="failed", since="9999-12-31T23:59:59-05:00") == []
 
     # Bad filters: a clear 4xx each.
     for params in ({"status": "bogus"}, {"id": "NOT-AN-ID"}, {"cursor": "x"},
@@ -341,6 +345,12 @@ async def test_the_cli_lists_shows_and_retries_dead_letters(
     shown = answer(await aqgw(env, "tasks", "show", tid))
     assert shown["request"]["body"] == "again" and shown["attempts"] == 1
     assert "ISO 8601" in refusal(await aqgw(env, "tasks", "list", "--since", "last week"), 2)
+    # An age past the year 1 is all of time; a wildcard is no id (it matched every task).
+    assert [t["task_id"] for t in answer(await aqgw(
+        env, "tasks", "list", "--status", "failed", "--since", "9999999d"))["tasks"]] == [tid]
+    for wild in ("?", "*", "[0-9]", "0?", "%"):
+        assert "beginning of a task id" in refusal(
+            await aqgw(env, "tasks", "list", "--status", "failed", "--id", wild), 2), wild
     assert "a task id, or a filter" in refusal(await aqgw(env, "tasks", "retry"), 2)
     assert "no task matches" in refusal(await aqgw(env, "tasks", "retry", "--status", "expired",
                                                    "--endpoint", "dead-api"))

@@ -60,11 +60,20 @@ class TaskFilter:
                 and (self.until is None or at < self.until))
 
 
+#: An id prefix: what a task id is made of (hex, then a dot and the endpoint id). No wildcard
+#: of SQL's LIKE or SQLite's GLOB passes it (from_sql matches prefixes with them).
+ID_PREFIX = r"^[0-9a-z._-]{1,97}$"
+
+
 def utc(dt: datetime | None) -> datetime | None:
-    """A time as SQL keeps them: naive UTC (a naive one given is taken as UTC)."""
+    """A time as SQL keeps them: naive UTC (a naive one given is taken as UTC); one whose UTC
+    falls outside what a datetime holds (year 1 at +05:00) is the first or last there is."""
     if dt is None or dt.tzinfo is None:
         return dt
-    return dt.astimezone(UTC).replace(tzinfo=None)
+    try:
+        return dt.astimezone(UTC).replace(tzinfo=None)
+    except OverflowError:
+        return datetime.min if dt.year == 1 else datetime.max
 
 
 async def search(queue: TaskQueue, registry: EndpointRegistry, f: TaskFilter, limit: int,

@@ -13,7 +13,7 @@ from app.auth import admin, runtime
 from app.errors import ApiError, expects
 from app.models import TaskStatus
 from app.queue import bulk, listing, operator, search
-from app.queue.search import TaskFilter, utc
+from app.queue.search import ID_PREFIX, TaskFilter, utc
 from app.routes.admin import ERRORS
 from app.routes.tasks import _checked
 from app.runtime import Runtime
@@ -29,8 +29,6 @@ def _known(rt: Runtime, endpoint_id: str) -> None:
         raise ApiError(404, "endpoint_not_found", f"no endpoint {endpoint_id!r}")
 
 
-#: An id prefix: what a task id is made of (hex, then a dot and the endpoint id).
-ID_PREFIX = r"^[0-9a-z._-]{1,97}$"
 
 
 def _iso_only(value: object) -> object:
