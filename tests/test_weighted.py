@@ -63,6 +63,27 @@ async def test_three_users_weighted_3_2_1_share_every_window_by_weight(
     assert last["wait_num"] == order.index(last["task_id"])
 
 
+@pytest.mark.parametrize("weight", [50, 65, 100])
+async def test_a_weight_that_does_not_divide_128_takes_its_own_share(
+    gateway: Gateway, weight: int,
+) -> None:
+    """A user of weight w submits a burst, then a user of weight 1 two tasks: the first goes
+    in the current round (after the burst's first), the second after the burst's w of that
+    round and the first of the next, not after 128/floor(128/w) of them (each submit rounded
+    the burst's own last turn down to a 1/128 unit: weights 65 to 100 all took 128 a round)."""
+    r = await gateway.http.put("/admin/v1/tiers/heavy", headers=gateway.admin,
+                               json={"weight": weight})
+    assert r.status_code == 200, r.text
+    url = "http://127.0.0.1:9/shares"
+    await gateway.add_endpoint("shares", url, fairness="weighted")
+    heavy, light = await _key(gateway, 1, "heavy"), await _key(gateway, 2, "bronze")
+    for _ in range(3 * weight):
+        await gateway.submit(heavy, url)
+    first, second = [await gateway.submit(light, url) for _ in range(2)]
+    assert first["wait_num"] == 1
+    assert second["wait_num"] == weight + 2
+
+
 async def test_a_user_alone_gets_everything(
     gateway: Gateway, fresh_upstream: str,
     dispatcher_process: Callable[..., subprocess.Popen[bytes]],

@@ -53,8 +53,10 @@ async def fair_ahead(redis: Redis, keys: Keys, endpoint: str, priority: int,
     turn = 0.0
     if head:
         current = ((int(head[0][1]) - band) // TURN_STEP) / scale
-        last_turn = min(float(last) if last is not None else -1 / w,
-                        ((int(tail[0][1]) - band) // TURN_STEP) / scale)
+        tail_unit = (int(tail[0][1]) - band) // TURN_STEP
+        last_turn = float(last) if last is not None else -1 / w
+        if math.floor(last_turn * scale + 1e-6) > tail_unit:  # past the tail's unit only
+            last_turn = tail_unit / scale
         turn = min(max(current, last_turn + 1 / w), MAX_TURN / scale)
     unit = math.floor(turn * scale + 1e-6)
     count: int = await redis.zcount(queue, "-inf", f"({band + (unit + 1) * TURN_STEP}")

@@ -46,8 +46,11 @@ local function fair_offset(queue, turns, band, fair, seq, pending_ttl)
     local last = tonumber(redis.call('HGET', turns, user) or '') or -1 / weight
     -- Never past the band's last turn + 1: a user whose tasks were cancelled or purged
     -- keeps a stale last turn, which must not send its next task behind rounds that no
-    -- longer exist (while others' new tasks keep taking the turns before it).
-    last = math.min(last, fair_turn_of(tail[2], band, scale))
+    -- longer exist (while others' new tasks keep taking the turns before it). Only past its
+    -- unit: the tail's turn is rounded down to one, and a user whose own task is the tail
+    -- keeps its fraction (rounded down at every submit, a weight of 100 took 128 a round).
+    local tail_turn = fair_turn_of(tail[2], band, scale)
+    if math.floor(last * scale + 1e-6) > tail_turn * scale then last = tail_turn end
     turn = math.min(math.max(current, last + 1 / weight), FAIR_MAX_TURN / scale)
   end
   redis.call('HSET', turns, user, string.format('%.17g', turn))
