@@ -26,6 +26,7 @@ from tests.conftest import Gateway
 
 StartApi = Callable[[], Awaitable[str]]
 Spawn = Callable[..., subprocess.Popen[bytes]]
+MAX_RETRY_AFTER_S = 60  # the clients' default max_retry_after: a longer Retry-After is raised
 
 
 async def _setup(gateway: Gateway, upstream: str, endpoint: str, **fields: object
@@ -155,6 +156,11 @@ async def test_503_is_retried_after_retry_after_and_a_long_one_is_not(
 
     r = await gateway.http.post("/admin/v1/api-keys", headers=gateway.admin,
                                 json={"user_id": 2, "daily_quota": 1})
+    # A day's quota ends at midnight UTC (the Redis clock's): within a minute of it the
+    # Retry-After is short enough for the client to hold on, and the next day lets it in.
+    now_s, _ = await gateway.rt.redis.time()
+    if (to_midnight := 86_400 - now_s % 86_400) < MAX_RETRY_AFTER_S + 30:
+        await asyncio.sleep(to_midnight + 1)
     async with AsyncClient(base, str(r.json()["key"])) as limited:
         await limited.submit(f"{upstream}/cl-quota", idempotency_key="a")
         started = time.monotonic()

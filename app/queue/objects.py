@@ -189,15 +189,7 @@ class ObjectStore:
         next one is safe (S3 continues after the last key it gave; a directory walk skips
         what has gone)."""
         cutoff = datetime.now(UTC) - timedelta(seconds=older_than_s)
-        pages = aiter(obstore.list(self.store, chunk_size=size))
-        while True:
-            try:
-                async with asyncio.timeout(STORE_OP_S):
-                    page = await anext(pages)
-            except StopAsyncIteration:
-                return
-            except Exception as exc:
-                raise StoreUnavailable(_said(exc)) from exc
+        async for page in _bounded(obstore.list(self.store, chunk_size=size)):
             yield [StoredObject(meta["path"], meta["size"], meta["last_modified"])
                    for meta in page if meta["last_modified"] < cutoff]
 
@@ -252,15 +244,21 @@ def _said(exc: Exception) -> str:
     return f"{type(exc).__name__}: {exc}"[:500]
 
 
-async def _chunks(stream: Any) -> AsyncIterator[bytes]:
-    """The body's pieces; a store that stops sending for STORE_OP_S has failed the read."""
-    pieces = aiter(stream)
+async def _bounded(items: Any) -> AsyncIterator[Any]:
+    """What the store sends, a piece at a time (a body's, a listing's pages); a store that
+    sends nothing for STORE_OP_S, or fails, has failed the whole."""
+    pending = aiter(items)
     while True:
         try:
             async with asyncio.timeout(STORE_OP_S):
-                buf = await anext(pieces)
+                item = await anext(pending)
         except StopAsyncIteration:
             return
         except Exception as exc:
             raise StoreUnavailable(_said(exc)) from exc
+        yield item
+
+
+async def _chunks(stream: Any) -> AsyncIterator[bytes]:
+    async for buf in _bounded(stream):
         yield bytes(buf)
