@@ -64,8 +64,7 @@ local score
 if ARGV[11] == '' then
   score = int(band + seq)
 else
-  score = int(band + fair_offset(KEYS[1], KEYS[11], band, ARGV[11], seq, pending_ttl,
-    ARGV[1]))
+  score = int(band + fair_offset(KEYS[1], KEYS[11], band, ARGV[11], seq, pending_ttl))
 end
 
 redis.call('HSET', KEYS[2], 'status', 'pending', 'created_at', now, 'score', score,

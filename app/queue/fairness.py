@@ -49,15 +49,12 @@ async def fair_ahead(redis: Redis, keys: Keys, endpoint: str, priority: int,
         pipe.zrevrangebyscore(queue, f"({band + PRIORITY_STEP}", band, start=0, num=1,
                               withscores=True)
         pipe.hget(keys.turns(endpoint, priority), str(user_id))
-        head, tail, kept = await pipe.execute()
+        head, tail, last = await pipe.execute()
     turn = 0.0
     if head:
         current = ((int(head[0][1]) - band) // TURN_STEP) / scale
         tail_unit = (int(tail[0][1]) - band) // TURN_STEP
-        last, _, last_id = (kept or "").partition(" ")
-        last_turn = float(last) if last else -1 / w
-        if last_id and await redis.zscore(queue, last_id) is None:  # gone: see fairness.lua
-            last_turn = min(last_turn, current)
+        last_turn = float(last) if last is not None else -1 / w
         if math.floor(last_turn * scale + 1e-6) > tail_unit:  # past the tail's unit only
             last_turn = tail_unit / scale
         turn = min(max(current, last_turn + 1 / w), MAX_TURN / scale)

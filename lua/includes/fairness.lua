@@ -17,8 +17,7 @@
 -- unit is its turn's, rounded down), so the queue stays one ZSet and wait_num its ZRANK. The
 -- hash then keeps each user's last turn as a fraction. per_user is the case w = 1, units of 1.
 -- State: `<prefix>:{e}:turns:<priority>` (Keys.turns, passed by the submitter, who knows the
--- priority), a hash user id -> the last turn given to that user and the task it went to (a
--- bare turn, as earlier versions kept it, still reads), dropped when the band drains
+-- priority), a hash user id -> the last turn given to that user, dropped when the band drains
 -- and expiring a pending TTL after the band's last submit.
 
 local FAIR_TURN, FAIR_MAX_TURN = 8192, 1073741823  -- 2^13, 2^30 - 1
@@ -29,10 +28,10 @@ local function fair_turn_of(score, band, scale)
   return math.floor((tonumber(score) - band) / FAIR_TURN) / scale
 end
 
--- The offset inside its band of a new task `id` of `user` (band score `band`, the band's turns
--- hash `turns`), updating that user's last turn (kept as "<turn> <id of the task given it>").
--- `fair`: the user id, or for weighted shares "<user id>/<weight>".
-local function fair_offset(queue, turns, band, fair, seq, pending_ttl, id)
+-- The offset inside its band of a new task of `user` (band score `band`, the band's turns hash
+-- `turns`), updating that user's last turn. `fair`: the user id, or for weighted shares
+-- "<user id>/<weight>".
+local function fair_offset(queue, turns, band, fair, seq, pending_ttl)
   local user, w = string.match(fair, '^([^/]+)/(%d+)$')
   local weight, scale = tonumber(w) or 1, w and FAIR_SCALE or 1
   user = user or fair
@@ -44,15 +43,7 @@ local function fair_offset(queue, turns, band, fair, seq, pending_ttl, id)
   else
     local current = fair_turn_of(head[2], band, scale)
     local tail = redis.call('ZREVRANGEBYSCORE', queue, hi, lo, 'WITHSCORES', 'LIMIT', 0, 1)
-    local kept = redis.call('HGET', turns, user) or ''
-    local last_turn, last_id = string.match(kept, '^(%S+) (%S+)$')
-    local last = tonumber(last_turn or kept) or -1 / weight
-    -- Its last task gone from the line (started, or cancelled or expired while it waited):
-    -- what it had left holds no place now; no later than the current round, then, whoever
-    -- holds the band's tail (a user whose batch was cancelled behind another's backlog).
-    if last_id and not redis.call('ZSCORE', queue, last_id) then
-      last = math.min(last, current)
-    end
+    local last = tonumber(redis.call('HGET', turns, user) or '') or -1 / weight
     -- Never past the band's last turn + 1: a user whose tasks were cancelled or purged
     -- keeps a stale last turn, which must not send its next task behind rounds that no
     -- longer exist (while others' new tasks keep taking the turns before it). Only past its
@@ -62,7 +53,7 @@ local function fair_offset(queue, turns, band, fair, seq, pending_ttl, id)
     if math.floor(last * scale + 1e-6) > tail_turn * scale then last = tail_turn end
     turn = math.min(math.max(current, last + 1 / weight), FAIR_MAX_TURN / scale)
   end
-  redis.call('HSET', turns, user, string.format('%.17g', turn) .. ' ' .. id)
+  redis.call('HSET', turns, user, string.format('%.17g', turn))
   if redis.call('PTTL', turns) < pending_ttl then redis.call('PEXPIRE', turns, pending_ttl) end
   -- A hair over: k/w added up may fall a rounding error short of its unit.
   return math.floor(turn * scale + 1e-6) * FAIR_TURN + seq % FAIR_TURN
