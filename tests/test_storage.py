@@ -516,6 +516,35 @@ async def test_a_row_the_database_refuses_holds_back_no_other(gateway: Gateway) 
     assert kept and json.loads(kept)["result"] == "猫"
 
 
+@pytest.mark.parametrize("db_url", ["mariadb"], indirect=True)
+async def test_a_row_too_large_to_send_escaped_holds_back_no_other(gateway: Gateway) -> None:
+    """A text answer within QGW_RESULT_INLINE_BYTES, but of quotes: escaped, its statement is
+    twice its size, over MySQL's packet. The server cut the writer's connection on each try
+    (not a refusal), holding every later task of the endpoint out of SQL; it is written
+    without its result, kept in Redis for an operator, and the rest goes on."""
+    await gateway.add_endpoint("quoted", "http://127.0.0.1:9/quoted")
+    await eventually(lambda: _as_future(gateway.rt.registry.get("quoted")))
+    now = int(time.time() * 1000)
+    good, big = f"{uuid.uuid4().hex}.quoted", f"{uuid.uuid4().hex}.quoted"
+
+    def record(result: str) -> str:
+        return json.dumps({"user_id": "7", "type": "offline", "status": "completed",
+                           "result": result, "result_status_code": "200", "attempts": "1",
+                           "created_at": str(now), "ended_at": str(now)})
+
+    outbox = gateway.rt.keys.outbox_legacy("quoted")
+    await gateway.rt.redis.hset(outbox, mapping={good: record("ok"), big: record('"' * 9_000_000)})
+    writer = OutboxWriter(gateway.rt.redis, gateway.rt.keys, gateway.rt.registry,
+                          ResultStore(gateway.rt.engine))
+    assert await writer.flush() == 2
+    got = await rows(gateway.rt.engine)
+    assert got[good].result == "ok"
+    assert got[big].status == "completed" and got[big].result.startswith("[result not stored")
+    assert await gateway.rt.redis.hlen(outbox) == 0
+    kept = await gateway.rt.redis.hget(gateway.rt.keys.outbox_refused("quoted"), big)
+    assert kept and len(json.loads(kept)["result"]) == 9_000_000
+
+
 async def test_text_outside_latin1_is_kept_in_a_latin1_database(mariadb: MariaDB) -> None:
     """Many servers default to latin1; the migrations convert our tables to utf8mb4."""
     mariadb.execute("CREATE DATABASE latin CHARACTER SET latin1")

@@ -165,6 +165,19 @@ def kept_bytes(raw_meta: str | None) -> int | None:
 _ROW_ERRORS = frozenset({1153, 1264, 1301, 1366, 1406})
 
 
+#: The most a row's texts may take escaped in one MySQL statement: the default
+#: max_allowed_packet (16 MiB), less room for the rest of the row and the statement.
+PACKET_BYTES = (16 << 20) - (256 << 10)
+_ESCAPED = ("\\", "'", '"', "\n", "\r", "\0", "\x1a")  # sent as two bytes each
+
+
+def escaped_bytes(text: str | None) -> int:
+    """How many bytes `text` takes in a MySQL statement (its escapable characters doubled)."""
+    if not text:
+        return 0
+    return len(text.encode()) + sum(text.count(c) for c in _ESCAPED)
+
+
 def refused(exc: DBAPIError) -> bool:
     """The database refused the data, rather than being unreachable."""
     if isinstance(exc, (DataError, IntegrityError)):
@@ -240,6 +253,9 @@ class OutboxWriter:
             if row["status"] in ("completed", "failed", "cancelled", "expired"):
                 rows.append(row)  # else it runs again: it comes back here when it ends
         await self._keep_requests(waiting.endpoint, rows)
+        count = len(rows)  # those without their result too, as refused ones below
+        if self.store.engine.dialect.name != "sqlite":
+            rows = await self._without_oversized(rows, records)
         for i in range(0, len(rows), self.batch):
             chunk = rows[i:i + self.batch]
             try:
@@ -262,7 +278,25 @@ class OutboxWriter:
                                  started_ns)
         # Only now, after the commit: a crash before this line only repeats the upserts.
         await self.outbox.saved(waiting, records, self.done_ms)
-        return len(rows)
+        return count
+
+    async def _without_oversized(self, rows: list[dict[str, Any]],
+                                 records: dict[str, Any]) -> list[dict[str, Any]]:
+        """The rows MySQL can take in one statement; the others written without their result
+        now (kept in Redis, outbox:refused). A statement over max_allowed_packet is not
+        refused but cut off with the connection (2013, an outage to the writer), which
+        held every later task of the endpoint out of SQL: text of quotes or newlines is sent
+        escaped, twice its size."""
+        fitting = []
+        for row in rows:
+            size = escaped_bytes(row["result"]) + escaped_bytes(row.get("request"))
+            if size <= PACKET_BYTES:
+                fitting.append(row)
+            elif not await self._write_alone(row, f"{size} bytes escaped, over what one SQL "
+                                             f"statement takes ({PACKET_BYTES})"):
+                await self.outbox.refused(row["endpoint"], row["task_id"],
+                                          records[row["task_id"]] or {})
+        return fitting
 
     async def _keep_requests(self, endpoint_id: str, rows: list[dict[str, Any]]) -> None:
         """Dead letters keep their request in their row, so an operator can run them again
@@ -276,15 +310,19 @@ class OutboxWriter:
         for row in dead:
             row["request"] = request_of(fields[row["task_id"]], forwarded)
 
-    async def _write_alone(self, row: dict[str, Any]) -> bool:
-        """Write one row, without its result if it must; False unless it went in whole."""
+    async def _write_alone(self, row: dict[str, Any], too_large: str | None = None) -> bool:
+        """Write one row, without its result if it must (at once when it is `too_large` to
+        send: why); False unless it went in whole."""
         extra = {"task_id": row["task_id"], "endpoint": row["endpoint"]}
-        first = await self._refusal(row)
-        if first is None:
-            return True
+        why = too_large
+        if why is None:
+            first = await self._refusal(row)
+            if first is None:
+                return True
+            why = str(first.orig)
         log.error("the database refused a finished task (%s); its row is kept without the "
-                  "result, the result in Redis (outbox:refused)", first.orig, extra=extra)
-        reason = f"[result not stored: {first.orig}]"[:1000]
+                  "result, the result in Redis (outbox:refused)", why, extra=extra)
+        reason = f"[result not stored: {why}]"[:1000]
         # Its meta goes too (the reason is text, not the base64 it described), but for an
         # answer in the result store: the meta is its object's only reference.
         meta = ResultMeta.loads(row.get("result_meta"))

@@ -51,7 +51,7 @@ async def fair_ahead(redis: Redis, keys: Keys, endpoint: str, priority: int,
         pipe.hget(keys.turns(endpoint, priority), str(user_id))
         head, tail, last = await pipe.execute()
     turn = 0.0
-    if head:
+    if head and tail:  # both, or the band emptied between the two reads
         current = ((int(head[0][1]) - band) // TURN_STEP) / scale
         tail_unit = (int(tail[0][1]) - band) // TURN_STEP
         last_turn = float(last) if last is not None else -1 / w

@@ -29,8 +29,6 @@ def _known(rt: Runtime, endpoint_id: str) -> None:
         raise ApiError(404, "endpoint_not_found", f"no endpoint {endpoint_id!r}")
 
 
-
-
 def _iso_only(value: object) -> object:
     """A number is no time here: pydantic would read "0.5" as seconds since 1970, which the
     OpenAPI document (a date-time string) does not allow."""
