@@ -107,6 +107,11 @@ def header_lines(lines: list[str]) -> dict[str, str]:
     return out
 
 
+#: The longest value the server seals (app/secrets.py MAX_VALUE_BYTES; not imported: the CLI
+#: stays light).
+MAX_VALUE_BYTES = 4096
+
+
 def _value(name: str, value: str) -> str:
     """The value itself, or read from where `@env:VAR` / `@file:PATH` says (an error names
     the variable or the file, never what they hold)."""
@@ -120,11 +125,17 @@ def _value(name: str, value: str) -> str:
         path = value[len("@file:"):]
         try:
             with open(path, encoding="utf-8") as f:
-                return f.read().rstrip("\r\n")
+                # No more than a value may hold (the server refuses a longer one): a device
+                # such as /dev/zero is read to that and refused, not to the memory's end.
+                text = f.read(MAX_VALUE_BYTES + 3).rstrip("\r\n")
         except (OSError, UnicodeDecodeError) as exc:
             reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
             raise Refused(f"--upstream-header {name}: cannot read {path}: {reason}",
                           exit_code=2) from None
+        if len(text.encode()) > MAX_VALUE_BYTES:
+            raise Refused(f"--upstream-header {name}: {path} holds more than a value may "
+                          f"({MAX_VALUE_BYTES} bytes)", exit_code=2)
+        return text
     return value
 
 

@@ -44,8 +44,8 @@ def url_key(url: str) -> tuple[str, str, int, str] | None:
     except ValueError:
         return None
     scheme = parts.scheme.lower()
-    if scheme not in ("http", "https") or not parts.hostname:
-        return None
+    if scheme not in ("http", "https") or not parts.hostname or port == 0:
+        return None  # port 0 is nowhere to call (taken as the default, every call failed)
     port = port or (443 if scheme == "https" else 80)
     return scheme, parts.hostname.lower(), port, parts.path or "/"
 

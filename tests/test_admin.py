@@ -47,6 +47,7 @@ async def test_bad_endpoint_configs(gateway: Gateway) -> None:
     for body in (
         {"id": "Bad Id", "target_url": "http://a/b"},
         {"id": "x", "target_url": "ftp://a/b"},
+        {"id": "x", "target_url": "http://a:0/b"},  # nowhere to call
         {"id": "x", "target_url": "http://a/b?q=1"},
         {"id": "x", "target_url": "http://a/b", "limiter": "leaky"},
         {"id": "x", "target_url": "http://a/b", "unknown": 1},

@@ -375,7 +375,8 @@ async def test_cli_takes_a_value_from_the_environment_or_a_file_not_the_command_
     assert ring.open("llm", "Authorization", stored["Authorization"]) == f"Bearer {SECRET}"
     assert ring.open("llm", "X-Org", stored["X-Org"]) == f"{SECRET}-from-file"
     for value, says in (("@env:NOT_SET_ANYWHERE", "NOT_SET_ANYWHERE"),
-                        (f"@file:{tmp_path / 'missing'}", "missing")):
+                        (f"@file:{tmp_path / 'missing'}", "missing"),
+                        ("@file:/dev/zero", "more than a value may")):  # read to 4 KiB, no more
         bad = await aqgw(env, "endpoints", "update", "llm", "--upstream-header", f"X-Org: {value}")
         assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and says in bad.stderr
 
