@@ -43,6 +43,7 @@ from app.queue.http1 import Answer, BadAnswer, Target
 from app.queue.ids import new_task_id
 from app.queue.signals import pause_s, remaining
 from app.queue.tasks import Followup
+from app.queue.upstream import CREDENTIALS_LOST
 from app.ratelimit.sent import sliding_logs
 from app.runtime import Runtime
 from app.store import ApiKey
@@ -50,7 +51,6 @@ from app.store import ApiKey
 log = logging.getLogger(__name__)
 CALLER_LOST = "caller connection lost"
 CALLER_STALLED = "the caller stopped reading its answer"
-CREDENTIALS_LOST = "upstream credentials unavailable"  # as a queued task says it
 
 
 class CallerGone(Exception):

@@ -15,10 +15,12 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from app.queue.streams import DECODERS
+
 BASE64 = "base64"
 EXTERNAL = "external"
-#: Content-Encodings the upstream client undoes (app/queue/streams.py DECODERS), and none.
-UNDONE = frozenset({"", "identity", "gzip", "x-gzip", "deflate"})
+#: Content-Encodings the upstream client undoes, and none.
+UNDONE = frozenset({"", "identity", *DECODERS})
 _TEXT_SUBTYPES = ("json", "xml", "javascript", "x-www-form-urlencoded", "yaml", "csv",
                   "graphql", "x-ndjson")
 

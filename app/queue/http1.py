@@ -23,7 +23,7 @@ from typing import cast
 import httptools
 from yarl import URL
 
-from app.queue.streams import BodyStream
+from app.queue.streams import DECODERS, BodyStream
 
 MAX_HEAD_BYTES = 64 * 1024  # an answer's headers; more is not an answer we take
 MAX_INTERIM = 16  # interim (1xx) answers before the real one: an endless stream of them is none
@@ -33,7 +33,6 @@ MAX_IDLE = 64  # kept connections per host: what a burst leaves beyond that is c
 RELAY_HIGH_WATER = 256 << 10  # a relayed answer's bytes held while its caller is slow
 IDEMPOTENT = frozenset({"GET", "HEAD", "OPTIONS", "PUT", "DELETE"})
 _BODYLESS = frozenset({"GET", "HEAD", "DELETE", "OPTIONS"})  # no Content-Length: 0 when empty
-_DECODERS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
 # How a call asks for its answer: whole, or (larger than `spill` bytes) as a stream.
 
 
@@ -475,7 +474,7 @@ def _int(value: str | None) -> int:
 
 def _decoded(raw: bytes | None, encoding: str | None, max_bytes: int) -> bytes | None:
     """The body with its Content-Encoding undone (gzip, deflate), None past `max_bytes`."""
-    wbits = _DECODERS.get((encoding or "").strip().lower())
+    wbits = DECODERS.get((encoding or "").strip().lower())
     if raw is None or wbits is None or not raw:
         return raw
     inflate = zlib.decompressobj(wbits)

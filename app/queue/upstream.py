@@ -18,6 +18,9 @@ from app.queue.objects import ObjectStore, StoreUnavailable
 from app.queue.signals import pause_s, remaining, retry_after
 
 log = logging.getLogger(__name__)
+#: What a task's owner (or a proxied caller) reads when the endpoint's credentials cannot be
+#: opened here: no endpoint, header name or key id (the operator reads those in the log).
+CREDENTIALS_LOST = "upstream credentials unavailable"
 
 
 def forwardable(headers: dict[str, list[str]], allowed: frozenset[str]) -> list[tuple[str, str]]:
@@ -94,7 +97,7 @@ async def call(
         # The caller reads the result: it learns no endpoint, header name or key id. The
         # operator reads them here.
         log.error("cannot open credentials: %s", exc, extra={"task_id": task_id})
-        return Outcome(None, "upstream credentials unavailable", measured=False)
+        return Outcome(None, CREDENTIALS_LOST, measured=False)
     headers.append(("Idempotency-Key", task_id))
     # Stored query parameters come on top of those in the URL.
     params = [(name, value) for name, values in json.loads(req.query or "{}").items()
